@@ -1,0 +1,87 @@
+"""One generation request as the scheduler sees it: token ids, progress, blocks.
+
+The request owns its block table and its count of computed tokens; the block
+manager and the policies only do bookkeeping over those integers.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, its KV to be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    tenant: str = "default"
+    weight: float = 1.0
+    """The tenant's share under the fair policy (from the API-key file)."""
+    priority: int = 0
+    """Lower runs first under the priority policy."""
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens of all_token_ids whose K/V are in the cache."""
+    num_cached_tokens: int = -1
+    """Prompt tokens served by the prefix cache at first admission (-1: not yet admitted)."""
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    """Hash of each full block of all_token_ids, computed as blocks fill."""
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request, if any."""
+
+    # Timestamps (time.monotonic seconds) for the latency metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

@@ -1,0 +1,68 @@
+"""How to pick each next token and when to stop: the per-request knobs.
+
+Plain data with validation. The scheduler reads the stop conditions that are
+about token ids and lengths; the runtime reads the sampling knobs and the stop
+strings (which need the detokenizer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    """Most tokens to generate (>= 1)."""
+    temperature: float = 1.0
+    """0 means greedy; otherwise logits are divided by it."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p, in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 or 0 keeps all."""
+    seed: int | None = None
+    """Makes sampling of this request reproducible, whatever else is in the batch."""
+    stop: list[str] = field(default_factory=list)
+    """Stop when the text contains one of these; the stop string is not returned."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Stop when one of these token ids is generated (it is kept in token_ids)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's end-of-turn token (benchmarks)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
