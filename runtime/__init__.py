@@ -1,1 +1,7 @@
-"""runtime"""
+"""Prescient's model runtime: a Llama-family model on a paged KV cache with continuous batching."""
+from runtime.async_engine import AsyncEngine, QueueFullError
+from runtime.engine import Engine
+from runtime.outputs import RequestOutput
+from scheduler import SamplingParams
+
+__all__ = ["AsyncEngine", "Engine", "QueueFullError", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,147 @@
+"""The engine on its own thread, fed and read from an asyncio event loop.
+
+The event loop never runs the model: requests and aborts are queued to the
+engine thread, which steps the engine and hands each output back to the
+loop with call_soon_threadsafe. A consumer that stops iterating (client gone,
+task cancelled) aborts its request at once, which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from runtime.engine import Engine
+from runtime.outputs import RequestOutput
+from scheduler import SamplingParams
+
+log = logging.getLogger("prescient.engine")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than the server admits; retry later."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting: int | None = None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._adds: list[tuple] = []
+        self._aborts: list[str] = []
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats: dict = engine.stats()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="prescient-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (waiting, running, or about to be handed over)."""
+        with self._lock:
+            return len(self._sinks)
+
+    def stats(self) -> dict:
+        """The engine's stats as of its last step (safe to call from any thread)."""
+        with self._lock:
+            return dict(self._stats)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       *, tenant: str = "default", weight: float = 1.0,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield snapshots of the request's output as tokens arrive; the last one has finished=True."""
+        if self.error is not None:
+            raise RuntimeError(f"engine stopped after an internal error: {self.error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        arrival = time.monotonic()
+        # Validate on the caller's side so bad input fails before anything is queued.
+        ids = self.engine.check_request(prompt, params)
+        with self._lock:
+            waiting = self._stats.get("num_waiting", 0) + len(self._adds)
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
+            if request_id in self._sinks:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            self._sinks[request_id] = (loop, queue)
+            self._adds.append((request_id, ids, params, tenant, weight, priority, arrival))
+            self._wake.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._sinks.pop(request_id, None) is not None:
+                self._aborts.append(request_id)
+                self._wake.notify()
+
+    async def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stopping or self._adds or self._aborts or engine.has_unfinished_requests()):
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                for request_id in aborts:
+                    engine.abort_request(request_id)
+                for request_id, ids, params, tenant, weight, priority, arrival in adds:
+                    try:
+                        engine.add_request(request_id, ids, params, tenant=tenant, weight=weight,
+                                           priority=priority, arrival_time=arrival)
+                    except ValueError as exc:
+                        self._deliver(request_id, exc, final=True)
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                stats = engine.stats()
+                with self._lock:
+                    self._stats = stats
+                for out in outputs:
+                    self._deliver(out.request_id, out, final=out.finished)
+        except BaseException as exc:  # keep serving errors visible instead of hanging clients
+            log.exception("engine thread failed")
+            self.error = exc
+            with self._lock:
+                sinks, self._sinks = self._sinks, {}
+            for loop, queue in sinks.values():
+                loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
+
+    def _deliver(self, request_id: str, item, final: bool) -> None:
+        with self._lock:
+            sink = self._sinks.pop(request_id, None) if final else self._sinks.get(request_id)
+        if sink is not None:
+            loop, queue = sink
+            loop.call_soon_threadsafe(queue.put_nowait, item)

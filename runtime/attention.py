@@ -1,0 +1,95 @@
+"""Paged attention over the KV pool, in plain PyTorch.
+
+A step's tokens are flattened into one batch: first one token for each
+decoding sequence, then the prefill chunks. Decode attention is batched as a
+grouped matmul over the gathered blocks (much faster on CPU than
+scaled_dot_product_attention for one query token); prefill chunks run one
+sequence at a time through scaled_dot_product_attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int          # first row of this chunk in the flattened batch
+    end: int            # one past its last row
+    context_len: int    # tokens in the cache after this chunk (cached prefix + chunk)
+    block_table: torch.Tensor  # [blocks covering context_len]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] flat KV slot of every new token
+    num_decode: int = 0                 # rows [0, num_decode) are one-token decodes
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
+    decode_bias: torch.Tensor | None = None          # [B, 1, 1, max_blocks * block_size]: 0 or -inf
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, kv_heads, head_dim] into their slots."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, D]; k, v: [T, kv_heads, D] for the new tokens (already in the cache). Returns [T, heads, D]."""
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        b = meta.num_decode
+        out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale)
+    for chunk in meta.prefills:
+        qs = q[chunk.start:chunk.end]
+        n = chunk.end - chunk.start
+        if n == chunk.context_len:  # nothing before this chunk: use the new K/V directly
+            ks, vs = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
+        else:
+            ks = _gather(k_cache, chunk.block_table, chunk.context_len)
+            vs = _gather(v_cache, chunk.block_table, chunk.context_len)
+        out[chunk.start:chunk.end] = _prefill(qs, ks, vs, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    blocks = cache.index_select(0, block_table)  # [n_blocks, block_size, kv_heads, D]
+    return blocks.flatten(0, 1)[:length]
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of n queries (the last n positions) over ctx keys."""
+    n, ctx = q.shape[0], k.shape[0]
+    heads, kv_heads = q.shape[1], k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if heads != kv_heads:
+        kh = kh.repeat_interleave(heads // kv_heads, dim=0)
+        vh = vh.repeat_interleave(heads // kv_heads, dim=0)
+    if n == ctx:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        # query i sits at position ctx - n + i and sees keys 0 .. ctx - n + i
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence: q [B, heads, D] over each sequence's blocks."""
+    b, heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    # [B, max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
+    k = k_cache[block_tables].flatten(1, 2).permute(0, 2, 1, 3)
+    v = v_cache[block_tables].flatten(1, 2).permute(0, 2, 1, 3)
+    qg = q.view(b, kv_heads, group, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale + bias  # [B, kv_heads, group, L]
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, heads, d)

@@ -1,0 +1,222 @@
+"""The offline engine: a model, its KV pool and a scheduler, driven one step at a time.
+
+Each step the scheduler plans who runs and how many tokens each; the model
+runner turns that plan into tensors and samples; the scheduler then books the
+new tokens (stops, frees blocks, charges tenants). Stop strings are found here
+because they need the detokenizer.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.checkpoint import load_checkpoint
+from runtime.detokenizer import Detokenizer
+from runtime.kv_cache import KVCache, bytes_per_block
+from runtime.model import LlamaModel
+from runtime.model_runner import ModelRunner
+from runtime.outputs import RequestOutput
+from runtime.tokenizer import Tokenizer
+from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: Detokenizer
+    token_times: list[float]
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, kv: KVCache, scheduler: Scheduler,
+                 model_name: str):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.scheduler = scheduler
+        self.runner = ModelRunner(model, kv)
+        self.model_name = model_name
+        self.max_model_len = scheduler.config.max_model_len
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype | None = None,
+                        device: str | None = None, kv_cache_bytes: int | None = None,
+                        max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+                        policy: str = "vtc", block_size: int = 16, max_model_len: int | None = None,
+                        enable_prefix_caching: bool = True, num_threads: int | None = None) -> "Engine":
+        """model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
+        dtype: 'bfloat16' (default: fast) or 'float32' (exact). kv_cache_bytes: the KV pool's size."""
+        torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if torch_device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but no CUDA device is available")
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype: {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        dtype = dtype or torch.bfloat16
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+        ckpt = load_checkpoint(model)
+        config = ckpt.config
+        tokenizer = Tokenizer(ckpt.tokenizer)
+        net = LlamaModel(config, ckpt.weights, dtype, torch_device)
+        del ckpt
+        if kv_cache_bytes is None:
+            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
+        if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, got {kv_cache_bytes!r}")
+        num_blocks = kv_cache_bytes // bytes_per_block(config, block_size, dtype)
+        kv = KVCache(config, num_blocks, block_size, dtype, torch_device)
+        model_len = min(max_model_len or config.max_model_len, config.max_model_len)
+        budget = max_num_batched_tokens or 512
+        if not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"max_num_batched_tokens: must be a positive integer, got {budget!r}")
+        scheduler = Scheduler(SchedulerConfig(
+            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget, max_model_len=model_len, policy=policy,
+            enable_prefix_caching=enable_prefix_caching))
+        return cls(net, tokenizer, kv, scheduler, config.name)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue one request; raises ValueError naming the offending field."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._tracked:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids = self.check_request(prompt, params)
+        if not weight > 0:
+            raise ValueError(f"weight: must be positive, got {weight!r}")
+        request = Request(request_id, ids, params, eos_token_id=self.tokenizer.eos_token_id, tenant=tenant,
+                          weight=weight, priority=priority)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop), [])
+        self.runner.add_request(request)
+        self.scheduler.add_request(request)
+        return request
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ValueError if the request can never run. Safe from any thread."""
+        ids = self._prompt_ids(prompt)
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens does not fit this model's context of {limit} tokens "
+                             f"(and at least one token must be generated)")
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(f"max_tokens: this model's maximum context length is {limit} tokens, but "
+                             f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = "
+                             f"{len(ids) + params.max_tokens}; lower max_tokens to at most {limit - len(ids)}")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if len(ids) + params.max_tokens > capacity:
+            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"KV cache's capacity of {capacity} tokens; raise kv_cache_bytes or lower max_tokens")
+        return ids
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model.config.vocab_size
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt: token {i} is {t!r}, not a token id in [0, {vocab})")
+        else:
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        return ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        self.runner.remove_request(request_id)
+        tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
+        return self._output(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step loop --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every request that got a token or finished."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        sampled = self.runner.execute(plan)
+        now = time.monotonic()
+        finished = self.scheduler.update_from_output(plan, sampled)
+        done = {r.request_id for r in finished}
+        outputs = []
+        for request_id in sampled:
+            tracked = self._tracked[request_id]
+            tracked.token_times.append(now)
+            req = tracked.request
+            if tracked.detokenizer.update(req.output_token_ids, req.is_finished):
+                if not req.is_finished:
+                    self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
+                                                  tracked.detokenizer.stop_reason)
+                else:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tracked.detokenizer.stop_reason
+                done.add(request_id)
+            outputs.append(self._output(tracked))
+        for request_id in done:
+            self._tracked.pop(request_id, None)
+            self.runner.remove_request(request_id)
+        return outputs
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        req = tracked.request
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), text=tracked.detokenizer.text,
+            finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0), arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+            finished_time=req.finished_time, token_times=list(tracked.token_times),
+            num_preemptions=req.num_preemptions)
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (continuous batching); outputs in the order of the prompts."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        for i, prompt in enumerate(prompts):
+            p = params[i] if isinstance(params, list) else params
+            ids.append(self.add_request(f"generate-{next(self._ids)}", prompt, p).request_id)
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            if not self.has_unfinished_requests():
+                raise RuntimeError("engine: requests vanished without finishing")
+            for out in self.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()

@@ -1,0 +1,113 @@
+"""Read a llama-architecture GGUF file into a Checkpoint.
+
+GGUF (llama.cpp's format) stores Q and K projection rows permuted so that
+RoPE rotates interleaved pairs; they are un-permuted here to Hugging Face's
+half-split order, so one model implementation serves both sources. A wrong
+pairing still yields fluent text, which is why the tests compare logits.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from runtime.checkpoint import Checkpoint, TokenizerSource
+from runtime.model_config import ModelConfig
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def read_gguf(path: Path, name: str) -> Checkpoint:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # not a GGUF file, truncated, ...
+        raise ValueError(f"model: cannot read {str(path)!r} as GGUF: {exc}") from exc
+
+    def meta(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = meta("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"model: unsupported architecture {arch!r} in {str(path)!r}; supported: llama")
+    hidden = int(meta("llama.embedding_length"))
+    heads = int(meta("llama.attention.head_count"))
+    kv_heads = int(meta("llama.attention.head_count_kv", heads))
+    head_dim = int(meta("llama.rope.dimension_count", hidden // heads))
+    tensors = {t.name: t for t in reader.tensors}
+    config = ModelConfig(
+        name=name,
+        vocab_size=int(meta("llama.vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))),
+        hidden_size=hidden,
+        intermediate_size=int(meta("llama.feed_forward_length")),
+        num_layers=int(meta("llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=float(meta("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_model_len=int(meta("llama.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
+
+    def dequant(tensor) -> np.ndarray:
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists dims innermost first
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return np.array(array.reshape(shape), dtype=np.float32)  # a writable copy
+
+    weights: dict[str, np.ndarray] = {}
+    for tname, tensor in tensors.items():
+        parts = tname.split(".")
+        if tname == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif tname == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif tname == "output.weight":
+            hf = "lm_head.weight"
+        elif parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            continue  # e.g. rope_freqs: not used by Llama without rope scaling
+        array = dequant(tensor)
+        if parts[0] == "blk" and parts[2] == "attn_q":
+            array = _unpermute(array, heads)
+        elif parts[0] == "blk" and parts[2] == "attn_k":
+            array = _unpermute(array, kv_heads)
+        weights[hf] = array
+
+    tokens = [str(t) for t in meta("tokenizer.ggml.tokens")]
+    types = list(meta("tokenizer.ggml.token_type", []))
+    model_kind = meta("tokenizer.ggml.model")
+    if model_kind != "gpt2":
+        raise ValueError(f"model: GGUF tokenizer {model_kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    source = TokenizerSource(
+        tokens=tokens,
+        merges=[str(m) for m in meta("tokenizer.ggml.merges", [])],
+        special_ids=[i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)],
+        chat_template=meta("tokenizer.chat_template"),
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta("tokenizer.ggml.eos_token_id"),
+        add_bos_token=bool(meta("tokenizer.ggml.add_bos_token", False)),
+    )
+    return Checkpoint(config, weights, source)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-RoPE row order: rows (head, pair, 2) -> (head, 2, pair)."""
+    out_dim, in_dim = w.shape
+    return w.reshape(n_head, out_dim // n_head // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)

@@ -1,0 +1,38 @@
+"""The paged KV pool: one preallocated tensor of fixed-size blocks per layer.
+
+Which block belongs to which sequence is the scheduler's bookkeeping
+(scheduler.BlockManager); this file only owns the memory. A token's K and V
+live at flat slot `block_id * block_size + offset`.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.model_config import ModelConfig
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for every layer of block_size tokens."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.kv_size * element
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        if num_blocks < 1:
+            raise ValueError("kv_cache_bytes: too small to hold even one KV block "
+                             f"({bytes_per_block(config, block_size, dtype)} bytes)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # [layer, k/v, block, offset in block, kv head, head dim]
+        self.pool = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
+                                config.head_dim, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+        return self.pool[index, 0], self.pool[index, 1]

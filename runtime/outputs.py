@@ -1,0 +1,27 @@
+"""What the engine hands back for each request: a snapshot after every step that produced tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """All tokens generated so far (a stop token id or eos is included)."""
+    text: str
+    """All generated text safe to show so far; a stop string and what follows it are removed."""
+    finished: bool = False
+    finish_reason: str | None = None
+    """'stop' (eos, stop token or stop string), 'length' (max_tokens or context) or 'abort'."""
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    """time.monotonic() when each generated token was produced; same length as token_ids."""
+    num_preemptions: int = 0

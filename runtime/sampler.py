@@ -1,0 +1,47 @@
+"""Pick the next token of each sequence from its logits and its SamplingParams.
+
+Greedy rows take the argmax. Other rows are scaled by temperature, cut to
+top-k and to top-p, and drawn from the rest; a request with a seed draws from
+its own generator, so its tokens do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from scheduler import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """logits: float32 [N, vocab]; returns N token ids."""
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        sub = logits[rows]
+        temperature = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype,
+                                   device=sub.device).unsqueeze(1)
+        sub = _top_k_top_p(sub / temperature, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
+        probs = torch.softmax(sub, dim=-1)
+        for j, i in enumerate(rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return tokens.tolist()
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    need_k = any(0 < k < vocab for k in top_k)
+    need_p = any(p < 1.0 for p in top_p)
+    if not (need_k or need_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if need_k:
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+    if need_p:
+        p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the most likely always stays)
+        before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(before >= p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
