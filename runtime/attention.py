@@ -4,7 +4,8 @@ A step's tokens are flattened into one batch: first one token for each
 decoding sequence, then the prefill chunks. Decode attention is batched as a
 grouped matmul over the gathered blocks (much faster on CPU than
 scaled_dot_product_attention for one query token); prefill chunks run one
-sequence at a time through scaled_dot_product_attention.
+sequence at a time through scaled_dot_product_attention. In float32 on CPU a
+small C kernel (native_attention) does the decode part in place.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from runtime import native_attention
 
 
 @dataclass
@@ -27,6 +30,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor          # [T] flat KV slot of every new token
     num_decode: int = 0                 # rows [0, num_decode) are one-token decodes
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor | None = None  # [B] int64: cached tokens each decode attends to
     decode_bias: torch.Tensor | None = None          # [B, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -45,7 +49,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     if meta.num_decode:
         b = meta.num_decode
-        out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale)
+        if native_attention.usable(q, k_cache):
+            out[:b] = native_attention.decode_attention(q[:b], k_cache, v_cache, meta.decode_block_tables,
+                                                        meta.decode_context_lens, scale)
+        else:
+            out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale)
     for chunk in meta.prefills:
         qs = q[chunk.start:chunk.end]
         n = chunk.end - chunk.start

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.attention import AttentionMetadata, PrefillChunk
 from runtime.checkpoint import load_checkpoint
 from runtime.detokenizer import Detokenizer
+from runtime.device import resolve_device, resolve_dtype
 from runtime.kv_cache import KVCache, bytes_per_block
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
@@ -22,8 +24,6 @@ from runtime.outputs import RequestOutput
 from runtime.tokenizer import Tokenizer
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
@@ -35,15 +35,21 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, kv: KVCache, scheduler: Scheduler,
-                 model_name: str):
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, *, num_blocks: int, block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, policy: str = "vtc",
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 model_name: str | None = None):
+        """An engine over an already loaded model; from_pretrained is the usual way in."""
         self.model = model
         self.tokenizer = tokenizer
-        self.kv = kv
-        self.scheduler = scheduler
-        self.runner = ModelRunner(model, kv)
-        self.model_name = model_name
-        self.max_model_len = scheduler.config.max_model_len
+        self.kv = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+        self.max_model_len = min(max_model_len or model.config.max_model_len, model.config.max_model_len)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len, policy=policy,
+            enable_prefix_caching=enable_prefix_caching))
+        self.runner = ModelRunner(model, self.kv)
+        self.model_name = model_name or model.config.name
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
@@ -54,41 +60,31 @@ class Engine:
                         policy: str = "vtc", block_size: int = 16, max_model_len: int | None = None,
                         enable_prefix_caching: bool = True, num_threads: int | None = None) -> "Engine":
         """model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
-        dtype: 'bfloat16' (default: fast) or 'float32' (exact). kv_cache_bytes: the KV pool's size."""
-        torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if torch_device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: 'cuda' requested but no CUDA device is available")
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype: {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
-            dtype = DTYPES[dtype]
-        dtype = dtype or torch.bfloat16
+        dtype: 'auto' (bfloat16 where the hardware computes in it, else float32), 'bfloat16' or 'float32'.
+        kv_cache_bytes: the KV pool's size in bytes (default 1 GiB)."""
+        torch_device = resolve_device(device)
+        dtype = resolve_dtype(dtype, torch_device)
         if num_threads:
             torch.set_num_threads(num_threads)
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if kv_cache_bytes is None:
+            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
+        if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, got {kv_cache_bytes!r}")
+        budget = max_num_batched_tokens or 512
+        if not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"max_num_batched_tokens: must be a positive integer, got {budget!r}")
 
         ckpt = load_checkpoint(model)
         config = ckpt.config
         tokenizer = Tokenizer(ckpt.tokenizer)
         net = LlamaModel(config, ckpt.weights, dtype, torch_device)
         del ckpt
-        if kv_cache_bytes is None:
-            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
-        if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, got {kv_cache_bytes!r}")
-        num_blocks = kv_cache_bytes // bytes_per_block(config, block_size, dtype)
-        kv = KVCache(config, num_blocks, block_size, dtype, torch_device)
-        model_len = min(max_model_len or config.max_model_len, config.max_model_len)
-        budget = max_num_batched_tokens or 512
-        if not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"max_num_batched_tokens: must be a positive integer, got {budget!r}")
-        scheduler = Scheduler(SchedulerConfig(
-            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget, max_model_len=model_len, policy=policy,
-            enable_prefix_caching=enable_prefix_caching))
-        return cls(net, tokenizer, kv, scheduler, config.name)
+        return cls(net, tokenizer, num_blocks=kv_cache_bytes // bytes_per_block(config, block_size, dtype),
+                   block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                   policy=policy, max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -217,6 +213,22 @@ class Engine:
                 if out.finished:
                     results[out.request_id] = out
         return [results[i] for i in ids]
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
+        """float32 logits [len(prompt), vocab] of every prompt position, computed in a scratch KV
+        pool outside the scheduler (for scoring and for checking against other implementations)."""
+        ids = self._prompt_ids(prompt)
+        bs = self.kv.block_size
+        num_blocks = (len(ids) + bs - 1) // bs
+        scratch = KVCache(self.model.config, num_blocks, bs, self.model.dtype, self.model.device)
+        device = self.model.device
+        meta = AttentionMetadata(slot_mapping=torch.arange(len(ids), device=device),
+                                 prefills=[PrefillChunk(0, len(ids), len(ids),
+                                                        torch.arange(num_blocks, device=device))])
+        hidden = self.model.forward(torch.tensor(ids, device=device), torch.arange(len(ids), device=device),
+                                    meta, scratch)
+        return self.model.logits(hidden)
 
     def stats(self) -> dict:
         return self.scheduler.stats()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime import native_attention
 from runtime.attention import AttentionMetadata, PrefillChunk
 from runtime.kv_cache import KVCache
 from runtime.model import LlamaModel
@@ -22,6 +23,8 @@ class ModelRunner:
         self.device = model.device
         self.block_size = kv.block_size
         self.generators: dict[str, torch.Generator] = {}
+        self.native_decode = native_attention.usable(torch.empty(1, model.config.num_heads, 1, dtype=model.dtype,
+                                                                 device=self.device), kv.layer(0)[0])
 
     def add_request(self, request: Request) -> None:
         seed = request.sampling_params.seed
@@ -71,11 +74,13 @@ class ModelRunner:
             lengths = [req.num_computed_tokens + 1 for req, _ in decodes]
             width = (max(lengths) + bs - 1) // bs
             tables = [req.block_table[:width] + [0] * (width - len(req.block_table[:width])) for req, _ in decodes]
-            meta.decode_block_tables = torch.tensor(tables, device=self.device)
-            span = torch.arange(width * bs, device=self.device).unsqueeze(0)
-            visible = span < torch.tensor(lengths, device=self.device).unsqueeze(1)
-            meta.decode_bias = torch.zeros(visible.shape, dtype=torch.float32, device=self.device) \
-                .masked_fill_(~visible, float("-inf")).view(len(decodes), 1, 1, -1)
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=self.device)
+            meta.decode_context_lens = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+            if not self.native_decode:
+                span = torch.arange(width * bs, device=self.device).unsqueeze(0)
+                visible = span < meta.decode_context_lens.unsqueeze(1)
+                meta.decode_bias = torch.zeros(visible.shape, dtype=torch.float32, device=self.device) \
+                    .masked_fill_(~visible, float("-inf")).view(len(decodes), 1, 1, -1)
 
         hidden = self.model.forward(torch.tensor(ids, device=self.device),
                                     torch.tensor(positions, device=self.device), meta, self.kv)

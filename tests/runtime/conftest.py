@@ -1,0 +1,41 @@
+"""Shared, expensive fixtures: the engine in float32 and transformers' reference model, loaded once."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from runtime import Engine
+from runtime.checkpoint import default_model_path
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a hash table is.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue? Answer briefly.",
+]
+
+
+@pytest.fixture(scope="session")
+def engine_fp32() -> Engine:
+    return Engine.from_pretrained(dtype="float32", device="cpu", kv_cache_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """transformers loading the same GGUF file: an implementation independent of ours."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    kwargs = dict(gguf_file=os.path.basename(path))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **kwargs)
+    model.eval()
+    return tokenizer, model
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True)

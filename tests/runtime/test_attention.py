@@ -1,0 +1,76 @@
+"""Paged attention (the C decode kernel, the PyTorch decode path, chunked prefill) against dense attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import native_attention
+from runtime.attention import AttentionMetadata, PrefillChunk, paged_attention, write_kv
+
+HEADS, KV_HEADS, D, BS, NUM_BLOCKS = 9, 3, 64, 16, 64
+
+
+def dense(q, k, v, scale):
+    """Causal attention of the last len(q) positions over k, v ([ctx, kv_heads, D]), the plain way."""
+    n, ctx = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("nhd,chd->hnc", q, k) * scale
+    pos = torch.arange(ctx - n, ctx).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(ctx).unsqueeze(0) > pos, float("-inf"))
+    return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)
+
+
+def build(lengths, new_tokens, seed=0):
+    """Sequences with random block tables; the last new_tokens[i] of each are this step's queries."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.zeros(NUM_BLOCKS, BS, KV_HEADS, D)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    seqs = []
+    for length in lengths:
+        table = [free.pop() for _ in range((length + BS - 1) // BS)]
+        k = torch.randn(length, KV_HEADS, D, generator=g)
+        v = torch.randn(length, KV_HEADS, D, generator=g)
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(length)])
+        write_kv(k_cache, v_cache, k, v, slots)
+        seqs.append((table, k, v))
+    qs = [torch.randn(n, HEADS, D, generator=g) for n in new_tokens]
+    return k_cache, v_cache, seqs, qs
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_decode_matches_dense(native, monkeypatch):
+    if native:
+        assert native_attention.load() is not None, "the C kernel must build on this machine (gcc is required)"
+    else:
+        monkeypatch.setattr(native_attention, "usable", lambda *a: False)
+    lengths = [1, 5, 16, 17, 40, 100]
+    k_cache, v_cache, seqs, qs = build(lengths, [1] * len(lengths))
+    width = max(len(t) for t, _, _ in seqs)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t, _, _ in seqs])
+    lens = torch.tensor(lengths)
+    bias = torch.zeros(len(lengths), width * BS).masked_fill(torch.arange(width * BS) >= lens.unsqueeze(1),
+                                                           float("-inf")).view(len(lengths), 1, 1, -1)
+    q = torch.cat(qs)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode=len(lengths),
+                             decode_block_tables=tables, decode_context_lens=lens, decode_bias=bias)
+    out = paged_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache, v_cache, meta, D ** -0.5)
+    for i, (table, k, v) in enumerate(seqs):
+        torch.testing.assert_close(out[i:i + 1], dense(qs[i], k, v, D ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_chunks_after_cached_prefix_match_dense():
+    lengths, new = [30, 50, 7], [30, 12, 3]  # a whole prompt, and chunks after 38 and 4 cached tokens
+    k_cache, v_cache, seqs, qs = build(lengths, new, seed=1)
+    chunks, row = [], 0
+    for (table, _, _), n, length in zip(seqs, new, lengths):
+        chunks.append(PrefillChunk(row, row + n, length, torch.tensor(table)))
+        row += n
+    q = torch.cat(qs)
+    k_new = torch.cat([k[-n:] for (_, k, _), n in zip(seqs, new)])
+    v_new = torch.cat([v[-n:] for (_, _, v), n in zip(seqs, new)])
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), prefills=chunks)
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, D ** -0.5)
+    for (table, k, v), chunk, qi in zip(seqs, chunks, qs):
+        torch.testing.assert_close(out[chunk.start:chunk.end], dense(qi, k, v, D ** -0.5), atol=1e-5, rtol=1e-5)

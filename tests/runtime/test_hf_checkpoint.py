@@ -1,0 +1,38 @@
+"""A Hugging Face Llama directory (config.json, safetensors, tokenizer.json) loads and matches transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import Engine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, reference):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ref_tok, _ = reference
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=ref_tok.vocab_size, hidden_size=64, intermediate_size=160,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
+                         eos_token_id=2, bos_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    ref_tok.save_pretrained(path)
+    return path, model
+
+
+def test_hf_directory_logits_and_tokens_match_transformers(hf_dir):
+    path, ref_model = hf_dir
+    engine = Engine.from_pretrained(str(path), dtype="float32", device="cpu", kv_cache_bytes=8 << 20)
+    assert engine.max_model_len == 512
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=True)
+    with torch.no_grad():
+        theirs = ref_model(torch.tensor([prompt])).logits[0]
+        ref = ref_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=2)
+    assert (engine.prompt_logits(prompt) - theirs).abs().max().item() < 1e-4
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == ref[0, len(prompt):].tolist()

@@ -1,0 +1,92 @@
+"""Sampling knobs and stop conditions, checked against their definitions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import SamplingParams
+from runtime.sampler import sample
+from tests.runtime.conftest import chat_ids
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine_fp32):
+    prompt = chat_ids(engine_fp32.tokenizer, "Tell me a short story about a robot.")
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = engine_fp32.generate([prompt], params)[0].token_ids
+    others = [chat_ids(engine_fp32.tokenizer, f"Count to {n}.") for n in range(3)]
+    mixed = engine_fp32.generate(others + [prompt], [SamplingParams(max_tokens=20, temperature=1.0)] * 3 + [params])
+    assert mixed[-1].token_ids == alone
+    other_seed = engine_fp32.generate([prompt], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95,
+                                                               seed=99, ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy():
+    logits = torch.randn(4, 1000)
+    greedy = logits.argmax(-1).tolist()
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    assert sample(logits, [SamplingParams(temperature=1.0, top_k=1)] * 4, gens) == greedy
+    assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 4, gens) == greedy
+
+
+def test_top_k_draws_only_from_the_k_most_likely():
+    logits = torch.randn(1, 500)
+    allowed = set(logits[0].topk(5).indices.tolist())
+    gen = torch.Generator().manual_seed(0)
+    seen = {sample(logits, [SamplingParams(temperature=2.0, top_k=5)], [gen])[0] for _ in range(300)}
+    assert seen <= allowed and len(seen) > 1
+
+
+def test_top_p_draws_only_from_the_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    gen = torch.Generator().manual_seed(0)
+    seen = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.8)], [gen])[0] for _ in range(400)}
+    assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.8: the rest is cut
+
+
+def test_temperature_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    gen = torch.Generator().manual_seed(7)
+    draws = [sample(probs.log().unsqueeze(0), [SamplingParams(temperature=1.0)], [gen])[0] for _ in range(3000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_stop_string_is_removed_and_reported(engine_fp32):
+    prompt = chat_ids(engine_fp32.tokenizer, "Count from 1 to 20, separated by commas.")
+    free = engine_fp32.generate([prompt], SamplingParams(max_tokens=60, temperature=0))[0]
+    assert "7" in free.text, free.text
+    stop_at = free.text[free.text.index("7"):free.text.index("7") + 2]
+    out = engine_fp32.generate([prompt], SamplingParams(max_tokens=60, temperature=0, stop=[stop_at]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert out.text == free.text[:free.text.index(stop_at)]
+
+
+def test_stop_token_ids_and_max_tokens(engine_fp32):
+    prompt = chat_ids(engine_fp32.tokenizer, "Write a long poem about autumn.")
+    free = engine_fp32.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert len(free.token_ids) == 16 and free.finish_reason == "length"
+    target = free.token_ids[5]
+    out = engine_fp32.generate([prompt], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[target]))[0]
+    cut = free.token_ids.index(target)
+    assert out.token_ids == free.token_ids[:cut + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+
+
+def test_ignore_eos_runs_past_end_of_turn(engine_fp32):
+    prompt = chat_ids(engine_fp32.tokenizer, "Say just the word 'yes'.")
+    stopped = engine_fp32.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == engine_fp32.tokenizer.eos_token_id
+    longer = engine_fp32.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    assert len(longer.token_ids) == 40 and longer.token_ids[:len(stopped.token_ids)] == stopped.token_ids
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-3), "top_k"),
+    (dict(max_tokens="8"), "max_tokens"), (dict(stop=[""]), "stop"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

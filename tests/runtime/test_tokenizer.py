@@ -1,0 +1,45 @@
+"""Our tokenizer (built from the GGUF vocabulary) against transformers' on the same file."""
+from __future__ import annotations
+
+import pytest
+
+TEXTS = [
+    "Hello, world!",
+    "  two leading spaces, trailing   ",
+    "Numbers 1234567 and 3.14159; dates 2026-11-22.",
+    "Unicode: café, naïve, 中文, русский, emoji 😀👍🏽",
+    "def f(x):\n\treturn x ** 2  # tabs and newlines\n\n\n",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "don't can't it's we're I'll",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(engine_fp32, reference, text):
+    ours = engine_fp32.tokenizer
+    ref_tok, _ = reference
+    ids = ours.encode(text)
+    assert ids == ref_tok.encode(text, add_special_tokens=True)
+    assert ours.decode(ids) == ref_tok.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == ref_tok.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(engine_fp32, reference, messages, add_generation_prompt):
+    ref_tok, _ = reference
+    ours = engine_fp32.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    theirs = ref_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+
+
+def test_bad_messages_name_the_field(engine_fp32):
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content"):
+        engine_fp32.tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": 3}])
+    with pytest.raises(ValueError, match="non-empty"):
+        engine_fp32.tokenizer.apply_chat_template([])
