@@ -1,1 +1,13 @@
-"""scheduler"""
+"""Pure scheduling logic over integers: requests, KV blocks, admission policies. No tensors, no I/O."""
+from scheduler.block_manager import BlockManager
+from scheduler.config import POLICIES, SchedulerConfig
+from scheduler.fcfs import FCFSPolicy
+from scheduler.policy import Policy
+from scheduler.priority import PriorityPolicy
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.vtc import VTCPolicy
+
+__all__ = ["BlockManager", "FCFSPolicy", "POLICIES", "Policy", "PriorityPolicy", "Request", "RequestStatus",
+           "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "VTCPolicy"]

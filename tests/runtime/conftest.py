@@ -39,3 +39,16 @@ def reference():
 
 def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], max_new_tokens: int, stop_id: int | None = None) -> list[int]:
+    """Greedy decoding with transformers' forward and its own KV cache (no generate() logits processors)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens: list[int] = []
+    while True:
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        if len(tokens) == max_new_tokens or token == stop_id:
+            return tokens
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from runtime import Engine, SamplingParams
+from tests.runtime.conftest import reference_greedy
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,6 @@ def test_hf_directory_logits_and_tokens_match_transformers(hf_dir):
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=True)
     with torch.no_grad():
         theirs = ref_model(torch.tensor([prompt])).logits[0]
-        ref = ref_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=2)
     assert (engine.prompt_logits(prompt) - theirs).abs().max().item() < 1e-4
     out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    assert out.token_ids == ref[0, len(prompt):].tolist()
+    assert out.token_ids == reference_greedy(ref_model, prompt, 12)

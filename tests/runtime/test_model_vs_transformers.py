@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 
 from runtime import SamplingParams
-from tests.runtime.conftest import CHATS, chat_ids
+from tests.runtime.conftest import CHATS, chat_ids, reference_greedy
 
 
 def test_prefill_logits_match_transformers(engine_fp32, reference):
     ref_tok, ref_model = reference
     ids = chat_ids(engine_fp32.tokenizer, CHATS[0] + " And of Italy?")
     assert ids == ref_tok.apply_chat_template([{"role": "user", "content": CHATS[0] + " And of Italy?"}],
-                                              tokenize=True, add_generation_prompt=True)
+                                              tokenize=True, add_generation_prompt=True, return_dict=False)
     ours = engine_fp32.prompt_logits(ids)
     with torch.no_grad():
         theirs = ref_model(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0]
@@ -25,11 +25,7 @@ def test_greedy_tokens_match_transformers(engine_fp32, reference):
     prompts = [chat_ids(engine_fp32.tokenizer, c) for c in CHATS]
     outs = engine_fp32.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = ref_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                     max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                     pad_token_id=ref_tok.eos_token_id)
-        expected = ref[0, len(prompt):].tolist()
+        expected = reference_greedy(ref_model, prompt, 32)
         assert out.token_ids == expected, engine_fp32.tokenizer.decode(prompt)
         assert out.finish_reason == "length"
 
