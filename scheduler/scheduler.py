@@ -51,6 +51,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0     # of those, tokens found there
+        self.num_computed_tokens = 0   # tokens run through the model (prefill chunks and decodes)
+        self.num_generated_tokens = 0  # tokens sampled
         self._service: dict[str, int] = {}   # tenant -> tokens served (prompt admitted + generated)
 
     # ---- requests in and out --------------------------------------------------------------------
@@ -169,6 +171,8 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Book the step: computed tokens, new full blocks, sampled tokens, stops. Returns finished requests."""
+        self.num_computed_tokens += output.num_batched_tokens
+        self.num_generated_tokens += len(sampled)
         for request, n in output.scheduled:
             if request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens += n
@@ -219,5 +223,6 @@ class Scheduler:
             "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks, "kv_usage": bm.usage,
             "live_token_slots": live, "allocated_token_slots": allocated,
             "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
-            "num_preemptions": self.num_preemptions, "policy": self.policy.name, "tenants": tenants,
+            "num_preemptions": self.num_preemptions, "computed_tokens": self.num_computed_tokens,
+            "generated_tokens": self.num_generated_tokens, "policy": self.policy.name, "tenants": tenants,
         }

@@ -1,0 +1,85 @@
+"""The aiohttp application: routes, the error middleware, and the engine thread's lifetime."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from runtime import AsyncEngine, Engine
+from server import openai_api, openapi, utility_api
+from server.auth import Tenant
+from server.errors import APIError
+from server.state import ServerState
+
+log = logging.getLogger("prescient.server")
+
+
+@web.middleware
+async def errors_as_envelopes(request: web.Request, handler):
+    """Every error leaves as an OpenAI envelope; an unexpected one is logged here, never sent as a traceback."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {404: f"No route {request.method} {request.path}; see GET /openapi.json.",
+                   405: f"Method {request.method} is not allowed on {request.path}.",
+                   413: f"Request body too large: the limit is {request.app['max_body_bytes']} bytes."}
+        return APIError(exc.status, message.get(exc.status, exc.reason)).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return APIError(500, "Internal server error; it has been logged.").response()
+
+
+def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_waiting: int | None = 256,
+              max_body_bytes: int = 4 << 20, served_model_name: str | None = None,
+              throughput_log_seconds: float = 5.0) -> web.Application:
+    app = web.Application(middlewares=[errors_as_envelopes], client_max_size=max_body_bytes)
+    app["max_body_bytes"] = max_body_bytes
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    state = ServerState(engine, async_engine, api_keys, served_model_name)
+    app["state"] = state
+    app.router.add_post("/v1/completions", openai_api.completions)
+    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_get("/v1/models", utility_api.models)
+    app.router.add_get("/health", utility_api.health)
+    app.router.add_get("/metrics", utility_api.metrics)
+    app.router.add_post("/tokenize", utility_api.tokenize)
+    app.router.add_post("/detokenize", utility_api.detokenize)
+    app.router.add_get("/openapi.json", openapi.openapi)
+
+    async def lifetime(app: web.Application):
+        async_engine.start()
+        logger = asyncio.create_task(_log_throughput(state, throughput_log_seconds))
+        yield
+        logger.cancel()
+        await async_engine.shutdown()
+
+    app.cleanup_ctx.append(lifetime)
+    return app
+
+
+async def _log_throughput(state: ServerState, every: float) -> None:
+    """A line every few seconds while there is work: tokens/s, batch, queue, KV usage."""
+    def snapshot():
+        stats = state.async_engine.stats()
+        return time.monotonic(), stats.get("generated_tokens", 0), stats.get("computed_tokens", 0), stats
+
+    last = snapshot()
+    while True:
+        await asyncio.sleep(every)
+        now = snapshot()
+        stats = now[3]
+        if stats.get("num_running") or stats.get("num_waiting") or now[1] != last[1]:
+            span = now[0] - last[0]
+            generated = now[1] - last[1]
+            log.info("throughput: %.1f generated tokens/s, %.1f prompt tokens/s; running %d, waiting %d, "
+                     "KV usage %.1f%%", generated / span, (now[2] - last[2] - generated) / span,
+                     stats.get("num_running", 0), stats.get("num_waiting", 0), 100 * stats.get("kv_usage", 0.0))
+        last = now

@@ -1,0 +1,167 @@
+"""Prometheus metrics under vLLM's names and buckets, with the prefix `prescient:`.
+
+Per-request histograms and token counters are observed when a request ends,
+from the timestamps the engine stamped on its output. Engine-wide numbers
+(running/waiting, KV usage, preemptions, prefix cache, per-tenant service) are
+read from the engine's stats at scrape time by a collector, so they are never
+stale and never double counted.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from runtime import RequestOutput
+
+PREFIX = "prescient:"
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+MAX_TENANT_LABELS = 32
+"""Distinct tenant label values; further tenants are reported together as 'other'."""
+
+
+def token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's 1-2-5 series)."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10 ** exponent
+            if value > max_model_len:
+                return out
+            out.append(value)
+        exponent += 1
+
+
+class TenantLabels:
+    """Bounded tenant label values: the first MAX_TENANT_LABELS tenants seen keep their name."""
+
+    def __init__(self, cap: int = MAX_TENANT_LABELS):
+        self.cap = cap
+        self.known: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self.known:
+            return tenant
+        if len(self.known) < self.cap:
+            self.known.add(tenant)
+            return tenant
+        return "other"
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, max_model_len: int, stats_source):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.tenant_label = TenantLabels()
+        r, m = self.registry, ["model_name"]
+
+        def hist(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                        TOKEN_LATENCY_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Per request: decode time divided by output tokens after the first.", TOKEN_LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time waiting before first scheduled.",
+                          REQUEST_LATENCY_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.",
+                            REQUEST_LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS)
+        self.prompt_hist = hist("request_prompt_tokens", "Prompt tokens per request.", token_buckets(max_model_len))
+        self.gen_hist = hist("request_generation_tokens", "Generated tokens per request.",
+                             token_buckets(max_model_len))
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", m, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", m, registry=r)
+        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                               m + ["finished_reason"], registry=r)
+        r.register(_EngineCollector(model_name, stats_source, self.tenant_label))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Book one request that ended (finished, or aborted with whatever it produced)."""
+        name = self.model_name
+        n_out = len(out.token_ids)
+        self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(name).inc(n_out)
+        self.success.labels(name, out.finish_reason or "abort").inc()
+        if out.finish_reason == "abort" or out.finished_time is None:
+            return
+        self.prompt_hist.labels(name).observe(len(out.prompt_token_ids))
+        self.gen_hist.labels(name).observe(n_out)
+        self.e2e.labels(name).observe(out.finished_time - out.arrival_time)
+        if out.first_scheduled_time is not None:
+            self.queue.labels(name).observe(out.first_scheduled_time - out.arrival_time)
+        if out.first_token_time is not None:
+            self.ttft.labels(name).observe(out.first_token_time - out.arrival_time)
+            if out.first_scheduled_time is not None:
+                self.prefill.labels(name).observe(out.first_token_time - out.first_scheduled_time)
+            last = out.token_times[-1] if out.token_times else out.first_token_time
+            self.decode.labels(name).observe(last - out.first_token_time)
+            if n_out > 1:
+                self.tpot.labels(name).observe((last - out.first_token_time) / (n_out - 1))
+        itl = self.itl.labels(name)
+        for earlier, later in zip(out.token_times, out.token_times[1:]):
+            itl.observe(later - earlier)
+
+
+class _EngineCollector:
+    """Reads the engine's own counters and gauges at scrape time."""
+
+    def __init__(self, model_name: str, stats_source, tenant_label: TenantLabels):
+        self.model_name = model_name
+        self.stats_source = stats_source
+        self.tenant_label = tenant_label
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self.stats_source()
+        m = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Requests waiting to be admitted.", stats.get("num_waiting", 0))
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                    stats.get("kv_usage", 0.0))
+        yield counter("num_preemptions", "Preemptions (requests evicted to be recomputed).",
+                      stats.get("num_preemptions", 0))
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.get("prefix_cache_queries", 0))
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      stats.get("prefix_cache_hits", 0))
+        service = CounterMetricFamily(PREFIX + "tenant_service_tokens", "Tokens served per tenant (prompt + output).",
+                                      labels=["model_name", "tenant"])
+        counter_g = GaugeMetricFamily(PREFIX + "tenant_virtual_counter",
+                                      "Fair scheduler's virtual token counter per tenant.",
+                                      labels=["model_name", "tenant"])
+        waiting = GaugeMetricFamily(PREFIX + "tenant_requests_waiting", "Waiting requests per tenant.",
+                                    labels=["model_name", "tenant"])
+        merged: dict[str, list[float]] = {}
+        for tenant, t in sorted(stats.get("tenants", {}).items()):
+            label = self.tenant_label(tenant)
+            acc = merged.setdefault(label, [0.0, 0.0, 0.0])
+            acc[0] += t.get("service_tokens", 0)
+            acc[1] = max(acc[1], t.get("counter", 0.0))
+            acc[2] += t.get("waiting", 0)
+        for label, (served, vtc, queued) in merged.items():
+            service.add_metric(m + [label], served)
+            counter_g.add_metric(m + [label], vtc)
+            waiting.add_metric(m + [label], queued)
+        yield service
+        yield counter_g
+        yield waiting

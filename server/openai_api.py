@@ -1,0 +1,130 @@
+"""POST /v1/completions and /v1/chat/completions, streaming or not.
+
+The handler validates, hands the request to the engine thread, and relays
+outputs as they arrive. If the client goes away, the handler is cancelled (or
+its write fails) and leaving the `async for` aborts the request in the
+engine at once, which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import replace
+
+from aiohttp import web
+
+from runtime import QueueFullError, RequestOutput
+from server import sse
+from server.auth import authenticate
+from server.errors import APIError, bad_request
+from server.protocol import GenerationRequest, parse_chat, parse_completion
+from server.state import ServerState, read_json
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    state.check_accepting()
+    body = await read_json(request)
+    req = parse_completion(body)
+    return await _generate(request, state, req, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    state.check_accepting()
+    body = await read_json(request)
+    req, messages = parse_chat(body)
+    try:
+        req.prompt = state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
+    return await _generate(request, state, req, chat=True)
+
+
+def _usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if out.num_cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": out.num_cached_tokens}
+    return usage
+
+
+async def _generate(request: web.Request, state: ServerState, req: GenerationRequest, chat: bool):
+    tenant = authenticate(state.api_keys, request.headers.get("Authorization"), req.user)
+    if req.model is not None and req.model not in state.model_names:
+        raise APIError(400, f"The model '{req.model}' does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in sorted(state.model_names))} (see GET /v1/models).",
+                       param="model", code="model_not_found")
+    engine = state.engine
+    try:
+        ids = engine.check_request(req.prompt, req.params) if req.max_tokens_given else None
+        if ids is None:
+            ids = engine.check_request(req.prompt, _with_max_tokens(req, 1))
+            room = engine.max_model_len - len(ids)
+            req.params.max_tokens = room if chat else min(16, room)
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0]
+        raise bad_request(str(exc), field if field in ("prompt", "max_tokens") else None) from exc
+
+    kind = "chat.completion" if chat else "text_completion"
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    model = state.model_name
+    stream = None
+    last: RequestOutput | None = None
+    sent = 0
+    state.in_flight += 1
+    try:
+        async with aclosing(state.async_engine.generate(ids, req.params, request_id, tenant=tenant.name,
+                                                        weight=tenant.weight, priority=req.priority)) as outputs:
+            async for out in outputs:
+                last = out
+                if not req.stream:
+                    continue
+                if stream is None:
+                    stream = await sse.open_stream(request)
+                    if chat:
+                        await sse.send(stream, _chunk(request_id, created, model,
+                                                      {"role": "assistant", "content": ""}, None, chat))
+                delta = out.text[sent:]
+                sent = len(out.text)
+                if delta or out.finished:
+                    await sse.send(stream, _chunk(request_id, created, model, {"content": delta} if chat else delta,
+                                                  out.finish_reason if out.finished else None, chat))
+    except QueueFullError as exc:
+        raise APIError(429, f"The server is at capacity ({exc}); retry shortly.",
+                       code="queue_full", headers={"Retry-After": "1"}) from exc
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+    finally:
+        state.in_flight -= 1
+        state.record(request, req, tenant.name, last)
+
+    if req.stream:
+        if req.include_usage:
+            await sse.send(stream, {"id": request_id, "object": kind + ("" if not chat else ".chunk"),
+                                    "created": created, "model": model, "choices": [], "usage": _usage(last)})
+        await sse.send_done(stream)
+        return stream
+    choice = ({"index": 0, "message": {"role": "assistant", "content": last.text},
+               "finish_reason": last.finish_reason, "logprobs": None} if chat else
+              {"index": 0, "text": last.text, "finish_reason": last.finish_reason, "logprobs": None})
+    if last.stop_reason is not None:
+        choice["stop_reason"] = last.stop_reason
+    return web.json_response({"id": request_id, "object": kind, "created": created, "model": model,
+                              "choices": [choice], "usage": _usage(last)})
+
+
+def _with_max_tokens(req: GenerationRequest, n: int):
+    return replace(req.params, max_tokens=n)
+
+
+def _chunk(request_id: str, created: int, model: str, delta, finish_reason, chat: bool) -> dict:
+    if chat:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": delta, "finish_reason": finish_reason, "logprobs": None}
+        kind = "text_completion"
+    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}

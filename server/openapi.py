@@ -1,0 +1,65 @@
+"""GET /openapi.json: an OpenAPI 3.1 description of every route this server answers."""
+from __future__ import annotations
+
+from aiohttp import web
+
+_ERROR = {"description": "Error (OpenAI envelope)", "content": {"application/json": {"schema": {
+    "$ref": "#/components/schemas/Error"}}}}
+
+
+def _sampling_properties() -> dict:
+    return {
+        "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1}, "seed": {"type": "integer"},
+        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
+        "n": {"type": "integer", "enum": [1]}, "user": {"type": "string"}, "priority": {"type": "integer"},
+        "ignore_eos": {"type": "boolean"}, "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    }
+
+
+def _post(summary: str, schema: dict, ok: str) -> dict:
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": schema}}}, "responses": {
+        "200": {"description": ok}, "400": _ERROR, "401": _ERROR, "413": _ERROR, "429": _ERROR, "503": _ERROR}}}
+
+
+def document() -> dict:
+    completion = {"type": "object", "required": ["prompt"], "properties": {
+        **_sampling_properties(), "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                                                       {"type": "array", "items": {"type": "integer"}}]}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
+        "content": {"type": "string"}}}
+    chat = {"type": "object", "required": ["messages"], "properties": {
+        **_sampling_properties(), "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "messages": {"type": "array", "minItems": 1, "items": message}}}
+    get = lambda summary: {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}  # noqa: E731
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Prescient OpenAI-compatible server", "version": "0.1.0"},
+        "paths": {
+            "/v1/completions": _post("Text completion (stream with SSE when stream=true)", completion,
+                                     "text_completion, or an SSE stream of them"),
+            "/v1/chat/completions": _post("Chat completion (stream with SSE when stream=true)", chat,
+                                          "chat.completion, or an SSE stream of chat.completion.chunk"),
+            "/v1/models": get("Models served"),
+            "/health": get("Liveness and readiness (503 while draining)"),
+            "/metrics": get("Prometheus metrics"),
+            "/tokenize": _post("Text or chat messages to token ids", {"type": "object", "properties": {
+                "prompt": {"type": "string"}, "messages": {"type": "array", "items": message}}}, "tokens"),
+            "/detokenize": _post("Token ids to text", {"type": "object", "required": ["tokens"], "properties": {
+                "tokens": {"type": "array", "items": {"type": "integer"}}}}, "text"),
+            "/openapi.json": get("This document"),
+        },
+        "components": {"schemas": {"Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "integer", "null"]}}}}}}},
+    }
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(document())

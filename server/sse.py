@@ -1,0 +1,22 @@
+"""Server-Sent Events framing as OpenAI streams it: `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`."""
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+async def open_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(status=200, headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"})
+    await response.prepare(request)
+    return response
+
+
+async def send(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def send_done(response: web.StreamResponse) -> None:
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()

@@ -1,0 +1,62 @@
+"""What the request handlers share: the engine, keys, metrics, drain state, and request logging."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from runtime import AsyncEngine, Engine, RequestOutput
+from server.auth import Tenant
+from server.errors import APIError, bad_request
+from server.metrics import ServerMetrics
+
+log = logging.getLogger("prescient.server")
+
+
+class ServerState:
+    def __init__(self, engine: Engine, async_engine: AsyncEngine, api_keys: dict[str, Tenant] | None = None,
+                 served_model_name: str | None = None):
+        self.engine = engine
+        self.async_engine = async_engine
+        self.api_keys = api_keys
+        self.model_name = served_model_name or engine.model_name
+        self.model_names = {self.model_name, engine.model_name}
+        self.metrics = ServerMetrics(self.model_name, engine.max_model_len, async_engine.stats)
+        self.draining = False
+        self.in_flight = 0
+        self.started = time.time()
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, "The server is shutting down and accepts no new requests; retry on another replica.",
+                           code="draining", headers={"Retry-After": "5"})
+
+    def record(self, request: web.Request, req, tenant: str, out: RequestOutput | None) -> None:
+        """One log line and the metrics of a request that ended, however it ended."""
+        if out is None:
+            return
+        if not out.finished:  # the client left: the engine aborted it
+            out.finish_reason = "abort"
+        self.metrics.observe_finished(out)
+        ttft = (out.first_token_time - out.arrival_time) if out.first_token_time else None
+        e2e = time.monotonic() - out.arrival_time
+        log.info("%s %s tenant=%s prompt=%d completion=%d cached=%d finish=%s ttft=%s e2e=%.3fs",
+                 request.method, request.path, tenant, len(out.prompt_token_ids), len(out.token_ids),
+                 out.num_cached_tokens, out.finish_reason, f"{ttft:.3f}s" if ttft is not None else "-", e2e)
+
+
+async def read_json(request: web.Request) -> dict:
+    """The body as a JSON object, or a 400/413 naming what is wrong."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise APIError(413, f"Request body too large: the limit is {request.app['max_body_bytes']} bytes.") from exc
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"The body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise bad_request(f"The body must be a JSON object, got {type(body).__name__}")
+    return body

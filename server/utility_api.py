@@ -1,0 +1,65 @@
+"""GET /v1/models, /health, /metrics and POST /tokenize, /detokenize."""
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server.auth import authenticate
+from server.errors import bad_request
+from server.protocol import parse_messages
+from server.state import ServerState, read_json
+
+
+async def models(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    authenticate(state.api_keys, request.headers.get("Authorization"), None)
+    return web.json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "prescient",
+        "max_model_len": state.engine.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    if state.async_engine.error is not None:
+        return web.json_response({"status": "error", "detail": repr(state.async_engine.error)}, status=500)
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    return web.Response(body=generate_latest(state.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """{"prompt": str} or {"messages": [...]} -> {"tokens": [...], "count": n, "max_model_len": L}."""
+    state: ServerState = request.app["state"]
+    authenticate(state.api_keys, request.headers.get("Authorization"), None)
+    body = await read_json(request)
+    tok = state.engine.tokenizer
+    if "messages" in body:
+        add = body.get("add_generation_prompt", True)
+        if not isinstance(add, bool):
+            raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+        tokens = tok.apply_chat_template(parse_messages(body), add_generation_prompt=add, tokenize=True)
+    elif isinstance(body.get("prompt"), str):
+        tokens = tok.encode(body["prompt"])
+    else:
+        raise bad_request("send 'prompt' (a string) or 'messages' (an array of {role, content})", "prompt")
+    return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    authenticate(state.api_keys, request.headers.get("Authorization"), None)
+    body = await read_json(request)
+    tokens = body.get("tokens")
+    vocab = state.engine.model.config.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_request("'tokens' must be an array of token ids", "tokens")
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"'tokens' contains ids outside [0, {vocab}): {bad[:5]}", "tokens")
+    return web.json_response({"prompt": state.engine.tokenizer.decode(tokens)})
