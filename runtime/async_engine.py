@@ -29,6 +29,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting: int | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
+        self._max_num_seqs = engine.scheduler.config.max_num_seqs
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._adds: list[tuple] = []
@@ -68,7 +69,11 @@ class AsyncEngine:
         # Validate on the caller's side so bad input fails before anything is queued.
         ids = self.engine.check_request(prompt, params)
         with self._lock:
-            waiting = self._stats.get("num_waiting", 0) + len(self._adds)
+            # Requests in flight that will not be in the running batch: those beyond what runs now, or
+            # beyond max_num_seqs (a burst arrives before the engine thread has admitted anyone).
+            in_flight = len(self._sinks)
+            running = max(self._stats.get("num_running", 0), min(in_flight, self._max_num_seqs))
+            waiting = in_flight - running
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
             if request_id in self._sinks:
