@@ -37,14 +37,21 @@ def token_buckets(max_model_len: int) -> list[float]:
 
 
 class TenantLabels:
-    """Bounded tenant label values: the first MAX_TENANT_LABELS tenants seen keep their name."""
+    """Bounded tenant label values.
 
-    def __init__(self, cap: int = MAX_TENANT_LABELS):
+    Reserved tenants ("default" and those named in the API keys file, a list the
+    operator bounds) always keep their name; of the others (free-form `user`
+    fields) the first MAX_TENANT_LABELS seen keep theirs and the rest count as
+    "other". A tenant never changes label, so its counters stay monotonic.
+    """
+
+    def __init__(self, cap: int = MAX_TENANT_LABELS, reserved: set[str] | frozenset[str] = frozenset()):
         self.cap = cap
+        self.reserved = {"default", *reserved}
         self.known: set[str] = set()
 
     def __call__(self, tenant: str) -> str:
-        if tenant in self.known:
+        if tenant in self.known or tenant in self.reserved:
             return tenant
         if len(self.known) < self.cap:
             self.known.add(tenant)
@@ -53,10 +60,10 @@ class TenantLabels:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, stats_source):
+    def __init__(self, model_name: str, max_model_len: int, stats_source, reserved_tenants=frozenset()):
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.tenant_label = TenantLabels()
+        self.tenant_label = TenantLabels(reserved=set(reserved_tenants))
         r, m = self.registry, ["model_name"]
 
         def hist(name, doc, buckets):
