@@ -24,13 +24,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, dtype: str = "float32", kv_cache: str = "256MiB"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"prescient-server-{self.port}.log")
         self.log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--dtype", "float32",
-               "--kv-cache-bytes", "256MiB", *args]
+        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--dtype", dtype,
+               "--kv-cache-bytes", kv_cache, *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -74,8 +74,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(*args: str):
-    server = Server(*args)
+def running_server(*args: str, **kwargs):
+    server = Server(*args, **kwargs)
     try:
         yield server
     finally:
