@@ -1,0 +1,173 @@
+"""The RAM tier: one POSIX shared-memory segment that the main process writes and every
+worker process reads in place (a memcpy, never a pickle through a queue).
+
+Layout, all int64 unless noted:
+  header   [16]          mode, generation base, coordinator alive
+  counters [rows, 16]    per process: row 0 prefetcher, 1 main process, 2+w worker w
+  table    [n, 4]        per sample: tier, offset, length, version
+  ready    [ring]        ready[g % ring] == g + 1: plan position g may be read
+  done     [ring]        done[g % ring]  == g + 1: plan position g was read, its bytes may go
+  snaps    [slots, B]    uint8: worker RNG states at batch boundaries (for exact resume)
+  data     [arena]       uint8: sample bytes (cached and staged)
+
+The segment is created with multiprocessing's SharedMemory, so the resource tracker
+unlinks it even if the main process is killed; workers started with spawn attach by path
+without registering, so their exit never unlinks what the main process still uses.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+PREFIX = "prescient_"
+
+# header fields
+MODE, GEN_BASE, ALIVE = 0, 1, 2
+PLANNED, DIRECT = 0, 1
+# table columns and tiers
+TIER, OFFSET, LENGTH, VERSION = 0, 1, 2, 3
+ABSENT, RAM, DISK, FAILED = 0, 1, 2, 3
+# counter columns
+(SAMPLES, STORAGE_READS, STORAGE_BYTES, RAM_HITS, DISK_HITS, PEER_READS, STALL_NS,
+ WAIT_NS, DIRECT_READS, BATCHES) = range(10)
+COUNTERS = 16
+SNAP_BYTES = 16 << 10
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+@dataclass(frozen=True)
+class Layout:
+    samples: int      # rows in the table (len(dataset))
+    rows: int         # counter rows (processes)
+    ring: int         # plan positions that may be in flight at once
+    snap_slots: int   # RNG snapshot slots
+    arena: int        # bytes for sample data
+
+    def sections(self) -> dict[str, tuple[int, int]]:
+        sizes = {"header": 16 * 8, "counters": self.rows * COUNTERS * 8, "table": self.samples * 4 * 8,
+                 "ready": self.ring * 8, "done": self.ring * 8, "snaps": self.snap_slots * SNAP_BYTES,
+                 "data": self.arena}
+        out, offset = {}, 0
+        for name, size in sizes.items():
+            out[name] = (offset, size)
+            offset += _aligned(size)
+        return out
+
+    @property
+    def total(self) -> int:
+        offset, size = self.sections()["data"]
+        return offset + max(size, 64)
+
+
+class SharedState:
+    """The segment and numpy views of its sections. Pickles as (name, layout) for spawn workers."""
+
+    def __init__(self, layout: Layout, name: str | None = None):
+        self.layout = layout
+        self._owner = name is None
+        if self._owner:
+            self.name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+            self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=layout.total)
+            self._buffer = self._shm.buf
+        else:
+            self.name = name
+            self._shm = None
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+            try:
+                self._mmap = mmap.mmap(fd, layout.total)
+            finally:
+                os.close(fd)
+            self._buffer = memoryview(self._mmap)
+        self._views()
+        if self._owner:
+            self.header[ALIVE] = 1
+
+    def _views(self) -> None:
+        sec = self.layout.sections()
+
+        def view(name: str, dtype, shape) -> np.ndarray:
+            offset, size = sec[name]
+            return np.frombuffer(self._buffer, dtype=dtype, count=size // np.dtype(dtype).itemsize,
+                                 offset=offset).reshape(shape)
+
+        lay = self.layout
+        self.header = view("header", np.int64, (16,))
+        self.counters = view("counters", np.int64, (lay.rows, COUNTERS))
+        self.table = view("table", np.int64, (lay.samples, 4))
+        self.ready = view("ready", np.int64, (lay.ring,))
+        self.done = view("done", np.int64, (lay.ring,))
+        self.snaps = view("snaps", np.uint8, (lay.snap_slots, SNAP_BYTES))
+        offset, size = sec["data"]
+        self.data = self._buffer[offset: offset + size]
+
+    def __getstate__(self):
+        return {"layout": self.layout, "name": self.name}
+
+    def __setstate__(self, state):
+        self.__init__(state["layout"], state["name"])
+
+    # --- publishing (main process only) -------------------------------------------------
+    def set_entry(self, index: int, tier: int, offset: int = 0, length: int = 0) -> None:
+        row = self.table[index]
+        row[VERSION] += 1            # odd: being changed
+        row[TIER], row[OFFSET], row[LENGTH] = tier, offset, length
+        row[VERSION] += 1
+
+    def write(self, offset: int, raw: bytes) -> None:
+        self.data[offset: offset + len(raw)] = raw
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self.data[offset: offset + length])
+
+    # --- snapshots -------------------------------------------------------------------------
+    def put_snapshot(self, slot: int, tag: int, payload: bytes) -> None:
+        if len(payload) > SNAP_BYTES - 16:
+            return
+        row = self.snaps[slot]
+        head = row[:16].view(np.int64)
+        head[0] = 0
+        row[16: 16 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        head[1] = len(payload)
+        head[0] = tag
+
+    def get_snapshot(self, slot: int, tag: int) -> bytes | None:
+        row = self.snaps[slot]
+        head = row[:16].view(np.int64)
+        if head[0] != tag:
+            return None
+        payload = row[16: 16 + int(head[1])].tobytes()
+        return payload if head[0] == tag else None
+
+    # --- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap; the owner also unlinks, so the memory is gone once workers exit too."""
+        if self._buffer is None:
+            return
+        if self._owner:
+            self.header[ALIVE] = 0
+            self.header[MODE] = DIRECT
+        for name in ("header", "counters", "table", "ready", "done", "snaps", "data"):
+            setattr(self, name, None)
+        self._buffer = None
+        if self._owner:
+            try:
+                self._shm.close()
+            except BufferError:   # a numpy view still alive somewhere: the mapping goes with it
+                pass
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+        else:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass

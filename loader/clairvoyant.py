@@ -1,0 +1,202 @@
+"""The main-process side of the loader: plan each epoch, run the prefetcher, keep the
+shared state alive as long as the loader, and remember where the epoch is for resume."""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils.data.dataloader import _DatasetKind
+
+from loader.cache_disk import DiskTier
+from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState
+from loader.plan import EpochPlan, plan_epoch
+from loader.prefetch import Prefetcher
+from loader.resume import EpochStart, ResumePoint, capture, restore
+from loader.source import ByteSource, has_read_decode
+from loader.view import CachedView, CachedItemsView
+
+EPOCH_STRIDE = 1 << 40        # plan positions of epoch e start at e * EPOCH_STRIDE
+RING = 1 << 16                # plan positions that may be published and unconsumed at once
+SNAPSHOT_WAIT_SECONDS = 30.0
+
+
+@dataclass
+class CacheOptions:
+    cache_ram: int = 0                   # bytes of samples kept in shared memory across epochs
+    cache_disk: str | None = None        # directory for the local-disk tier
+    cache_disk_bytes: int = 0            # bytes the disk tier may hold
+    cache_items: bool = False            # the dataset's items are deterministic: cache them whole
+    prefetch_bytes: int = 64 << 20       # bytes read ahead and not cached, plus reads in flight
+    prefetch_threads: int = 8            # concurrent storage reads
+    horizon_epochs: int = 2              # epochs the placement looks ahead when the order is seeded
+
+
+@dataclass
+class EpochState:
+    start: EpochStart                    # RNG states at the sampler's first draw
+    plan: EpochPlan | None
+    pos0: int                            # plan position of the epoch's sample 0
+    skipped: int                         # batches skipped because of a resume
+    num_batches: int | None
+    yielded: int = 0                     # batches handed to the caller, skipped ones included
+    batch_first: list[int] = field(default_factory=list)   # sample offset of each dispatched batch
+    expected: list[int] | None = None    # the plan's indices while it still matches the sampler
+
+
+class _Resources:
+    """What must be released even if the loader is never closed (weakref.finalize calls close)."""
+    def __init__(self):
+        self.shared: SharedState | None = None
+        self.prefetcher: Prefetcher | None = None
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+
+
+class Clairvoyant:
+    def __init__(self, loader, options: CacheOptions):
+        self.loader_ref = weakref.ref(loader)
+        self.options = options
+        dataset = loader.dataset
+        self.map_style = loader._dataset_kind == _DatasetKind.Map
+        own_batching = callable(getattr(dataset, "__getitems__", None))
+        cacheable = self.map_style and not own_batching and (has_read_decode(dataset) or options.cache_items)
+        self.source = ByteSource(dataset, items=not has_read_decode(dataset)) if cacheable else None
+        self.num_workers = loader.num_workers
+        self.persistent = loader.persistent_workers and loader.num_workers > 0
+        self.snap_ring = (loader.prefetch_factor or 0) * loader.num_workers + 2 * loader.num_workers
+        self.resources = _Resources()
+        self._finalizer = weakref.finalize(self, self.resources.close)
+        self.view: CachedView | None = None
+        self.epoch: EpochState | None = None
+        self.epochs_begun = 0
+        self.resume: ResumePoint | None = None
+        self.rotation = 0
+        self.stall_seconds = 0.0
+        self.batches = 0
+
+    @property
+    def shared(self) -> SharedState | None:
+        return self.resources.shared
+
+    @property
+    def prefetcher(self) -> Prefetcher | None:
+        return self.resources.prefetcher
+
+    def dataset_view(self, dataset):
+        """What torch's iterator (and so its workers) use as the dataset."""
+        if not self.map_style:
+            return dataset
+        if self.view is None:
+            self._start(dataset)
+            kind = CachedItemsView if callable(getattr(dataset, "__getitems__", None)) else CachedView
+            self.view = kind(dataset, self.source, self.shared,
+                             self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
+                             max(self.snap_ring, 1))
+        return self.view
+
+    def _start(self, dataset) -> None:
+        opts = self.options
+        arena = opts.cache_ram + opts.prefetch_bytes if self.source else 0
+        layout = Layout(samples=len(dataset), rows=self.num_workers + 2, ring=RING,
+                        snap_slots=max(self.snap_ring, 1) + self.num_workers, arena=arena)
+        self.resources.shared = SharedState(layout)
+        if self.source is not None:
+            disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
+            self.resources.prefetcher = Prefetcher(self.shared, self.source, opts.cache_ram, opts.prefetch_bytes,
+                                                   opts.prefetch_threads, disk)
+
+    # --- epochs -------------------------------------------------------------------------------------
+    def begin_epoch(self, index_sampler):
+        """At the epoch's first draw: restore a resume point, plan, start prefetching.
+
+        Returns the epoch's state and a function to call right after the first draw (or None).
+        """
+        loader = self.loader_ref()
+        generator = loader.generator if loader is not None else None
+        after_first_draw, skip = None, 0
+        if self.resume is not None:
+            point, self.resume = self.resume, None
+            after_first_draw = restore(point.start, generator, index_sampler)
+            skip = point.batches_done
+        start = capture(generator, index_sampler)
+        self.epochs_begun += 1
+        base = self.epochs_begun * EPOCH_STRIDE
+        plan = None
+        if self.prefetcher is not None:
+            plan = plan_epoch(index_sampler, loader_generator=generator,
+                              new_iterator_each_epoch=not self.persistent,
+                              horizon_epochs=self.options.horizon_epochs)
+        try:
+            num_batches = len(index_sampler)
+        except TypeError:
+            num_batches = None
+        pos0 = base
+        if plan is not None:
+            skip_pos = min(plan.batch_bounds(skip)[0], len(plan.indices))
+            pos0 = base - skip_pos
+            self.prefetcher.begin_epoch(plan.indices[skip_pos:], plan.following, base)
+        elif self.shared is not None:
+            self.shared.header[GEN_BASE] = base
+            self.shared.header[MODE] = DIRECT
+        self.epoch = EpochState(start, plan, pos0, skip, num_batches, yielded=skip,
+                                expected=plan.indices.tolist() if plan is not None else None)
+        return self.epoch, after_first_draw
+
+    def plan_broken(self) -> None:
+        """The sampler yielded something the plan did not predict: stop trusting the plan."""
+        self.epoch.expected = None
+        if self.prefetcher is not None:
+            self.prefetcher.begin_epoch(np.empty(0, dtype=np.int64), [], self.epoch.pos0 + EPOCH_STRIDE // 2)
+        self.shared.header[MODE] = DIRECT
+
+    def batch_yielded(self, waited: float) -> None:
+        self.stall_seconds += waited
+        self.batches += 1
+        if self.epoch is not None:
+            self.epoch.yielded += 1
+
+    # --- resume -------------------------------------------------------------------------------------
+    def worker_snapshots(self, in_order: bool) -> dict[int, bytes]:
+        """Each worker's RNG state where a resumed run's worker of the same id must start."""
+        epoch, workers = self.epoch, self.num_workers
+        if workers == 0 or epoch is None or self.shared is None:
+            return {}
+        if not in_order:
+            raise ValueError("state_dict: an exact resume needs in_order=True (with in_order=False the "
+                             "assignment of batches to workers is not reproducible)")
+        done, total = epoch.yielded, epoch.num_batches or len(epoch.batch_first)
+        snapshots = {}
+        for worker in range(workers):
+            upcoming = [b for b in range(done, min(done + workers, total)) if b % workers == worker]
+            if upcoming:
+                batch = upcoming[0]
+                slot, end = batch % self.snap_ring, False
+            else:
+                earlier = [b for b in range(max(0, done - workers), done) if b % workers == worker]
+                if not earlier or earlier[-1] < epoch.skipped:
+                    continue                      # this worker had no batch this epoch
+                batch, slot, end = earlier[-1], self.snap_ring + worker, True
+            deadline = time.monotonic() + SNAPSHOT_WAIT_SECONDS
+            while True:
+                if batch < len(epoch.batch_first):
+                    payload = self.shared.get_snapshot(slot, epoch.pos0 + epoch.batch_first[batch] + 1)
+                    if payload is not None:
+                        snapshots[worker] = payload
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"state_dict: worker {worker} did not {'finish' if end else 'start'} "
+                                       f"batch {batch} within {SNAPSHOT_WAIT_SECONDS:.0f} s")
+                time.sleep(0.001)
+        return snapshots
+
+    def close(self) -> None:
+        self._finalizer()

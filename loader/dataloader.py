@@ -1,0 +1,236 @@
+"""`loader.DataLoader`: torch's DataLoader, same arguments and batches, plus a cache that
+knows the future.
+
+It subclasses torch's DataLoader and keeps its worker machinery, sampler and collation:
+the batches come out of torch's own code. Three seams are used: the index sampler is
+observed (the epoch is planned at its first draw and indices go out as Tickets), the
+dataset the workers get is a view that reads planned samples from shared memory, and the
+time the caller waits in `__next__` is measured.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.utils.data as tud
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
+
+from loader.clairvoyant import CacheOptions, Clairvoyant
+from loader.resume import from_dict, to_dict, capture
+from loader.sizes import parse_size
+from loader.stats import collect_stats, register_loader
+from loader.view import FIRST, LAST, PLANNED_READ, Ticket
+
+
+class PlannedSampler:
+    """torch's index sampler, observed: plans the epoch just before its first draw and hands
+    out Tickets (index + plan position) while the sampler agrees with the plan."""
+
+    def __init__(self, inner, engine: Clairvoyant, batched: bool):
+        self.inner, self.engine, self.batched = inner, engine, batched
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator:
+        return self._epoch()
+
+    def _epoch(self) -> Iterator:
+        epoch, after_first_draw = self.engine.begin_epoch(self.inner)
+        offset, batch = 0, 0
+        for item in self.inner:
+            if after_first_draw is not None:
+                after_first_draw()
+                after_first_draw = None
+            keys = list(item) if self.batched else [item]
+            if batch < epoch.skipped:
+                offset, batch = offset + len(keys), batch + 1
+                continue
+            planned = epoch.expected is not None and keys == epoch.expected[offset: offset + len(keys)]
+            if epoch.expected is not None and not planned:
+                self.engine.plan_broken()
+            if not all(type(k) is int for k in keys):
+                yield item                     # not dataset indices we can reason about
+            else:
+                flag = PLANNED_READ if planned else 0
+                first = epoch.pos0 + offset
+                last = len(keys) - 1
+                tickets = [Ticket(k, first + j, batch, first,
+                                  flag | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
+                           for j, k in enumerate(keys)]
+                yield tickets if self.batched else tickets[0]
+            epoch.batch_first.append(offset)
+            offset, batch = offset + len(keys), batch + 1
+        if after_first_draw is not None:
+            after_first_draw()
+
+
+class _Observed:
+    """Mixin for torch's iterators: the dataset becomes the loader's view; waits are timed."""
+
+    def __init__(self, loader) -> None:
+        self._engine = loader._engine
+        self.__dict__["_rotate"] = self._engine.rotation
+        self._engine.rotation = 0
+        super().__init__(loader)
+
+    @property
+    def _dataset(self):
+        return self.__dict__["_view"]
+
+    @_dataset.setter
+    def _dataset(self, dataset) -> None:
+        self.__dict__["_view"] = self.__dict__["_engine"].dataset_view(dataset)
+
+    def _next_data(self):
+        start = time.perf_counter()
+        data = super()._next_data()
+        self._engine.batch_yielded(time.perf_counter() - start)
+        return data
+
+
+class _SingleIter(_Observed, _SingleProcessDataLoaderIter):
+    pass
+
+
+class _MultiIter(_Observed, _MultiProcessingDataLoaderIter):
+    # A resumed run starts at batch k; torch hands batch b to worker b % num_workers only if
+    # the round-robin starts at worker k % num_workers, which keeps each worker's RNG stream.
+    @property
+    def _worker_queue_idx_cycle(self):
+        return self.__dict__["_cycle"]
+
+    @_worker_queue_idx_cycle.setter
+    def _worker_queue_idx_cycle(self, cycle) -> None:
+        for _ in range(self.__dict__.pop("_rotate", 0)):
+            next(cycle)
+        self.__dict__["_cycle"] = cycle
+
+
+class DataLoader(tud.DataLoader):
+    """Drop-in for `torch.utils.data.DataLoader` (same arguments, defaults, errors, batches).
+
+    Extra keyword-only options (all off by default except prefetching):
+      cache_ram: bytes (int or "8GiB") of raw samples kept in shared memory across epochs.
+      cache_disk / cache_disk_bytes: a local directory and how many bytes it may hold.
+      cache_items: the dataset has no read/decode but its items are deterministic: cache them.
+      prefetch_bytes: bytes read ahead of the workers and not cached (default 64 MiB).
+      prefetch_threads: concurrent storage reads (default 8).
+      name: label of this loader's Prometheus series.
+    Shared memory used: cache_ram + prefetch_bytes, for a dataset that implements
+    read(index) -> bytes and decode(raw, index), or with cache_items=True.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="", in_order=True,
+                 cache_ram: int | str | None = None, cache_disk: str | None = None,
+                 cache_disk_bytes: int | str | None = None, cache_items: bool = False,
+                 prefetch_bytes: int | str = "64MiB", prefetch_threads: int = 8, name: str | None = None):
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+                         pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order)
+        self._engine = Clairvoyant(self, _options(cache_ram, cache_disk, cache_disk_bytes, cache_items,
+                                                  prefetch_bytes, prefetch_threads))
+        self.name = name or f"loader{id(self):x}"
+        register_loader(self)
+
+    @property
+    def _index_sampler(self):
+        inner = super()._index_sampler
+        engine = self.__dict__.get("_engine")
+        if engine is None or not engine.map_style:
+            return inner
+        return PlannedSampler(inner, engine, self._auto_collation)
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return _SingleIter(self)
+        self.check_worker_number_rationality()
+        return _MultiIter(self)
+
+    def __iter__(self):
+        engine = self._engine
+        if engine.resume is None:
+            return super().__iter__()
+        if self._iterator is not None:      # persistent workers from before the resume: restart them
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        callers = torch.get_rng_state()
+        engine.dataset_view(self.dataset)
+        if engine.view is not None and engine.num_workers:
+            engine.view.resume_rng = engine.resume.worker_rng
+            engine.rotation = engine.resume.batches_done % engine.num_workers
+        try:
+            iterator = super().__iter__()
+        finally:
+            if engine.view is not None:
+                engine.view.resume_rng = None
+        if self.generator is None:
+            torch.set_rng_state(callers)    # the new iterator's base-seed draw was made in the past run
+        return iterator
+
+    # --- beyond torch -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters since the loader was made: samples, storage_reads, storage_bytes, ram_hits,
+        disk_hits, peer_reads, stall_seconds (time the caller waited in next()), and more."""
+        return collect_stats(self._engine)
+
+    def state_dict(self) -> dict:
+        """Where this loader is: resume with load_state_dict in a new process (same arguments)."""
+        if not self._engine.map_style:
+            raise ValueError("state_dict: resuming is supported for map-style datasets; an IterableDataset "
+                             "owns its own position")
+        engine = self._engine
+        epoch = engine.epoch
+        point = None
+        if epoch is not None and epoch.num_batches is not None and epoch.yielded < epoch.num_batches:
+            from loader.resume import ResumePoint
+            point = ResumePoint(epoch.start, epoch.yielded, engine.worker_snapshots(self.in_order))
+        now = capture(self.generator, super()._index_sampler)
+        return to_dict(point, now, len(self.dataset), self.num_workers)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`: the next iteration yields the rest of that epoch."""
+        point, now = from_dict(state, len(self.dataset), self.num_workers)
+        if point is None:   # between epochs: only the generators move on
+            from loader.resume import restore
+            from dataclasses import replace
+            restore(replace(now, global_rng=None, sampler_epoch=None), self.generator, super()._index_sampler)
+        self._engine.resume = point
+
+    def close(self) -> None:
+        """Stop workers and prefetch threads, release shared memory and the disk tier."""
+        if self._iterator is not None:
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        self._engine.close()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _options(cache_ram, cache_disk, cache_disk_bytes, cache_items, prefetch_bytes, prefetch_threads) -> CacheOptions:
+    if cache_disk is not None and not isinstance(cache_disk, str):
+        cache_disk = str(cache_disk)
+    disk_bytes = parse_size(cache_disk_bytes, "cache_disk_bytes")
+    if disk_bytes and cache_disk is None:
+        raise ValueError("cache_disk_bytes is set but cache_disk is not: pass cache_disk='/local/dir' too")
+    if cache_disk is not None and not disk_bytes:
+        raise ValueError("cache_disk needs a budget: pass cache_disk_bytes (e.g. '100GiB')")
+    if not isinstance(cache_items, bool):
+        raise TypeError(f"cache_items: expected True or False, got {cache_items!r}")
+    if not isinstance(prefetch_threads, int) or isinstance(prefetch_threads, bool) or prefetch_threads < 1:
+        raise ValueError(f"prefetch_threads: expected an int >= 1, got {prefetch_threads!r}")
+    staging = parse_size(prefetch_bytes, "prefetch_bytes")
+    if staging < 1:
+        raise ValueError("prefetch_bytes: must be > 0 (at least the largest sample)")
+    return CacheOptions(cache_ram=parse_size(cache_ram, "cache_ram") or 0, cache_disk=cache_disk,
+                        cache_disk_bytes=disk_bytes or 0, cache_items=cache_items, prefetch_bytes=staging,
+                        prefetch_threads=prefetch_threads)

@@ -1,0 +1,331 @@
+"""Prefetch in exact plan order into shared memory, bounded by bytes.
+
+One coordinator thread walks the epoch's plan ahead of consumption: for each position it
+either finds the sample held (RAM), on the disk tier, or asks a reader thread to fetch it
+from storage. Reads start in plan order; their results are taken in plan order too, so
+the placement decisions (Belady, see placement.py) are made exactly as the plan predicts.
+A position is published in the `ready` ring once its bytes are in place; a worker marks
+it in the `done` ring after copying, and only then may the bytes go. Staged bytes (read
+ahead but not cached) plus reads in flight stay under `staging` bytes.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from loader.arena import Arena
+from loader.cache_disk import DiskTier
+from loader.cache_ram import (ABSENT, DIRECT, DISK, DISK_HITS, FAILED, GEN_BASE, LENGTH, MODE, PLANNED,
+                              RAM,
+                              RAM_HITS, STORAGE_BYTES, STORAGE_READS, SharedState)
+from loader.placement import NEVER, BeladyCache, first_use, next_use
+from loader.source import ByteSource
+
+BUSY_POLL_SECONDS = 0.001   # how often to look at the done ring while workers hold positions
+IDLE_WAIT_SECONDS = 0.05
+
+
+@dataclass
+class _Held:
+    """A sample's bytes in the shared data area."""
+    offset: int
+    size: int
+    pending: int = 0          # published positions not yet consumed
+    next_use: int = NEVER     # plan position of its next use after the last one published
+
+
+class Prefetcher:
+    def __init__(self, shared: SharedState, source: ByteSource, cache_ram: int, staging: int,
+                 threads: int, disk: DiskTier | None):
+        self.shared, self.source, self.disk = shared, source, disk
+        self.staging = staging
+        self.ram = BeladyCache(cache_ram)
+        self.disk_set = BeladyCache(disk.budget) if disk else None
+        self.disk_pending: dict[int, int] = {}
+        self.doomed: dict[int, int] = {}          # evicted from disk but still pending: index -> bytes
+        self.arena = Arena(shared.layout.arena)
+        self.held: dict[int, _Held] = {}
+        self.staged_bytes = self.staged_peak = 0  # held bytes outside the RAM cache set
+        self.inflight: dict[int, int] = {}        # index -> estimated bytes, read asked and not yet placed
+        self.inflight_bytes = 0
+        self.results: dict[int, bytes | BaseException] = {}
+        self.read_bytes = self.read_count = 0
+        self.stream = np.empty(0, dtype=np.int64)
+        self.upcoming = self.stream
+        self.holder = np.zeros(0, dtype=np.int8)
+        self.base = 0
+        self.sched = self.done = self.consumed = 0
+        self.failure: BaseException | None = None
+        self.closed = False
+        self.cv = threading.Condition()
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.readers = [threading.Thread(target=self._read_loop, name=f"prescient-reader-{n}", daemon=True)
+                        for n in range(threads)]
+        self.coordinator = threading.Thread(target=self._run, name="prescient-prefetch", daemon=True)
+        for thread in self.readers + [self.coordinator]:
+            thread.start()
+
+    # --- called from the main thread ---------------------------------------------------------
+    def begin_epoch(self, stream: np.ndarray, following: list[np.ndarray], base: int) -> None:
+        """Switch to a new epoch's stream, whose first entry is global plan position `base`
+        (larger than any position used before, so old ring entries never match)."""
+        with self.cv:
+            self.shared.header[GEN_BASE] = base    # first: workers stop trusting older positions
+            self.shared.header[MODE] = PLANNED if self.failure is None else DIRECT
+            for position in range(self.consumed, self.done):   # published, never consumed: a break
+                self._release(position)
+            while True:                                         # reads not started yet: not needed now
+                try:
+                    self.requests.get_nowait()
+                except queue.Empty:
+                    break
+            self.inflight.clear()
+            self.inflight_bytes = 0
+            self.results.clear()
+            horizon = np.concatenate([stream, *following]) if following else stream
+            self.upcoming = next_use(horizon)[: len(stream)]
+            first = first_use(horizon)
+            self.ram.renumber(lambda i: first.get(i, NEVER))
+            if self.disk_set is not None:
+                self.disk_set.renumber(lambda i: first.get(i, NEVER))
+            for index, held in self.held.items():
+                held.next_use = first.get(index, NEVER)
+            self.stream = stream
+            self.holder = np.zeros(len(stream), dtype=np.int8)
+            self.sched = self.done = self.consumed = 0
+            self.base = base
+            self.cv.notify_all()
+
+    def usage(self) -> dict:
+        with self.cv:
+            disk_used = (self.disk_set.used + sum(self.doomed.values())) if self.disk_set else 0
+            return {"cache_ram_bytes": self.ram.used, "cache_ram_peak_bytes": self.ram.peak,
+                    "cache_ram_samples": len(self.ram), "staging_bytes": self.staged_bytes,
+                    "staging_peak_bytes": self.staged_peak, "cache_disk_bytes": disk_used,
+                    "cache_disk_peak_bytes": self.disk_set.peak if self.disk_set else 0,
+                    "cache_disk_samples": len(self.disk_set) if self.disk_set else 0,
+                    "disk_tier_enabled": bool(self.disk and self.disk.enabled)}
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        for _ in self.readers:
+            self.requests.put(None)
+        self.coordinator.join(timeout=5)
+        for thread in self.readers:
+            thread.join(timeout=5)
+        if self.disk is not None:
+            self.disk.close()
+
+    # --- the coordinator -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with self.cv:
+                while not self.closed:
+                    progressed = self._consume()
+                    progressed = self._finalize() or progressed
+                    progressed = self._schedule() or progressed
+                    if not progressed:
+                        busy = self.consumed < self.done or self.done < self.sched
+                        self.cv.wait(BUSY_POLL_SECONDS if busy else IDLE_WAIT_SECONDS)
+        except BaseException as error:  # noqa: BLE001 - workers must never wait on a dead thread
+            self.failure = error
+            self.shared.header[MODE] = DIRECT
+            warnings.warn(f"prescient loader: the prefetch thread failed ({type(error).__name__}: {error}); "
+                          "workers now read from storage directly", RuntimeWarning, stacklevel=1)
+
+    def _schedule(self) -> bool:
+        progressed = False
+        ring = len(self.shared.ready)
+        while self.sched < len(self.stream) and self.sched - self.consumed < ring:
+            index = int(self.stream[self.sched])
+            if not (index in self.held or index in self.inflight or self._on_disk(index)):
+                estimate = self.source.nbytes(index) or self._average()
+                outstanding = self.staged_bytes + self.inflight_bytes
+                if outstanding > 0 and outstanding + estimate > self.staging:
+                    break
+                self._request(index, estimate)
+            self.sched += 1
+            progressed = True
+        return progressed
+
+    def _finalize(self) -> bool:
+        progressed = False
+        while self.done < self.sched:
+            position = self.done
+            index, upcoming = int(self.stream[position]), int(self.upcoming[position])
+            held = self.held.get(index)
+            if held is not None:
+                self._use_held(index, held, upcoming)
+                self.holder[position] = RAM
+            elif self._on_disk(index):
+                self.disk_pending[index] = self.disk_pending.get(index, 0) + 1
+                if index in self.disk_set:
+                    self.disk_set.touch(index, upcoming)
+                self.shared.counters[0, DISK_HITS] += 1
+                self.holder[position] = DISK
+            elif index in self.results:
+                if not self._place(index, upcoming):
+                    break
+                self.holder[position] = RAM if index in self.held else ABSENT
+            else:
+                if index not in self.inflight:      # held earlier in the window, since freed: read again
+                    self._request(index, self.source.nbytes(index) or self._average())
+                break
+            ring = len(self.shared.ready)
+            self.shared.ready[(self.base + position) % ring] = self.base + position + 1
+            self.done += 1
+            progressed = True
+        return progressed
+
+    def _consume(self) -> bool:
+        progressed = False
+        ring = len(self.shared.done)
+        while self.consumed < self.done:
+            tag = self.base + self.consumed
+            if self.shared.done[tag % ring] != tag + 1:
+                break
+            self._release(self.consumed)
+            self.consumed += 1
+            progressed = True
+        return progressed
+
+    # --- placement -------------------------------------------------------------------------------
+    def _place(self, index: int, upcoming: int) -> bool:
+        """Put a fresh read into shared memory; False when it must wait for room."""
+        raw = self.results[index]
+        if isinstance(raw, BaseException):
+            self.shared.set_entry(index, FAILED)          # the worker re-reads and raises with index and path
+        else:
+            offset = self.arena.alloc(len(raw))
+            while offset is None and self.consumed == self.done and self._evict_one():
+                offset = self.arena.alloc(len(raw))
+            if offset is None:
+                if self.consumed < self.done:
+                    return False                          # consumption will free room
+                self.shared.set_entry(index, ABSENT)      # larger than the whole area: the worker reads it
+            else:
+                self.shared.write(offset, raw)
+                held = _Held(offset, len(raw), pending=1, next_use=upcoming)
+                self.held[index] = held
+                self.shared.set_entry(index, RAM, offset, len(raw))
+                victims = self.ram.offer(index, len(raw), upcoming)
+                if victims is None:
+                    self._add_staged(len(raw))
+                else:
+                    self._evict(victims)
+        del self.results[index]
+        self.inflight_bytes -= self.inflight.pop(index)
+        return True
+
+    def _use_held(self, index: int, held: _Held, upcoming: int) -> None:
+        held.pending += 1
+        held.next_use = upcoming
+        if index in self.ram:
+            self.ram.touch(index, upcoming)
+        else:
+            victims = self.ram.offer(index, held.size, upcoming)
+            if victims is not None:
+                self.staged_bytes -= held.size
+                self._evict(victims)
+        self.shared.counters[0, RAM_HITS] += 1
+
+    def _evict(self, victims: list[int]) -> None:
+        for victim in victims:
+            held = self.held[victim]
+            self._add_staged(held.size)       # out of the cache set; its bytes stay while pending
+            if held.pending == 0:
+                self._drop(victim)
+
+    def _evict_one(self) -> bool:
+        """Make room for a sample needed now: evict the farthest-used cached one (not pending)."""
+        for index, _ in sorted(self.ram.kept.items(), key=lambda kv: -kv[1][1]):
+            if self.held[index].pending == 0:
+                self.ram.remove(index)
+                self._add_staged(self.held[index].size)
+                self._drop(index)
+                return True
+        return False
+
+    def _drop(self, index: int) -> None:
+        """Free a sample's shared bytes; keep it on the disk tier if placement says so."""
+        held = self.held.pop(index)
+        self.staged_bytes -= held.size
+        tier = ABSENT
+        if self.disk_set is not None and self.disk.enabled and held.next_use != NEVER:
+            self.disk_set.capacity = self.disk.budget - sum(self.doomed.values())
+            victims = self.disk_set.offer(index, held.size, held.next_use)
+            if victims is not None:
+                for victim in victims:
+                    self._disk_evict(victim)
+                if self.disk.write(index, self.shared.read(held.offset, held.size)):
+                    tier = DISK
+                else:
+                    self.disk_set.remove(index)
+        self.shared.set_entry(index, tier, 0, held.size if tier == DISK else 0)
+        self.arena.free(held.offset)
+
+    def _disk_evict(self, index: int) -> None:
+        if self.disk_pending.get(index, 0) > 0:
+            self.doomed[index] = int(self.shared.table[index, LENGTH])
+        else:
+            self.disk.remove(index)
+            self.shared.set_entry(index, ABSENT)
+
+    def _release(self, position: int) -> None:
+        index, kind = int(self.stream[position]), int(self.holder[position])
+        if kind == RAM:
+            held = self.held[index]
+            held.pending -= 1
+            if held.pending == 0 and index not in self.ram:
+                self._drop(index)
+        elif kind == DISK:
+            left = self.disk_pending[index] - 1
+            if left:
+                self.disk_pending[index] = left
+            else:
+                del self.disk_pending[index]
+                if index in self.doomed:
+                    del self.doomed[index]
+                    self.disk.remove(index)
+                    self.shared.set_entry(index, ABSENT)
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def _on_disk(self, index: int) -> bool:
+        return self.disk_set is not None and (index in self.disk_set or index in self.doomed)
+
+    def _add_staged(self, nbytes: int) -> None:
+        self.staged_bytes += nbytes
+        self.staged_peak = max(self.staged_peak, self.staged_bytes)
+
+    def _average(self) -> int:
+        return self.read_bytes // self.read_count if self.read_count else 1 << 20
+
+    def _request(self, index: int, estimate: int) -> None:
+        self.inflight[index] = estimate
+        self.inflight_bytes += estimate
+        self.requests.put(index)
+
+    def _read_loop(self) -> None:
+        while True:
+            index = self.requests.get()
+            if index is None:
+                return
+            try:
+                raw: bytes | BaseException = self.source.read(index)
+            except BaseException as error:  # noqa: BLE001 - handed to the worker, which raises it
+                raw = error
+            with self.cv:
+                if not isinstance(raw, BaseException):
+                    self.shared.counters[0, STORAGE_READS] += 1
+                    self.shared.counters[0, STORAGE_BYTES] += len(raw)
+                    self.read_bytes += len(raw)
+                    self.read_count += 1
+                if index in self.inflight and not self.closed:
+                    self.results[index] = raw
+                    self.cv.notify_all()

@@ -1,0 +1,104 @@
+"""Exact mid-epoch resume: the RNG states an epoch started from, and how far it got.
+
+An epoch's order is fixed by the RNG states at the moment its sampler makes its first
+draw: the loader's generator, the sampler's own generator, or the global generator a
+RandomSampler without a generator seeds itself from. Saving those states and the number
+of batches done lets a new process replay the sampler from the same states, skip the
+batches already trained on, and leave every generator where the uninterrupted run would
+have left it. Workers' RNG states at batch edges (see view.py) make the decode-time random
+augmentation of the remaining batches identical too.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from loader.plan import sampler_generator, uses_global_rng
+
+FORMAT = "prescient.loader/1"
+
+
+@dataclass
+class EpochStart:
+    """RNG states at the epoch's first draw (uint8 tensors) and the DistributedSampler epoch."""
+    loader_generator: torch.Tensor | None
+    sampler_generator: torch.Tensor | None
+    global_rng: torch.Tensor | None
+    sampler_epoch: int | None
+
+
+@dataclass
+class ResumePoint:
+    start: EpochStart
+    batches_done: int                          # batches already yielded in that epoch
+    worker_rng: dict[int, bytes] = field(default_factory=dict)
+
+
+def _base_sampler(index_sampler):
+    return getattr(index_sampler, "sampler", index_sampler)
+
+
+def capture(loader_generator: torch.Generator | None, index_sampler) -> EpochStart:
+    own = sampler_generator(index_sampler)
+    base = _base_sampler(index_sampler)
+    return EpochStart(
+        loader_generator=loader_generator.get_state() if loader_generator is not None else None,
+        sampler_generator=own.get_state() if own is not None and own is not loader_generator else None,
+        global_rng=torch.get_rng_state() if uses_global_rng(index_sampler) else None,
+        sampler_epoch=base.epoch if isinstance(base, DistributedSampler) else None)
+
+
+def restore(start: EpochStart, loader_generator: torch.Generator | None,
+            index_sampler) -> Callable[[], None] | None:
+    """Put the epoch-start states back before the sampler's first draw.
+
+    Returns a function to call right after that draw which gives the caller back its own
+    global RNG state, so the replay leaves the training script's RNG untouched.
+    """
+    base = _base_sampler(index_sampler)
+    if start.sampler_epoch is not None and getattr(base, "epoch", None) != start.sampler_epoch:
+        raise ValueError(f"load_state_dict: the checkpoint was taken in DistributedSampler epoch "
+                         f"{start.sampler_epoch} but the sampler is at epoch {getattr(base, 'epoch', None)}; "
+                         f"call sampler.set_epoch({start.sampler_epoch}) before iterating")
+    if start.loader_generator is not None and loader_generator is not None:
+        loader_generator.set_state(start.loader_generator)
+    own = sampler_generator(index_sampler)
+    if start.sampler_generator is not None and own is not None:
+        own.set_state(start.sampler_generator)
+    if start.global_rng is None:
+        return None
+    callers = torch.get_rng_state()
+    torch.set_rng_state(start.global_rng)
+    return lambda: torch.set_rng_state(callers)
+
+
+def to_dict(point: ResumePoint | None, generators_now: EpochStart, dataset_len: int,
+            num_workers: int) -> dict:
+    """A plain dict of tensors, ints and bytes: torch.save-able."""
+    def states(start: EpochStart) -> dict:
+        return {"loader_generator": start.loader_generator, "sampler_generator": start.sampler_generator,
+                "global_rng": start.global_rng, "sampler_epoch": start.sampler_epoch}
+    return {"format": FORMAT, "dataset_len": dataset_len, "num_workers": num_workers,
+            "epoch_start": states(point.start) if point else None,
+            "batches_done": point.batches_done if point else 0,
+            "worker_rng": dict(point.worker_rng) if point else {},
+            "generators_now": states(generators_now)}
+
+
+def from_dict(state: dict, dataset_len: int, num_workers: int) -> tuple[ResumePoint | None, EpochStart]:
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"load_state_dict: not a loader state (expected format {FORMAT!r}); pass what "
+                         "DataLoader.state_dict() returned")
+    if state["dataset_len"] != dataset_len:
+        raise ValueError(f"load_state_dict: the checkpoint's dataset had {state['dataset_len']} samples, "
+                         f"this one has {dataset_len}; resume with the same dataset")
+    if state["worker_rng"] and state["num_workers"] != num_workers:
+        raise ValueError(f"load_state_dict: the checkpoint used num_workers={state['num_workers']}, this "
+                         f"loader has {num_workers}; the workers' RNG streams only match with the same number")
+    now = EpochStart(**state["generators_now"])
+    if state["epoch_start"] is None:
+        return None, now
+    return ResumePoint(EpochStart(**state["epoch_start"]), state["batches_done"], dict(state["worker_rng"])), now

@@ -1,0 +1,154 @@
+"""The dataset as the workers see it: planned reads come from shared memory or local disk.
+
+The loader hands torch's workers this view instead of the user's dataset. An index that
+the plan covers arrives as a Ticket (index, plan position, batch); the view waits until
+the prefetcher has published that position, copies the raw bytes out of shared memory
+(or reads the disk-tier file), marks the position consumed, and decodes in the worker as
+the dataset would. Anything else is passed to the dataset untouched, exactly as torch
+does. At batch edges a worker also records its RNG states, so that a resumed run can
+restore them and decode with the same random augmentation.
+"""
+from __future__ import annotations
+
+import pickle
+import random
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from loader.cache_disk import read_file
+from loader.cache_ram import (DIRECT_READS, DISK, GEN_BASE, LENGTH, MODE, OFFSET, PLANNED, RAM, SAMPLES,
+                              STORAGE_BYTES, STORAGE_READS, TIER, WAIT_NS, SharedState)
+from loader.source import ByteSource
+
+FIRST, LAST, PLANNED_READ = 1, 2, 4   # Ticket.edge bits: first / last of its batch; covered by the plan
+POLL_SECONDS = 0.0002       # how often a worker looks for a position it waits on
+
+
+class Ticket:
+    """A planned read: dataset `index` at global plan position `pos`, in batch `batch`
+    (numbered within the epoch) whose first sample is at position `first`."""
+    __slots__ = ("index", "pos", "batch", "first", "edge")
+
+    def __init__(self, index: int, pos: int, batch: int, first: int, edge: int):
+        self.index, self.pos, self.batch, self.first, self.edge = index, pos, batch, first, edge
+
+    def __reduce__(self):
+        return Ticket, (self.index, self.pos, self.batch, self.first, self.edge)
+
+    def __repr__(self) -> str:
+        return f"Ticket(index={self.index}, pos={self.pos})"
+
+
+def rng_state() -> bytes:
+    """The RNG states a worker's decode may draw from: torch, random, numpy."""
+    return pickle.dumps((bytes(torch.get_rng_state().numpy()), random.getstate(), np.random.get_state()))
+
+
+def set_rng_state(payload: bytes) -> None:
+    torch_state, py_state, np_state = pickle.loads(payload)
+    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+
+
+class CachedView(Dataset):
+    def __init__(self, dataset, source: ByteSource | None, shared: SharedState | None,
+                 disk_dir: str | None, snap_ring: int):
+        self.dataset = dataset
+        self.source = source
+        self.shared = shared
+        self.disk_dir = disk_dir
+        self.snap_ring = snap_ring                 # start-of-batch snapshot slots; then one end slot per worker
+        self.resume_rng: dict[int, bytes] | None = None   # worker id -> RNG state to start from
+        self._resumed = False
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        row, worker = self._row()
+        if type(key) is not Ticket:
+            self.shared.counters[row, SAMPLES] += 1
+            return self.dataset[key]
+        self._batch_start(key, worker)
+        if key.edge & PLANNED_READ:
+            sample = self.source.decode(self._planned_raw(key, row), key.index)
+        elif self.source is not None:
+            sample = self.source.decode(self._direct(key.index, row), key.index)
+        else:
+            sample = self.dataset[key.index]
+        self.shared.counters[row, SAMPLES] += 1
+        self._batch_end(key, worker)
+        return sample
+
+    def _batch_start(self, ticket: Ticket, worker: int | None) -> None:
+        if worker is None:
+            return
+        if self.resume_rng is not None and not self._resumed:
+            self._resumed = True
+            if worker in self.resume_rng:
+                set_rng_state(self.resume_rng[worker])
+        if ticket.edge & FIRST:
+            self.shared.put_snapshot(ticket.batch % self.snap_ring, ticket.first + 1, rng_state())
+
+    def _batch_end(self, ticket: Ticket, worker: int | None) -> None:
+        if worker is not None and ticket.edge & LAST:
+            self.shared.put_snapshot(self.snap_ring + worker, ticket.first + 1, rng_state())
+
+    def _row(self) -> tuple[int, int | None]:
+        info = get_worker_info()
+        return (1, None) if info is None else (2 + info.id, info.id)
+
+    def _planned_raw(self, ticket: Ticket, row: int) -> bytes:
+        shared = self.shared
+        slot = ticket.pos % len(shared.ready)
+        waited = None
+        while True:
+            if shared.header[MODE] != PLANNED or shared.header[GEN_BASE] > ticket.pos:
+                return self._direct(ticket.index, row)     # the plan no longer covers this read
+            if shared.ready[slot] == ticket.pos + 1:
+                break
+            if waited is None:
+                waited = time.perf_counter()
+            time.sleep(POLL_SECONDS)
+        if waited is not None:
+            shared.counters[row, WAIT_NS] += int((time.perf_counter() - waited) * 1e9)
+        try:
+            tier, offset, length = (int(v) for v in shared.table[ticket.index, [TIER, OFFSET, LENGTH]])
+            raw = None
+            if tier == RAM:
+                raw = shared.read(offset, length)
+            elif tier == DISK:
+                raw = read_file(f"{self.disk_dir}/{ticket.index}", length)
+            if raw is not None and shared.header[GEN_BASE] > ticket.pos:
+                raw = None                                   # released while we copied: do not trust it
+            return raw if raw is not None else self._direct(ticket.index, row)
+        finally:
+            shared.done[slot] = ticket.pos + 1
+
+    def _direct(self, index: int, row: int) -> bytes:
+        raw = self.source.read(index)
+        counters = self.shared.counters[row]
+        counters[STORAGE_READS] += 1
+        counters[STORAGE_BYTES] += len(raw)
+        counters[DIRECT_READS] += 1
+        return raw
+
+
+class CachedItemsView(CachedView):
+    """For datasets with their own `__getitems__` (torch then fetches a batch in one call):
+    never cached, the batch goes to the dataset in one call as torch would pass it."""
+
+    def __getitems__(self, keys: list):
+        row, worker = self._row()
+        tickets = [k for k in keys if type(k) is Ticket]
+        if tickets:
+            self._batch_start(tickets[0], worker)
+        samples = self.dataset.__getitems__([k.index if type(k) is Ticket else k for k in keys])
+        self.shared.counters[row, SAMPLES] += len(keys)
+        if tickets:
+            self._batch_end(tickets[-1], worker)
+        return samples
