@@ -54,8 +54,12 @@ class BeladyCache:
         heapq.heappush(self._heap, (-next_use_at, index))
 
     def offer(self, index: int, size: int, next_use_at: int) -> list[int] | None:
-        """Keep a sample just read? Returns the evicted indices, or None to bypass it."""
-        if next_use_at == NEVER or size > self.capacity:
+        """Keep a sample just read? Returns the evicted indices, or None to bypass it.
+
+        A sample with no known next use is kept only in free space (the future beyond the
+        plan's horizon may still want it); it is the first to go when room is needed.
+        """
+        if size > self.capacity or (next_use_at == NEVER and self.used + size > self.capacity):
             return None
         victims: list[tuple[int, int]] = []
         freed = 0

@@ -1,0 +1,100 @@
+"""Storage reads, counted by the storage itself (an independent oracle), against what a
+clairvoyant cache can do: one read per needed sample in epoch 1, none afterwards when the
+cache holds the data, and no more than Belady's optimum with a cache of 30%."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+from torch.utils.data import DistributedSampler
+
+from loader import DataLoader
+from tests.loader.conftest import SAMPLE_BYTES
+
+
+def epochs_of_reads(dl, dataset, epochs: int) -> list[np.ndarray]:
+    """Per-index storage reads made during each epoch."""
+    out, before = [], dataset.read_counts()
+    for epoch in range(epochs):
+        if isinstance(dl.sampler, DistributedSampler):
+            dl.sampler.set_epoch(epoch)
+        for _ in dl:
+            pass
+        now = dataset.read_counts()
+        out.append(now - before)
+        before = now
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("cache_ram", [None, "1MiB"])
+def test_epoch_one_reads_each_needed_sample_once(counting, workers, cache_ram):
+    dataset = counting(60)
+    sampler = DistributedSampler(dataset, num_replicas=3, rank=1, seed=4)
+    needed = set(sampler)
+    dl = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=workers, cache_ram=cache_ram)
+    (reads,) = epochs_of_reads(dl, dataset, 1)
+    dl.close()
+    assert all(reads[i] == 1 for i in needed), "a needed sample was read more than once, or not at all"
+    assert reads.sum() == len(needed), "a sample this rank does not need was read"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("shuffle", ["generator", "global"])
+def test_cache_holding_the_data_reads_nothing_after_epoch_one(counting, workers, shuffle):
+    dataset = counting(60)
+    generator = torch.Generator().manual_seed(1) if shuffle == "generator" else None
+    dl = DataLoader(dataset, batch_size=5, shuffle=True, generator=generator, num_workers=workers,
+                    persistent_workers=workers > 0, cache_ram=60 * SAMPLE_BYTES)
+    reads = epochs_of_reads(dl, dataset, 3)
+    stats = dl.stats()
+    dl.close()
+    assert reads[0].tolist() == [1] * 60
+    assert reads[1].sum() == 0 and reads[2].sum() == 0
+    assert stats["storage_reads"] == 60 and stats["ram_hits"] == 120 and stats["samples"] == 180
+
+
+def farthest_in_future(stream: list[int], capacity: int, epoch_len: int) -> list[int]:
+    """Textbook Belady with bypass, written plainly: misses per epoch."""
+    cache: set[int] = set()
+    misses = [0] * (len(stream) // epoch_len)
+
+    def next_use(item: int, after: int) -> int:
+        for q in range(after + 1, len(stream)):
+            if stream[q] == item:
+                return q
+        return len(stream) + 1
+
+    for p, item in enumerate(stream):
+        if item in cache:
+            continue
+        misses[p // epoch_len] += 1
+        if len(cache) < capacity:
+            cache.add(item)
+            continue
+        farthest = max(cache, key=lambda c: next_use(c, p))
+        if next_use(farthest, p) > next_use(item, p):
+            cache.remove(farthest)
+            cache.add(item)
+    return misses
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_thirty_percent_cache_reads_no_more_than_the_optimum(counting, workers):
+    n, epochs, capacity = 60, 4, 18            # 18 of 60 samples: 30 %
+    dataset = counting(n)
+    dl = DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(21),
+                    num_workers=workers, cache_ram=capacity * SAMPLE_BYTES, prefetch_bytes=8 * SAMPLE_BYTES)
+    reads = [int(r.sum()) for r in epochs_of_reads(dl, dataset, epochs)]
+    peak = dl.stats()["cache_ram_peak_bytes"]
+    dl.close()
+    # The order torch would read in, from torch's own loader with the same seed.
+    order = tud.DataLoader(range(n), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(21))
+    stream = [int(i) for _ in range(epochs) for batch in order for i in batch]
+    optimum = farthest_in_future(stream, capacity, n)
+    print(f"storage reads per epoch: {reads}; Belady optimum: {optimum}")
+    assert reads[0] == n
+    assert all(r <= o for r, o in zip(reads, optimum)), (reads, optimum)
+    assert reads[1] < n                         # the cache did save reads
+    assert peak <= capacity * SAMPLE_BYTES
