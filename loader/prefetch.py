@@ -257,7 +257,7 @@ class Prefetcher:
         held = self.held.pop(index)
         self.staged_bytes -= held.size
         tier = ABSENT
-        if self.disk_set is not None and self.disk.enabled and held.next_use != NEVER:
+        if self.disk_set is not None and self.disk.enabled:
             self.disk_set.capacity = self.disk.budget - sum(self.doomed.values())
             victims = self.disk_set.offer(index, held.size, held.next_use)
             if victims is not None:
