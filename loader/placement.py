@@ -53,25 +53,33 @@ class BeladyCache:
         self.kept[index] = (size, next_use_at)
         heapq.heappush(self._heap, (-next_use_at, index))
 
-    def offer(self, index: int, size: int, next_use_at: int) -> list[int] | None:
+    def offer(self, index: int, size: int, next_use_at: int,
+              can_evict: Callable[[int], bool] | None = None) -> list[int] | None:
         """Keep a sample just read? Returns the evicted indices, or None to bypass it.
 
         A sample with no known next use is kept only in free space (the future beyond the
         plan's horizon may still want it); it is the first to go when room is needed.
+        `can_evict` vetoes victims that are still in use (then the next farthest is tried).
         """
         if size > self.capacity or (next_use_at == NEVER and self.used + size > self.capacity):
             return None
         victims: list[tuple[int, int]] = []
+        vetoed: list[tuple[int, int]] = []
         freed = 0
         while self.used - freed + size > self.capacity:
             top = self._farthest()
             if top is None or top[0] <= next_use_at:
-                for row in victims:
+                for row in victims + vetoed:
                     heapq.heappush(self._heap, (-row[0], row[1]))
                 return None
             heapq.heappop(self._heap)
+            if can_evict is not None and not can_evict(top[1]):
+                vetoed.append(top)
+                continue
             victims.append(top)
             freed += self.kept[top[1]][0]
+        for row in vetoed:
+            heapq.heappush(self._heap, (-row[0], row[1]))
         for _, victim in victims:
             self.remove(victim)
         self.kept[index] = (size, next_use_at)

@@ -19,7 +19,7 @@ import numpy as np
 
 from loader.arena import Arena
 from loader.cache_disk import DiskTier
-from loader.cache_ram import (ABSENT, DIRECT, DISK, DISK_HITS, FAILED, GEN_BASE, LENGTH, MODE, PLANNED,
+from loader.cache_ram import (ABSENT, DIRECT, DISK, DISK_HITS, FAILED, GEN_BASE, MODE, PLANNED,
                               RAM,
                               RAM_HITS, STORAGE_BYTES, STORAGE_READS, SharedState)
 from loader.placement import NEVER, BeladyCache, first_use, next_use
@@ -46,7 +46,6 @@ class Prefetcher:
         self.ram = BeladyCache(cache_ram)
         self.disk_set = BeladyCache(disk.budget) if disk else None
         self.disk_pending: dict[int, int] = {}
-        self.doomed: dict[int, int] = {}          # evicted from disk but still pending: index -> bytes
         self.arena = Arena(shared.layout.arena)
         self.held: dict[int, _Held] = {}
         self.staged_bytes = self.staged_peak = 0  # held bytes outside the RAM cache set
@@ -102,7 +101,7 @@ class Prefetcher:
 
     def usage(self) -> dict:
         with self.cv:
-            disk_used = (self.disk_set.used + sum(self.doomed.values())) if self.disk_set else 0
+            disk_used = self.disk_set.used if self.disk_set else 0
             return {"cache_ram_bytes": self.ram.used, "cache_ram_peak_bytes": self.ram.peak,
                     "cache_ram_samples": len(self.ram), "staging_bytes": self.staged_bytes,
                     "staging_peak_bytes": self.staged_peak, "cache_disk_bytes": disk_used,
@@ -258,8 +257,8 @@ class Prefetcher:
         self.staged_bytes -= held.size
         tier = ABSENT
         if self.disk_set is not None and self.disk.enabled:
-            self.disk_set.capacity = self.disk.budget - sum(self.doomed.values())
-            victims = self.disk_set.offer(index, held.size, held.next_use)
+            victims = self.disk_set.offer(index, held.size, held.next_use,
+                                          can_evict=lambda victim: not self.disk_pending.get(victim))
             if victims is not None:
                 for victim in victims:
                     self._disk_evict(victim)
@@ -271,11 +270,8 @@ class Prefetcher:
         self.arena.free(held.offset)
 
     def _disk_evict(self, index: int) -> None:
-        if self.disk_pending.get(index, 0) > 0:
-            self.doomed[index] = int(self.shared.table[index, LENGTH])
-        else:
-            self.disk.remove(index)
-            self.shared.set_entry(index, ABSENT)
+        self.shared.set_entry(index, ABSENT)
+        self.disk.remove(index)
 
     def _release(self, position: int) -> None:
         index, kind = int(self.stream[position]), int(self.holder[position])
@@ -290,14 +286,10 @@ class Prefetcher:
                 self.disk_pending[index] = left
             else:
                 del self.disk_pending[index]
-                if index in self.doomed:
-                    del self.doomed[index]
-                    self.disk.remove(index)
-                    self.shared.set_entry(index, ABSENT)
 
     # --- helpers ---------------------------------------------------------------------------------
     def _on_disk(self, index: int) -> bool:
-        return self.disk_set is not None and (index in self.disk_set or index in self.doomed)
+        return self.disk_set is not None and index in self.disk_set
 
     def _add_staged(self, nbytes: int) -> None:
         self.staged_bytes += nbytes
