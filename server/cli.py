@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond this get 429")
     p.add_argument("--max-body-bytes", type=_bytes, default=4 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--throughput-log-seconds", type=float, default=5.0,
+                   help="log a throughput line this often while there is work")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -62,7 +64,7 @@ async def serve(args: argparse.Namespace) -> int:
              engine.model.dtype, engine.model.device, engine.kv.num_blocks, engine.kv.block_size,
              engine.max_model_len, args.policy)
     app = build_app(engine, api_keys=keys, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                    served_model_name=args.served_model_name)
+                    served_model_name=args.served_model_name, throughput_log_seconds=args.throughput_log_seconds)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

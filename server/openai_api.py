@@ -7,6 +7,7 @@ engine at once, which frees its KV blocks.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -20,6 +21,8 @@ from server.auth import authenticate
 from server.errors import APIError, bad_request
 from server.protocol import GenerationRequest, parse_chat, parse_completion
 from server.state import ServerState, read_json
+
+log = logging.getLogger("prescient.server")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -97,6 +100,15 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
                        code="queue_full", headers={"Retry-After": "1"}) from exc
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+    except ConnectionError:
+        raise   # the client left; leaving the `async with` has already aborted the request
+    except Exception as exc:
+        if stream is None:
+            raise   # the middleware logs it and answers 500 with the envelope
+        log.exception("internal error while streaming %s", request_id)   # headers are sent: end the stream
+        await sse.send(stream, APIError(500, f"Internal server error while generating: {exc}").body())
+        await sse.send_done(stream)
+        return stream
     finally:
         state.in_flight -= 1
         state.record(request, req, tenant.name, last)

@@ -84,7 +84,7 @@ def running_server(*args: str, **kwargs):
 
 @pytest.fixture(scope="session")
 def server():
-    with running_server() as s:
+    with running_server("--throughput-log-seconds", "1") as s:
         yield s
 
 

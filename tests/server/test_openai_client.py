@@ -1,6 +1,9 @@
 """The official openai client against the real server; text must equal the offline engine's (greedy)."""
 from __future__ import annotations
 
+import re
+import time
+
 from runtime import SamplingParams
 from tests.server.conftest import MODEL
 
@@ -99,3 +102,13 @@ def test_openapi_describes_every_route(server):
         doc = json.loads(r.read())
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                                  "/tokenize", "/detokenize", "/openapi.json"}
+
+
+def test_logs_a_line_per_request_and_throughput(server, client):
+    client.completions.create(model=MODEL, prompt="Log me", max_tokens=12, user="log-test",
+                              extra_body={"ignore_eos": True})
+    time.sleep(1.5)
+    log = server.output()
+    assert re.search(r"POST /v1/completions tenant=log-test prompt=\d+ completion=12 cached=\d+ finish=length "
+                     r"ttft=[\d.]+s e2e=[\d.]+s", log), log[-2000:]
+    assert re.search(r"throughput: [\d.]+ generated tokens/s", log), log[-2000:]
