@@ -30,7 +30,7 @@ class CacheOptions:
     cache_disk_bytes: int = 0            # bytes the disk tier may hold
     cache_items: bool = False            # the dataset's items are deterministic: cache them whole
     prefetch_bytes: int = 64 << 20       # bytes read ahead and not cached, plus reads in flight
-    prefetch_threads: int = 8            # concurrent storage reads
+    prefetch_threads: int = 16           # concurrent storage reads
     horizon_epochs: int = 2              # epochs the placement looks ahead when the order is seeded
 
 

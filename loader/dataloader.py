@@ -116,7 +116,7 @@ class DataLoader(tud.DataLoader):
       cache_disk / cache_disk_bytes: a local directory and how many bytes it may hold.
       cache_items: the dataset has no read/decode but its items are deterministic: cache them.
       prefetch_bytes: bytes read ahead of the workers and not cached (default 64 MiB).
-      prefetch_threads: concurrent storage reads (default 8).
+      prefetch_threads: concurrent storage reads (default 16).
       name: label of this loader's Prometheus series.
     Shared memory used: cache_ram + prefetch_bytes, for a dataset that implements
     read(index) -> bytes and decode(raw, index), or with cache_items=True.
@@ -128,7 +128,7 @@ class DataLoader(tud.DataLoader):
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="", in_order=True,
                  cache_ram: int | str | None = None, cache_disk: str | None = None,
                  cache_disk_bytes: int | str | None = None, cache_items: bool = False,
-                 prefetch_bytes: int | str = "64MiB", prefetch_threads: int = 8, name: str | None = None):
+                 prefetch_bytes: int | str = "64MiB", prefetch_threads: int = 16, name: str | None = None):
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
                          pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,

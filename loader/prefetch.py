@@ -60,8 +60,12 @@ class Prefetcher:
         self.sched = self.done = self.consumed = 0
         self.failure: BaseException | None = None
         self.closed = False
-        self.cv = threading.Condition()
+        # The coordinator's state is guarded by `lock`, held while it works and released while
+        # it waits; reader threads never take it: they hand results over through `delivered`.
+        self.lock = threading.Lock()
+        self.wakeup = threading.Event()
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.delivered: queue.SimpleQueue = queue.SimpleQueue()
         self.readers = [threading.Thread(target=self._read_loop, name=f"prescient-reader-{n}", daemon=True)
                         for n in range(threads)]
         self.coordinator = threading.Thread(target=self._run, name="prescient-prefetch", daemon=True)
@@ -72,7 +76,7 @@ class Prefetcher:
     def begin_epoch(self, stream: np.ndarray, following: list[np.ndarray], base: int) -> None:
         """Switch to a new epoch's stream, whose first entry is global plan position `base`
         (larger than any position used before, so old ring entries never match)."""
-        with self.cv:
+        with self.lock:
             self.shared.header[GEN_BASE] = base    # first: workers stop trusting older positions
             self.shared.header[MODE] = PLANNED if self.failure is None else DIRECT
             for position in range(self.consumed, self.done):   # published, never consumed: a break
@@ -97,10 +101,10 @@ class Prefetcher:
             self.holder = np.zeros(len(stream), dtype=np.int8)
             self.sched = self.done = self.consumed = 0
             self.base = base
-            self.cv.notify_all()
+        self.wakeup.set()
 
     def usage(self) -> dict:
-        with self.cv:
+        with self.lock:
             disk_used = self.disk_set.used if self.disk_set else 0
             return {"cache_ram_bytes": self.ram.used, "cache_ram_peak_bytes": self.ram.peak,
                     "cache_ram_samples": len(self.ram), "staging_bytes": self.staged_bytes,
@@ -110,9 +114,9 @@ class Prefetcher:
                     "disk_tier_enabled": bool(self.disk and self.disk.enabled)}
 
     def close(self) -> None:
-        with self.cv:
+        with self.lock:
             self.closed = True
-            self.cv.notify_all()
+        self.wakeup.set()
         for _ in self.readers:
             self.requests.put(None)
         self.coordinator.join(timeout=5)
@@ -124,14 +128,18 @@ class Prefetcher:
     # --- the coordinator -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            with self.cv:
-                while not self.closed:
-                    progressed = self._consume()
+            while True:
+                with self.lock:
+                    if self.closed:
+                        return
+                    progressed = self._collect()
+                    progressed = self._consume() or progressed
                     progressed = self._finalize() or progressed
                     progressed = self._schedule() or progressed
-                    if not progressed:
-                        busy = self.consumed < self.done or self.done < self.sched
-                        self.cv.wait(BUSY_POLL_SECONDS if busy else IDLE_WAIT_SECONDS)
+                    busy = self.consumed < self.done or self.done < self.sched
+                if not progressed:
+                    self.wakeup.wait(BUSY_POLL_SECONDS if busy else IDLE_WAIT_SECONDS)
+                    self.wakeup.clear()
         except BaseException as error:  # noqa: BLE001 - workers must never wait on a dead thread
             self.failure = error
             self.shared.header[MODE] = DIRECT
@@ -312,12 +320,22 @@ class Prefetcher:
                 raw: bytes | BaseException = self.source.read(index)
             except BaseException as error:  # noqa: BLE001 - handed to the worker, which raises it
                 raw = error
-            with self.cv:
-                if not isinstance(raw, BaseException):
-                    self.shared.counters[0, STORAGE_READS] += 1
-                    self.shared.counters[0, STORAGE_BYTES] += len(raw)
-                    self.read_bytes += len(raw)
-                    self.read_count += 1
-                if index in self.inflight and not self.closed:
-                    self.results[index] = raw
-                    self.cv.notify_all()
+            self.delivered.put((index, raw))
+            self.wakeup.set()
+
+    def _collect(self) -> bool:
+        """Take the readers' results (coordinator thread, lock held)."""
+        progressed = False
+        while True:
+            try:
+                index, raw = self.delivered.get_nowait()
+            except queue.Empty:
+                return progressed
+            progressed = True
+            if not isinstance(raw, BaseException):
+                self.shared.counters[0, STORAGE_READS] += 1
+                self.shared.counters[0, STORAGE_BYTES] += len(raw)
+                self.read_bytes += len(raw)
+                self.read_count += 1
+            if index in self.inflight:
+                self.results[index] = raw

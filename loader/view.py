@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from loader.cache_disk import read_file
-from loader.cache_ram import (DIRECT_READS, DISK, GEN_BASE, LENGTH, MODE, OFFSET, PLANNED, RAM, SAMPLES,
+from loader.cache_ram import (COUNTERS, DIRECT_READS, DISK, GEN_BASE, LENGTH, MODE, OFFSET, PLANNED, RAM, SAMPLES,
                               STORAGE_BYTES, STORAGE_READS, TIER, WAIT_NS, SharedState)
 from loader.source import ByteSource
 
@@ -71,7 +71,7 @@ class CachedView(Dataset):
     def __getitem__(self, key):
         row, worker = self._row()
         if type(key) is not Ticket:
-            self.shared.counters[row, SAMPLES] += 1
+            self.shared.fast["counters"][row * COUNTERS + SAMPLES] += 1
             return self.dataset[key]
         self._batch_start(key, worker)
         if key.edge & PLANNED_READ:
@@ -80,7 +80,7 @@ class CachedView(Dataset):
             sample = self.source.decode(self._direct(key.index, row), key.index)
         else:
             sample = self.dataset[key.index]
-        self.shared.counters[row, SAMPLES] += 1
+        self.shared.fast["counters"][row * COUNTERS + SAMPLES] += 1
         self._batch_end(key, worker)
         return sample
 
@@ -104,37 +104,40 @@ class CachedView(Dataset):
 
     def _planned_raw(self, ticket: Ticket, row: int) -> bytes:
         shared = self.shared
-        slot = ticket.pos % len(shared.ready)
+        fast = shared.fast
+        header, ready = fast["header"], fast["ready"]
+        slot = ticket.pos % len(ready)
         waited = None
         while True:
-            if shared.header[MODE] != PLANNED or shared.header[GEN_BASE] > ticket.pos:
+            if header[MODE] != PLANNED or header[GEN_BASE] > ticket.pos:
                 return self._direct(ticket.index, row)     # the plan no longer covers this read
-            if shared.ready[slot] == ticket.pos + 1:
+            if ready[slot] == ticket.pos + 1:
                 break
             if waited is None:
                 waited = time.perf_counter()
             time.sleep(POLL_SECONDS)
         if waited is not None:
-            shared.counters[row, WAIT_NS] += int((time.perf_counter() - waited) * 1e9)
+            fast["counters"][row * COUNTERS + WAIT_NS] += int((time.perf_counter() - waited) * 1e9)
         try:
-            tier, offset, length = (int(v) for v in shared.table[ticket.index, [TIER, OFFSET, LENGTH]])
+            table, base = fast["table"], ticket.index * 4
+            tier, offset, length = table[base + TIER], table[base + OFFSET], table[base + LENGTH]
             raw = None
             if tier == RAM:
                 raw = shared.read(offset, length)
             elif tier == DISK:
                 raw = read_file(f"{self.disk_dir}/{ticket.index}", length)
-            if raw is not None and shared.header[GEN_BASE] > ticket.pos:
+            if raw is not None and header[GEN_BASE] > ticket.pos:
                 raw = None                                   # released while we copied: do not trust it
             return raw if raw is not None else self._direct(ticket.index, row)
         finally:
-            shared.done[slot] = ticket.pos + 1
+            fast["done"][slot] = ticket.pos + 1
 
     def _direct(self, index: int, row: int) -> bytes:
         raw = self.source.read(index)
-        counters = self.shared.counters[row]
-        counters[STORAGE_READS] += 1
-        counters[STORAGE_BYTES] += len(raw)
-        counters[DIRECT_READS] += 1
+        counters, base = self.shared.fast["counters"], row * COUNTERS
+        counters[base + STORAGE_READS] += 1
+        counters[base + STORAGE_BYTES] += len(raw)
+        counters[base + DIRECT_READS] += 1
         return raw
 
 
@@ -148,7 +151,7 @@ class CachedItemsView(CachedView):
         if tickets:
             self._batch_start(tickets[0], worker)
         samples = self.dataset.__getitems__([k.index if type(k) is Ticket else k for k in keys])
-        self.shared.counters[row, SAMPLES] += len(keys)
+        self.shared.fast["counters"][row * COUNTERS + SAMPLES] += len(keys)
         if tickets:
             self._batch_end(tickets[-1], worker)
         return samples
