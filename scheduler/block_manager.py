@@ -1,10 +1,15 @@
 """KV block bookkeeping: reference counts, an LRU free queue and automatic prefix caching.
 
-Pure integers. A full block is identified by a hash chaining its parent's
-hash and its token ids, so equal prefixes map to equal blocks. A block whose
-last user finished keeps its contents and its hash while it waits in the free
-queue: a later request with the same prefix revives it; a new allocation
-takes the least recently freed block and forgets its hash (eviction).
+Pure integers; the runtime owns the memory a block id points at. A full block
+is identified by a hash chaining its parent block's hash and its token ids, so
+equal prefixes map to equal blocks and a block is only ever shared whole.
+
+A block whose last user finished keeps its contents and its hash while it
+waits in the free queue: a later request with the same prefix revives it. A
+fresh allocation takes the block at the front of the free queue and forgets
+its hash (eviction). Blocks without reusable contents go to the front, so they
+are taken first; cached blocks go to the back, so the least recently used
+cached block is the one evicted.
 """
 from __future__ import annotations
 
@@ -12,11 +17,12 @@ from collections import OrderedDict
 
 from scheduler.request import Request
 
-_NO_PARENT = 0x5EED
+_ROOT = 0x5EED  # stands in for the parent hash of a request's first block
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((_NO_PARENT if parent is None else parent, tokens))
+    """Content id of a full block: Python's 64-bit tuple hash over (parent hash, token ids)."""
+    return hash((_ROOT if parent is None else parent, tokens))
 
 
 class BlockManager:
@@ -25,20 +31,36 @@ class BlockManager:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        """Tokens per block."""
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        # free blocks, least recently freed first (the next to be evicted)
+        """Block tables holding each block."""
+        self.num_shared_refs = 0
+        """Sum over blocks of max(ref count - 1, 0): extra tables pointing at an already held block."""
+        # Unreferenced blocks in eviction order: the front is taken first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}             # block hash -> block id
-        self._key: list[tuple | None] = [None] * num_blocks   # block id -> (hash, parent, tokens)
+        self._cached: dict[int, int] = {}                 # block hash -> block id
+        self._hash: list[int | None] = [None] * num_blocks  # block id -> its hash while cached
+
+    # ---- counts ---------------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (including cached ones waiting to be revived or evicted)."""
         return len(self._free)
 
     @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose contents are registered in the prefix cache (held or free)."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        """Fraction of blocks held by requests, 0..1 (cached-but-free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -46,94 +68,119 @@ class BlockManager:
 
     # ---- prefix cache ---------------------------------------------------------------------------
 
-    def _full_block_hashes(self, request: Request, num_tokens: int) -> list[int]:
-        """Hashes of the full blocks among the first num_tokens tokens, extending request.block_hashes."""
+    def _hash_of(self, request: Request, index: int) -> int:
+        """Hash of the request's full block `index`, computing (once) any missing ones before it."""
         hashes = request.block_hashes
-        want = num_tokens // self.block_size
-        if len(hashes) < want:
+        if index >= len(hashes):
             tokens = request.all_token_ids
             bs = self.block_size
-            for i in range(len(hashes), want):
+            for i in range(len(hashes), index + 1):
                 hashes.append(block_hash(hashes[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs])))
-        return hashes[:want]
+        return hashes[index]
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """Block ids holding the longest cached prefix of the request's tokens.
+        """Block ids holding the longest cached prefix of the request's tokens, whole blocks only.
 
-        At least the last token is left to compute, because the engine needs its logits.
+        At least the last token is left out, because the engine needs its logits:
+        when the whole token stream is cached, the last block is recomputed.
+        Hashes are computed lazily up to the first miss.
         """
         if not self.enable_prefix_caching:
             return []
-        num_tokens = request.num_tokens
-        hashes = self._full_block_hashes(request, num_tokens - 1)
         blocks = []
-        for h in hashes:
-            block = self._cached.get(h)
+        for i in range((request.num_tokens - 1) // self.block_size):
+            block = self._cached.get(self._hash_of(request, i))
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's newly computed full blocks so later requests can share them."""
+    def cache_full_blocks(self, request: Request, num_computed_before: int = 0) -> None:
+        """Register the blocks that became full and computed since num_computed_before tokens.
+
+        Passing the count from before the step keeps this O(new blocks) per step.
+        """
         if not self.enable_prefix_caching:
             return
-        hashes = self._full_block_hashes(request, request.num_computed_tokens)
-        for i, h in enumerate(hashes):
-            block = request.block_table[i]
-            if self._key[block] is not None:
-                continue  # already registered (shared, or registered in an earlier step)
-            if h not in self._cached:
+        bs = self.block_size
+        table = request.block_table
+        for i in range(num_computed_before // bs, request.num_computed_tokens // bs):
+            block = table[i]
+            if self._hash[block] is not None:
+                continue  # shared from the cache, or registered earlier
+            h = self._hash_of(request, i)
+            if h not in self._cached:  # else an equal block computed concurrently is already cached
                 self._cached[h] = block
-                self._key[block] = h
+                self._hash[block] = h
 
     # ---- allocation -----------------------------------------------------------------------------
 
-    def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def num_blocks_to_allocate(self, request: Request, num_tokens: int, cached_blocks: list[int] = ()) -> int:
+        """Free-queue blocks that covering `num_tokens` tokens would take (fresh ones plus revived cached ones)."""
         have = len(request.block_table) + len(cached_blocks)
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
+        fresh = max(self.blocks_needed(num_tokens) - have, 0)
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
-        return need <= len(self._free) - revived
+        return fresh + revived
+
+    def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        need = self.num_blocks_to_allocate(request, request.num_computed_tokens + num_new_tokens, cached_blocks)
+        return need <= len(self._free)
 
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Grow request.block_table to cover num_computed_tokens + num_new_tokens; False if blocks are short.
+        """Grow request.block_table to cover num_computed_tokens + num_new_tokens tokens.
 
-        cached_blocks (from find_cached_prefix) are attached first, when the table is empty.
+        Returns False, changing nothing, if the free queue is short. cached_blocks
+        (from find_cached_prefix, for a request with an empty table) are attached first.
         """
-        if not self.can_allocate(request, num_new_tokens, cached_blocks):
+        table = request.block_table
+        fresh = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table) - len(cached_blocks)
+        if not cached_blocks and fresh <= 0:
+            return True  # the common decode step: the last block still has room
+        ref_counts = self.ref_counts
+        revived = sum(1 for b in cached_blocks if ref_counts[b] == 0)
+        if max(fresh, 0) + revived > len(self._free):
             return False
         for block in cached_blocks:
-            if self.ref_counts[block] == 0:
+            if ref_counts[block] == 0:
                 del self._free[block]
-            self.ref_counts[block] += 1
-            request.block_table.append(block)
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
-        for _ in range(need):
+            else:
+                self.num_shared_refs += 1
+            ref_counts[block] += 1
+            table.append(block)
+        for _ in range(fresh):
             block, _ = self._free.popitem(last=False)
-            key = self._key[block]
-            if key is not None:  # evict: its contents are about to be overwritten
-                if self._cached.get(key) == block:
-                    del self._cached[key]
-                self._key[block] = None
-            self.ref_counts[block] = 1
-            request.block_table.append(block)
+            h = self._hash[block]
+            if h is not None:  # evict: its contents are about to be overwritten
+                del self._cached[h]
+                self._hash[block] = None
+            ref_counts[block] = 1
+            table.append(block)
         return True
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks; the tail goes into the free queue first, so it is evicted first."""
+        """Release the request's blocks. Its tail is freed first, so it is evicted before its shared head."""
+        free = self._free
+        ref_counts = self.ref_counts
         for block in reversed(request.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self._free[block] = None
+            ref_counts[block] -= 1
+            if ref_counts[block] == 0:
+                free[block] = None
+                if self._hash[block] is None:
+                    free.move_to_end(block, last=False)  # nothing to reuse: hand it out first
+            else:
+                self.num_shared_refs -= 1
         request.block_table = []
 
     def check_invariants(self, tables: list[list[int]]) -> None:
-        """For tests: ref counts equal table membership, and the free queue holds exactly the unreferenced."""
+        """For tests: ref counts equal table membership, the free queue holds exactly the
+        unreferenced blocks, and the cache map and the per-block hashes agree."""
         counts = [0] * self.num_blocks
         for table in tables:
             for block in table:
                 counts[block] += 1
         assert counts == self.ref_counts, "ref counts disagree with block tables"
         assert set(self._free) == {b for b in range(self.num_blocks) if counts[b] == 0}, "free queue is wrong"
+        assert self.num_shared_refs == sum(max(c - 1, 0) for c in counts), "shared reference count is wrong"
+        assert len(self._cached) == sum(h is not None for h in self._hash), "cache map and block hashes disagree"
         for h, block in self._cached.items():
-            assert self._key[block] == h, "cache map and block keys disagree"
+            assert self._hash[block] == h, "cache map and block hashes disagree"

@@ -15,12 +15,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     """Most tokens computed in one step (prefill chunks + one per decode)."""
     max_model_len: int = 8192
+    """Longest token stream (prompt + output) a request may reach; it stops there."""
     policy: str = "vtc"
+    """Admission order and preemption choice: one of POLICIES."""
     enable_prefix_caching: bool = True
     prompt_token_weight: float = 1.0
     """VTC's w_p: service charged per prompt token."""
     output_token_weight: float = 2.0
     """VTC's w_q: service charged per generated token."""
+    watermark: float = 0.01
+    """Fraction of blocks that admitting a new request leaves free while others run, so running
+    decodes that cross into a new block do not at once preempt the request just admitted."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -32,3 +37,20 @@ class SchedulerConfig:
         for name in ("prompt_token_weight", "output_token_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark: must be in [0, 1), got {self.watermark!r}")
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV pool holds: the longest request that can ever run."""
+        return self.num_blocks * self.block_size
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError (naming max_tokens) if the request could outgrow the whole KV pool even
+        when running alone: then no schedule can finish it, so it must be refused upfront."""
+        # The last token sampled is never fed back, so at most (final length - 1) tokens hold KV.
+        final_len = min(num_prompt_tokens + max_tokens, max(self.max_model_len, num_prompt_tokens + 1))
+        if final_len - 1 > self.kv_capacity_tokens:
+            raise ValueError(f"max_tokens: the request needs up to {num_prompt_tokens} prompt + {max_tokens} "
+                             f"output tokens of KV cache, more than the {self.kv_capacity_tokens} tokens "
+                             f"({self.num_blocks} blocks of {self.block_size}) the cache holds")

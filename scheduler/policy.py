@@ -47,7 +47,8 @@ class Policy:
     name = "base"
 
     def add(self, request: Request) -> None:
-        """A request enters the waiting queue (new, or preempted and to be recomputed)."""
+        """A request enters the waiting queue: new (status WAITING), or preempted and to be
+        recomputed (status PREEMPTED, already charged for its prompt)."""
         raise NotImplementedError
 
     def peek(self) -> Request | None:
@@ -65,11 +66,11 @@ class Policy:
         raise NotImplementedError
 
     def victim(self, running: list[Request]) -> Request:
-        """Which running request to preempt when KV blocks run out."""
+        """Which of the running requests (non-empty) to preempt when KV blocks run out."""
         raise NotImplementedError
 
     def charge_admission(self, request: Request) -> None:
-        """Called once when a request is first admitted."""
+        """Called whenever a request is admitted (again after a preemption: charge its prompt once)."""
 
     def charge_output(self, request: Request, num_tokens: int = 1) -> None:
         """Called for every generated token."""
@@ -78,5 +79,5 @@ class Policy:
         """Called when a request leaves the system (finished or aborted)."""
 
     def counters(self) -> dict[str, float]:
-        """Per-tenant virtual counters (empty for policies without them)."""
+        """Per-tenant virtual counters in weighted tokens (empty for policies without them); read only."""
         return {}

@@ -57,14 +57,31 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
 
+    _token_ids: list[int] = field(default_factory=list, init=False, repr=False)
+    """prompt + output in one list, kept up to date by append_output_token."""
+
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.prompt_token_ids = list(self.prompt_token_ids)
+        self._token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output_token(self, token: int) -> None:
+        """Record one generated token (O(1); keeps all_token_ids current)."""
+        self.output_token_ids.append(token)
+        self._token_ids.append(token)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output token ids, without copying: read it, do not modify it.
+
+        The prompt is fixed once the request exists; outputs are appended with
+        append_output_token (a direct append to output_token_ids is noticed by
+        the length check and the list rebuilt).
+        """
+        if len(self._token_ids) != len(self.prompt_token_ids) + len(self.output_token_ids):
+            self._token_ids = self.prompt_token_ids + self.output_token_ids
+        return self._token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

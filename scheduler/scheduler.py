@@ -3,9 +3,14 @@
 Every step first continues the running requests (one token for a decode, the
 next chunk for an unfinished prefill), then admits waiting requests in the
 policy's order while sequences, the token budget and KV blocks allow. Long
-prompts are chunked under the budget, so they never stall the decodes. When a
-running request needs a block and none is free, the policy picks a victim to
-preempt: its blocks are freed and it is recomputed later.
+prompts are chunked under the budget, so they never stall the decodes.
+
+Blocks are allocated lazily, only for the tokens scheduled this step, but a
+request is admitted only if the blocks for its whole prompt are free beyond
+those that running prefills still need: so only decodes growing into new
+blocks can run the pool dry. When that happens the policy picks a victim to
+preempt: its blocks are freed and it is recomputed later from its prompt and
+the tokens it already generated (the prefix cache may serve part of that).
 """
 from __future__ import annotations
 
@@ -20,17 +25,29 @@ from scheduler.priority import PriorityPolicy
 from scheduler.request import Request, RequestStatus
 from scheduler.vtc import VTCPolicy
 
+_RUNNING = RequestStatus.RUNNING
+
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    """(request, tokens to compute) in batch order; the tokens are
-    request.all_token_ids[num_computed_tokens : num_computed_tokens + n]."""
+    """(request, tokens to compute) in batch order: request.all_token_ids[num_computed_tokens :
+    num_computed_tokens + n]; num_computed_tokens is advanced only by update_from_output."""
     preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    """Sum of n over scheduled: tokens computed this step."""
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+    def __post_init__(self) -> None:
+        if not self.num_batched_tokens:
+            self.num_batched_tokens = sum(n for _, n in self.scheduled)
+
+
+@dataclass
+class _TenantTally:
+    service_tokens: int = 0
+    """Tokens served: prompt tokens at first admission (cache hits included) + generated tokens."""
+    waiting: int = 0
+    running: int = 0
 
 
 def make_policy(config: SchedulerConfig) -> Policy:
@@ -47,30 +64,34 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = policy or make_policy(config)
         self.running: list[Request] = []
+        """Admitted requests in admission order; each holds blocks for its computed tokens."""
         self.requests: dict[str, Request] = {}
+        """Every unfinished request (waiting, preempted or running) by id."""
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0     # of those, tokens found there
         self.num_computed_tokens = 0   # tokens run through the model (prefill chunks and decodes)
         self.num_generated_tokens = 0  # tokens sampled
-        self._service: dict[str, int] = {}   # tenant -> tokens served (prompt admitted + generated)
+        self._tenants: dict[str, _TenantTally] = {}
+        self._watermark_blocks = int(config.watermark * config.num_blocks + 0.999999)
 
     # ---- requests in and out --------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a new request; ValueError if its id is in use or it could never fit in the KV pool."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
-        capacity = self.config.num_blocks * self.config.block_size
-        if request.num_prompt_tokens + request.sampling_params.max_tokens > capacity:
-            raise ValueError(f"max_tokens: the request needs up to {request.num_prompt_tokens} + "
-                             f"{request.sampling_params.max_tokens} tokens of KV cache, more than the "
-                             f"{capacity} the cache holds")
+        self.config.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._service.setdefault(request.tenant, 0)
+        tally = self._tenants.get(request.tenant)
+        if tally is None:
+            tally = self._tenants[request.tenant] = _TenantTally()
+        tally.waiting += 1
         self.policy.add(request)
 
     def abort_request(self, request_id: str) -> Request | None:
+        """Drop a request now, freeing its blocks; None if it is unknown or already finished."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -78,21 +99,27 @@ class Scheduler:
         return request
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End a request for a reason only the runtime sees (a stop string); no-op if unknown."""
+        if not status.finished:
+            raise ValueError(f"status: {status} is not a finished status")
         request = self.requests.get(request_id)
         if request is not None:
             request.stop_reason = stop_reason
             self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status == RequestStatus.RUNNING:
+        tally = self._tenants[request.tenant]
+        if request.status == _RUNNING:
             self.running.remove(request)
-        elif not request.is_finished:
+            tally.running -= 1
+        else:
             self.policy.remove(request)
+            tally.waiting -= 1
         request.status = status
         request.finished_time = time.monotonic()
         self.block_manager.free(request)
         self.policy.on_finish(request)
-        self.requests.pop(request.request_id, None)
+        del self.requests[request.request_id]
 
     @property
     def num_running(self) -> int:
@@ -108,92 +135,128 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Plan one step. Block tables cover num_computed_tokens + n tokens for every scheduled request."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
-        scheduled: set[int] = set()
+        running = self.running
+        planned: dict[Request, int] = {}
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not bm.allocate(request, n):
-                candidates = [r for r in self.running if id(r) not in scheduled]
-                victim = self.policy.victim(candidates)
-                self._preempt(victim)
+                victim = self.policy.victim(running)
+                j = running.index(victim)
+                self._preempt(victim, j)
                 out.preempted.append(victim)
                 if victim is request:
                     break
+                if j < i:
+                    i -= 1
+                refund = planned.pop(victim, None)
+                if refund is not None:  # it was planned earlier this step: take it out of the batch
+                    budget += refund
+                    out.scheduled = [(r, k) for r, k in out.scheduled if r is not victim]
             else:
                 out.scheduled.append((request, n))
-                scheduled.add(id(request))
+                planned[request] = n
                 budget -= n
                 i += 1
-                continue
-            # request itself was preempted: running[i] is now the next request
+            # if request itself was preempted, running[i] is already the next one
 
-        if out.preempted:
-            return out  # memory is short: admit nobody new this step
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not out.preempted:
+            self._admit(out, budget)
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        running = self.running
+        # Blocks that running requests still need to finish their prompts (or whose decode
+        # was left out of this step): admission must not take them.
+        reserved = 0
+        for r in running:
+            reserved += max(bm.blocks_needed(r.num_tokens) - len(r.block_table), 0)
+        max_num_seqs = self.config.max_num_seqs
+        while budget > 0 and len(running) < max_num_seqs:
             request = self.policy.peek()
             if request is None:
                 break
             cached = bm.find_cached_prefix(request)
             hit = len(cached) * bm.block_size
+            need = bm.num_blocks_to_allocate(request, request.num_tokens, cached)
+            if need + reserved + (self._watermark_blocks if running else 0) > bm.num_free_blocks:
+                break  # the policy's choice waits: admitting anyone else first would break its order
             n = min(request.num_tokens - hit, budget)
             request.num_computed_tokens = hit
             if not bm.allocate(request, n, cached):
-                request.num_computed_tokens = 0
-                break
+                raise AssertionError("blocks counted free were not")
+            reserved += bm.blocks_needed(request.num_tokens) - len(request.block_table)
+            self.policy.remove(request)
+            tally = self._tenants[request.tenant]
+            tally.waiting -= 1
+            tally.running += 1
             self.prefix_queries += request.num_tokens
             self.prefix_hits += hit
-            self.policy.remove(request)
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first admission
                 request.num_cached_tokens = hit
-                self._service[request.tenant] += request.num_prompt_tokens
+                tally.service_tokens += request.num_prompt_tokens
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.policy.charge_admission(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            request.status = _RUNNING
+            running.append(request)
             out.scheduled.append((request, n))
             budget -= n
-        return out
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+    def _preempt(self, request: Request, index: int) -> None:
+        del self.running[index]
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
+        tally = self._tenants[request.tenant]
+        tally.running -= 1
+        tally.waiting += 1
         self.policy.add(request)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Book the step: computed tokens, new full blocks, sampled tokens, stops. Returns finished requests."""
+        """Book the step: computed tokens, new full blocks, sampled tokens, stops. Returns finished requests.
+
+        A request that reached its end without a sampled token is rolled back one token, so its
+        last token is recomputed (and sampled) next step instead of the request stalling.
+        """
+        bm = self.block_manager
         self.num_computed_tokens += output.num_batched_tokens
-        self.num_generated_tokens += len(sampled)
         for request, n in output.scheduled:
-            if request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens += n
-                self.block_manager.cache_full_blocks(request)
+            if request.status is _RUNNING:  # not aborted or finished since schedule()
+                before = request.num_computed_tokens
+                request.num_computed_tokens = before + n
+                bm.cache_full_blocks(request, before)
+                if request.num_computed_tokens == request.num_tokens and request.request_id not in sampled:
+                    request.num_computed_tokens -= 1
         finished = []
         now = time.monotonic()
         max_len = self.config.max_model_len
         for request_id, token in sampled.items():
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue
-            request.output_token_ids.append(token)
+            if request is None or request.status is not _RUNNING \
+                    or request.num_computed_tokens != request.num_tokens:
+                continue  # gone, or not at its end: no token is due
+            request.append_output_token(token)
+            self.num_generated_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
             self.policy.charge_output(request)
-            self._service[request.tenant] += 1
+            self._tenants[request.tenant].service_tokens += 1
             params = request.sampling_params
             status = None
             if token == request.eos_token_id and not params.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
-            elif token in params.stop_token_ids:
+            elif params.stop_token_ids and token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
             elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
@@ -206,22 +269,23 @@ class Scheduler:
     # ---- observability --------------------------------------------------------------------------
 
     def stats(self) -> dict:
+        """Gauges and cumulative counters for metrics; O(running + tenants), cheap enough every step.
+
+        live_token_slots / allocated_token_slots is the fraction of held KV slots that hold a
+        computed token of a running request (a shared prefix block counts once).
+        """
         bm = self.block_manager
-        live = sum(r.num_computed_tokens for r in self.running)
-        allocated = sum(len(r.block_table) for r in self.running) * bm.block_size
+        bs = bm.block_size
+        live = sum(r.num_computed_tokens for r in self.running) - bm.num_shared_refs * bs
         counters = self.policy.counters()
-        tenants: dict[str, dict] = {}
-        for tenant, served in self._service.items():
-            tenants[tenant] = {"counter": counters.get(tenant, 0.0), "service_tokens": served,
-                               "waiting": 0, "running": 0}
-        for r in self.policy.waiting():
-            tenants[r.tenant]["waiting"] += 1
-        for r in self.running:
-            tenants[r.tenant]["running"] += 1
+        tenants = {t: {"counter": counters.get(t, 0.0), "service_tokens": tally.service_tokens,
+                       "waiting": tally.waiting, "running": tally.running}
+                   for t, tally in self._tenants.items()}
         return {
             "num_running": len(self.running), "num_waiting": self.num_waiting,
             "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks, "kv_usage": bm.usage,
-            "live_token_slots": live, "allocated_token_slots": allocated,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "live_token_slots": live, "allocated_token_slots": bm.num_used_blocks * bs,
             "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
             "num_preemptions": self.num_preemptions, "computed_tokens": self.num_computed_tokens,
             "generated_tokens": self.num_generated_tokens, "policy": self.policy.name, "tenants": tenants,

@@ -41,24 +41,45 @@ def test_full_prompt_hit_leaves_last_token_to_compute():
     assert admit(bm, b) == 4          # not 8: the last block is recomputed to get logits
 
 
-def test_freed_blocks_stay_cached_until_evicted_in_lru_order():
+def test_freed_blocks_stay_cached_and_are_evicted_uncached_first_then_lru():
     bm = BlockManager(num_blocks=6, block_size=4)
-    first = make_request("first", 9, 1, seed=1)     # 3 blocks, the first 2 full and cached
+    first = make_request("first", 9, 1, seed=1)     # 3 blocks: 2 full (cached) + a partial tail
     second = make_request("second", 9, 1, seed=2)
     admit(bm, first)
     bm.free(first)
     admit(bm, second)
     bm.free(second)
-    assert bm.num_free_blocks == 6
-    # Both prefixes survive their owners.
-    assert len(bm.find_cached_prefix(make_request("p1", 9, 1, seed=1))) == 2
-    assert len(bm.find_cached_prefix(make_request("p2", 9, 1, seed=2))) == 2
-    # Two fresh blocks come from the least recently freed: first's tail, then first's second full block.
+    assert bm.num_free_blocks == 6 and bm.num_cached_blocks == 4
+
+    def hits(seed):
+        return len(bm.find_cached_prefix(make_request("probe", 9, 1, seed=seed)))
+
+    assert hits(1) == 2 and hits(2) == 2       # both prefixes survive their owners
+    filler = make_request("filler", 8, 1, seed=3)
+    assert bm.allocate(filler, 8)             # takes the two uncached tails: nothing evicted
+    assert hits(1) == 2 and hits(2) == 2
+    more = make_request("more", 4, 1, seed=4)
+    assert bm.allocate(more, 4)               # least recently used: first's chain, deepest block first
+    assert hits(1) == 1 and hits(2) == 2
+    assert bm.allocate(more, 8 - more.num_computed_tokens)
+    assert hits(1) == 0 and hits(2) == 2
+
+
+def test_a_cache_hit_makes_the_block_recently_used_again():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    first = make_request("first", 8, 1, seed=1)     # 2 full blocks; 1 block's worth is reused on a hit
+    second = make_request("second", 8, 1, seed=2)
+    admit(bm, first)
+    admit(bm, second)
+    bm.free(first)
+    bm.free(second)
+    again = make_request("again", 8, 1, seed=1)
+    assert admit(bm, again) == 4              # revives first's head block (ref 0 -> 1)
+    bm.free(again)                            # ... which is now more recent than second's blocks
     filler = make_request("filler", 8, 1, seed=3)
     assert bm.allocate(filler, 8)
-    bm.free(filler)
-    assert len(bm.find_cached_prefix(make_request("p3", 9, 1, seed=1))) == 1  # block 0 survived, block 1 evicted
-    assert len(bm.find_cached_prefix(make_request("p4", 9, 1, seed=2))) == 2  # freed later: untouched
+    assert len(bm.find_cached_prefix(make_request("p1", 8, 1, seed=1))) == 1
+    assert len(bm.find_cached_prefix(make_request("p2", 8, 1, seed=2))) == 0
 
 
 def test_allocation_fails_cleanly_when_short():
