@@ -12,6 +12,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from loader.cache_disk import DiskTier
 from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState
+from loader.exchange import PeerExchange
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
 from loader.resume import EpochStart, ResumePoint, capture, restore
@@ -32,6 +33,8 @@ class CacheOptions:
     prefetch_bytes: int = 64 << 20       # bytes read ahead and not cached, plus reads in flight
     prefetch_threads: int = 16           # concurrent storage reads
     horizon_epochs: int = 2              # epochs the placement looks ahead when the order is seeded
+    peer_exchange: bool = False          # fetch samples other ranks hold (torch.distributed, gloo)
+    peer_window: int = 128               # samples per exchange window
 
 
 @dataclass
@@ -82,6 +85,14 @@ class Clairvoyant:
         self.rotation = 0
         self.stall_seconds = 0.0
         self.batches = 0
+        self.peer_group = None
+        if options.peer_exchange and self.source is not None:
+            import torch.distributed as dist
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("peer_exchange=True needs torch.distributed initialized (e.g. under torchrun, "
+                                 "after dist.init_process_group); build the loader after that")
+            # All ranks build the loader together; the loader's collectives get their own group.
+            self.peer_group = dist.new_group(backend="gloo")
 
     @property
     def shared(self) -> SharedState | None:
@@ -111,8 +122,9 @@ class Clairvoyant:
         self.resources.shared = SharedState(layout)
         if self.source is not None:
             disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
+            peers = PeerExchange(self.peer_group, opts.peer_window) if self.peer_group is not None else None
             self.resources.prefetcher = Prefetcher(self.shared, self.source, opts.cache_ram, opts.prefetch_bytes,
-                                                   opts.prefetch_threads, disk)
+                                                   opts.prefetch_threads, disk, peers)
 
     # --- epochs -------------------------------------------------------------------------------------
     def begin_epoch(self, index_sampler):

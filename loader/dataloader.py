@@ -117,6 +117,9 @@ class DataLoader(tud.DataLoader):
       cache_items: the dataset has no read/decode but its items are deterministic: cache them.
       prefetch_bytes: bytes read ahead of the workers and not cached (default 64 MiB).
       prefetch_threads: concurrent storage reads (default 16).
+      peer_exchange: under torch.distributed, take samples another rank holds from it (gloo)
+        instead of storage; all ranks must build the loader together and iterate whole epochs.
+      peer_window: samples per exchange window (default 128).
       name: label of this loader's Prometheus series.
     Shared memory used: cache_ram + prefetch_bytes, for a dataset that implements
     read(index) -> bytes and decode(raw, index), or with cache_items=True.
@@ -128,13 +131,17 @@ class DataLoader(tud.DataLoader):
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="", in_order=True,
                  cache_ram: int | str | None = None, cache_disk: str | None = None,
                  cache_disk_bytes: int | str | None = None, cache_items: bool = False,
-                 prefetch_bytes: int | str = "64MiB", prefetch_threads: int = 16, name: str | None = None):
+                 prefetch_bytes: int | str = "64MiB", prefetch_threads: int = 16, peer_exchange: bool = False,
+                 peer_window: int = 128, name: str | None = None):
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
                          pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
-        self._engine = Clairvoyant(self, _options(cache_ram, cache_disk, cache_disk_bytes, cache_items,
-                                                  prefetch_bytes, prefetch_threads))
+        options = _options(cache_ram, cache_disk, cache_disk_bytes, cache_items, prefetch_bytes, prefetch_threads)
+        if not isinstance(peer_window, int) or isinstance(peer_window, bool) or peer_window < 1:
+            raise ValueError(f"peer_window: expected an int >= 1 (samples per exchange), got {peer_window!r}")
+        options.peer_exchange, options.peer_window = bool(peer_exchange), peer_window
+        self._engine = Clairvoyant(self, options)
         self.name = name or f"loader{id(self):x}"
         register_loader(self)
 

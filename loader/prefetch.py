@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from loader.arena import Arena
-from loader.cache_disk import DiskTier
-from loader.cache_ram import (ABSENT, DIRECT, DISK, DISK_HITS, FAILED, GEN_BASE, MODE, PLANNED,
+from loader.cache_disk import DiskTier, read_file
+from loader.cache_ram import (ABSENT, DIRECT, DISK, DISK_HITS, FAILED, GEN_BASE, LENGTH, MODE, PEER_READS, PLANNED,
                               RAM,
                               RAM_HITS, STORAGE_BYTES, STORAGE_READS, SharedState)
+from loader.exchange import PeerExchange
 from loader.placement import NEVER, BeladyCache, first_use, next_use
 from loader.source import ByteSource
 
@@ -40,8 +41,9 @@ class _Held:
 
 class Prefetcher:
     def __init__(self, shared: SharedState, source: ByteSource, cache_ram: int, staging: int,
-                 threads: int, disk: DiskTier | None):
-        self.shared, self.source, self.disk = shared, source, disk
+                 threads: int, disk: DiskTier | None, peers: PeerExchange | None = None):
+        self.shared, self.source, self.disk, self.peers = shared, source, disk, peers
+        self.windows_started = 0              # peer-exchange windows of this epoch begun
         self.staging = staging
         self.ram = BeladyCache(cache_ram)
         self.disk_set = BeladyCache(disk.budget) if disk else None
@@ -77,6 +79,9 @@ class Prefetcher:
         """Switch to a new epoch's stream, whose first entry is global plan position `base`
         (larger than any position used before, so old ring entries never match)."""
         with self.lock:
+            if self.peers is not None:
+                self.peers.finish(self._holding)     # every rank ends the window in flight alike
+            self.windows_started = 0
             self.shared.header[GEN_BASE] = base    # first: workers stop trusting older positions
             self.shared.header[MODE] = PLANNED if self.failure is None else DIRECT
             for position in range(self.consumed, self.done):   # published, never consumed: a break
@@ -135,6 +140,7 @@ class Prefetcher:
                     progressed = self._collect()
                     progressed = self._consume() or progressed
                     progressed = self._finalize() or progressed
+                    progressed = self._exchange() or progressed
                     progressed = self._schedule() or progressed
                     busy = self.consumed < self.done or self.done < self.sched
                 if not progressed:
@@ -149,7 +155,10 @@ class Prefetcher:
     def _schedule(self) -> bool:
         progressed = False
         ring = len(self.shared.ready)
-        while self.sched < len(self.stream) and self.sched - self.consumed < ring:
+        end = len(self.stream)
+        if self.peers is not None:            # only where the window's peers were asked first
+            end = min(end, self.windows_started * self.peers.window)
+        while self.sched < end and self.sched - self.consumed < ring:
             index = int(self.stream[self.sched])
             if not (index in self.held or index in self.inflight or self._on_disk(index)):
                 estimate = self.source.nbytes(index) or self._average()
@@ -201,6 +210,49 @@ class Prefetcher:
             self.consumed += 1
             progressed = True
         return progressed
+
+    # --- peers ---------------------------------------------------------------------------------
+    def _exchange(self) -> bool:
+        peers = self.peers
+        if peers is None:
+            return False
+        if peers.busy:
+            received = peers.poll(self._holding)
+            if received is None:
+                return False
+            for index, raw in received.items():
+                if index in self.inflight and index not in self.results:
+                    self.results[index] = raw
+                    self.shared.counters[0, PEER_READS] += 1
+            for index in self._asked:
+                if index not in received:
+                    self.requests.put(index)      # no peer holds it: storage
+            return True
+        size = peers.window
+        windows = -(-len(self.stream) // size)
+        start = self.windows_started * size
+        if self.windows_started >= windows or self.sched < start - size:
+            return False
+        needs = []
+        for index in dict.fromkeys(self.stream[start: start + size].tolist()):
+            if not (index in self.held or index in self.inflight or self._on_disk(index)):
+                estimate = self.source.nbytes(index) or self._average()
+                self.inflight[index] = estimate
+                self.inflight_bytes += estimate
+                needs.append(index)
+        self._asked = needs
+        peers.start(needs)
+        self.windows_started += 1
+        return True
+
+    def _holding(self, index: int) -> bytes | None:
+        """This rank's copy of a sample, if it has one."""
+        held = self.held.get(index)
+        if held is not None:
+            return self.shared.read(held.offset, held.size)
+        if self._on_disk(index):
+            return read_file(self.disk.path(index), int(self.shared.table[index, LENGTH]))
+        return None
 
     # --- placement -------------------------------------------------------------------------------
     def _place(self, index: int, upcoming: int) -> bool:
