@@ -1,22 +1,69 @@
 """Serving benchmark: the real server on loopback under fixed concurrency, Poisson arrivals and shared prefixes.
 
-Baselines measured in the same run: concurrency 1 (one request at a time, the way a
-single-stream server serves) and, for the shared-prefix workload, the same
-server started with --no-prefix-caching.
+Baselines measured in the same run, because this machine is shared and noisy:
+- the offline engine on the concurrency-32 workload (same prompts, at most 32
+  sequences at once, no HTTP): what the server would reach with zero overhead;
+- concurrency 1: one request at a time, the way a single-stream server serves;
+- for the shared-prefix workload, the same server started with --no-prefix-caching.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
+import time
 
 from tests.bench.load_generator import RequestSpec, random_prompts, run_load, summarize
 from tests.server.conftest import MODEL, running_server
 
 INPUT_LEN, OUTPUT_LEN = 128, 128
+CONCURRENCIES = (1, 8, 32, 64)
 SHARED_PREFIX, SUFFIX, PREFIX_OUTPUT = 1024, 32, 8
 
 
-def _closed_loop(url: str, concurrency: int, n: int, seed: int) -> dict:
-    specs = [RequestSpec(p, OUTPUT_LEN) for p in random_prompts(n, INPUT_LEN, seed)]
+def _requests(concurrency: int) -> int:
+    return 4 if concurrency == 1 else 2 * concurrency
+
+
+def _offline_engine(concurrency: int) -> tuple[dict, str]:
+    """The engine alone on the same prompts as the server's concurrency row; also returns the dtype 'auto' chose."""
+    from runtime import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(dtype="auto", kv_cache_bytes=1 << 30, max_num_seqs=concurrency)
+    engine.generate([random_prompts(1, 32, 99)[0]], SamplingParams(max_tokens=8))   # warm-up
+    prompts = random_prompts(_requests(concurrency), INPUT_LEN, seed=concurrency)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True))
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    ttft = sorted((o.first_token_time - o.arrival_time) * 1e3 for o in outs)
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    del engine, outs
+    gc.collect()
+    return {"workload": f"offline engine, {concurrency} at once", "requests": len(prompts), "completed": len(prompts),
+            "failed": 0, "duration_s": wall, "req/s": len(prompts) / wall, "output tok/s": tokens / wall,
+            "total tok/s": (tokens + INPUT_LEN * len(prompts)) / wall, "TTFT p50 ms": ttft[len(ttft) // 2]}, dtype
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(CPU seconds of the process's main thread, which runs the event loop; of all its threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    loop = total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue   # a thread that just ended
+        seconds = (int(fields[11]) + int(fields[12])) / tick   # utime + stime
+        total += seconds
+        if int(tid) == pid:
+            loop = seconds
+    return loop, total
+
+
+def _closed_loop(url: str, concurrency: int, seed: int) -> dict:
+    specs = [RequestSpec(p, OUTPUT_LEN) for p in random_prompts(_requests(concurrency), INPUT_LEN, seed)]
     results, wall = asyncio.run(run_load(url, MODEL, specs, concurrency=concurrency))
     return summarize(results, wall)
 
@@ -30,20 +77,34 @@ def _shared_prefix(url: str, seed: int) -> dict:
     return summarize(results, wall)
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return "unknown"
+    return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "none of avx2/avx512"
+
+
 def run() -> dict:
     rows, notes = [], []
+    offline, dtype = _offline_engine(32)
     with running_server("--max-num-seqs", "64", dtype="auto", kv_cache="1GiB") as server:
         asyncio.run(run_load(server.url, MODEL, [RequestSpec(p, 8) for p in random_prompts(2, 32, 99)],
                              concurrency=2))   # warm-up
-        for concurrency in (1, 8, 32, 64):
-            n = 4 if concurrency == 1 else 2 * concurrency
-            rows.append({"workload": f"concurrency {concurrency}", "requests": n,
-                         **_closed_loop(server.url, concurrency, n, seed=concurrency)})
+        for concurrency in CONCURRENCIES:
+            cpu_before = _cpu_seconds(server.proc.pid)
+            rows.append({"workload": f"concurrency {concurrency}", "requests": _requests(concurrency),
+                         **_closed_loop(server.url, concurrency, seed=concurrency)})
+            if concurrency == 32:
+                cpu_after = _cpu_seconds(server.proc.pid)
+                loop_cpu, all_cpu = (a - b for a, b in zip(cpu_after, cpu_before))
         base = rows[0]["output tok/s"]
         for row in rows:
             row["x vs concurrency 1"] = row["output tok/s"] / base
+        c32 = rows[CONCURRENCIES.index(32)]
         specs = [RequestSpec(p, OUTPUT_LEN) for p in random_prompts(48, INPUT_LEN, 7)]
-        rate = 0.8 * rows[2]["req/s"]   # 80% of what concurrency 32 sustained
+        rate = 0.8 * c32["req/s"]   # 80% of what concurrency 32 sustained
         results, wall = asyncio.run(run_load(server.url, MODEL, specs, rate=rate, seed=7))
         rows.append({"workload": f"Poisson {rate:.2f} req/s", "requests": len(specs), **summarize(results, wall)})
         cached = _shared_prefix(server.url, seed=11)
@@ -51,13 +112,18 @@ def run() -> dict:
         uncached = _shared_prefix(server.url, seed=11)
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache on", "requests": 8, **cached})
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache off", "requests": 8, **uncached})
+    rows.append(offline)
     ratio = uncached["TTFT p50 ms"] / cached["TTFT p50 ms"]
-    notes.append(f"prompts {INPUT_LEN} tokens, outputs {OUTPUT_LEN} tokens (ignore_eos), greedy; "
-                 f"model {MODEL}, dtype auto")
+    notes.append(f"prompts {INPUT_LEN} random tokens, outputs {OUTPUT_LEN} tokens (ignore_eos), greedy, streamed; "
+                 f"model {MODEL}; dtype auto = {dtype} on this CPU (flags: {_cpu_flags()})")
+    notes.append(f"concurrency 32: {c32['output tok/s']:.0f} output tok/s = {c32['x vs concurrency 1']:.1f}x "
+                 f"one-at-a-time serving, {c32['output tok/s'] / offline['output tok/s']:.0%} of the offline "
+                 f"engine's {offline['output tok/s']:.0f} tok/s on the same prompts; TTFT p50 {c32['TTFT p50 ms']:.0f} ms")
+    notes.append(f"server CPU at concurrency 32: the event-loop thread (HTTP, JSON, SSE) used {loop_cpu:.1f} s of "
+                 f"the process's {all_cpu:.1f} CPU s ({loop_cpu / all_cpu:.1%}); the rest is the engine and its "
+                 f"torch threads. This measure of the server's own overhead does not depend on other load.")
     notes.append(f"shared-prefix TTFT p50: {uncached['TTFT p50 ms']:.0f} ms without the prefix cache vs "
                  f"{cached['TTFT p50 ms']:.0f} ms with it: {ratio:.1f}x lower")
-    c32 = rows[2]
-    notes.append(f"concurrency 32: {c32['output tok/s']:.0f} output tok/s = {c32['x vs concurrency 1']:.1f}x "
-                 f"one-at-a-time serving; TTFT p50 {c32['TTFT p50 ms']:.0f} ms")
     return {"title": "Serving: OpenAI API over loopback (vLLM bench-serve metrics)", "rows": rows, "notes": notes,
-            "prefix_ttft_ratio": ratio}
+            "prefix_ttft_ratio": ratio,
+            "event_loop_cpu_share_c32": loop_cpu / all_cpu, "server_vs_offline_c32": c32["output tok/s"] / offline["output tok/s"]}
