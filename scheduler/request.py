@@ -59,12 +59,17 @@ class Request:
 
     _token_ids: list[int] = field(default_factory=list, init=False, repr=False)
     """prompt + output in one list, kept up to date by append_output_token."""
+    _prompt_of_token_ids: list[int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.prompt_token_ids = list(self.prompt_token_ids)
+        self._rebuild_token_ids()
+
+    def _rebuild_token_ids(self) -> None:
         self._token_ids = self.prompt_token_ids + self.output_token_ids
+        self._prompt_of_token_ids = self.prompt_token_ids
 
     def append_output_token(self, token: int) -> None:
         """Record one generated token (O(1); keeps all_token_ids current)."""
@@ -75,12 +80,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt then output token ids, without copying: read it, do not modify it.
 
-        The prompt is fixed once the request exists; outputs are appended with
-        append_output_token (a direct append to output_token_ids is noticed by
-        the length check and the list rebuilt).
+        Outputs are appended with append_output_token; a prompt list assigned
+        anew, or a direct append to output_token_ids, is noticed and the list
+        rebuilt (editing the prompt list in place is not).
         """
-        if len(self._token_ids) != len(self.prompt_token_ids) + len(self.output_token_ids):
-            self._token_ids = self.prompt_token_ids + self.output_token_ids
+        if self.prompt_token_ids is not self._prompt_of_token_ids \
+                or len(self._token_ids) != len(self.prompt_token_ids) + len(self.output_token_ids):
+            self._rebuild_token_ids()
         return self._token_ids
 
     @property

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from scheduler import BlockManager, RequestStatus, Scheduler, SchedulerConfig
-from tests.scheduler.sim import make_request, step
+from tests.scheduler.sim import ShadowKV, make_request, step
 
 
 def admit(bm: BlockManager, req) -> int:
@@ -22,8 +22,7 @@ def admit(bm: BlockManager, req) -> int:
 def test_shared_prefix_reuses_blocks_and_counts_tokens():
     bm = BlockManager(num_blocks=32, block_size=4)
     a = make_request("a", 10, 1)
-    b = make_request("b", 10, 1)
-    b.prompt_token_ids = a.prompt_token_ids[:8] + [40, 41, 42]
+    b = make_request("b", 11, 1, prefix=a.prompt_token_ids[:8] + [40, 41, 42])
     assert admit(bm, a) == 0
     assert admit(bm, b) == 8          # two full blocks of 4 tokens shared
     assert a.block_table[:2] == b.block_table[:2]
@@ -103,13 +102,15 @@ def test_random_mix_of_finish_abort_preempt_leaks_nothing(seed, policy):
     shared = [rng.randrange(3, 50) for _ in range(12)]
     for i in range(40):
         prompt_len = rng.randrange(1, 30)
-        req = make_request(f"r{i}", prompt_len, rng.randrange(1, 20), tenant=rng.choice("abc"),
-                           priority=rng.randrange(3), arrival=i, seed=seed * 100 + i)
-        if rng.random() < 0.4:
-            req.prompt_token_ids = (shared + req.prompt_token_ids)[:max(prompt_len, 13)]
+        prefix = shared if rng.random() < 0.4 else []
+        req = make_request(f"r{i}", max(prompt_len, len(prefix) + 1), rng.randrange(1, 20),
+                           tenant=rng.choice("abc"), priority=rng.randrange(3), arrival=i, seed=seed * 100 + i,
+                           prefix=prefix)
         reqs[req.request_id] = req
     pending = list(reqs.values())
     done = set()
+    kv = ShadowKV(4)
+    stopped_by_runtime = set()
     for _ in range(2000):
         if pending and rng.random() < 0.5:
             sched.add_request(pending.pop(0))
@@ -117,7 +118,12 @@ def test_random_mix_of_finish_abort_preempt_leaks_nothing(seed, policy):
             victim = rng.choice(sorted(sched.requests))
             sched.abort_request(victim)
             done.add(victim)
-        finished, _, _ = step(sched, token_of=lambda r: rng.randrange(3, 50))
+        if rng.random() < 0.03 and sched.running:   # the runtime saw a stop string
+            stopped = rng.choice(sched.running).request_id
+            sched.finish_request(stopped, RequestStatus.FINISHED_STOPPED, "stop")
+            done.add(stopped)
+            stopped_by_runtime.add(stopped)
+        finished, _, _ = step(sched, token_of=lambda r: rng.randrange(3, 50), kv=kv)
         done.update(r.request_id for r in finished)
         if not pending and not sched.has_unfinished_requests():
             break
@@ -125,7 +131,12 @@ def test_random_mix_of_finish_abort_preempt_leaks_nothing(seed, policy):
     assert sched.num_running == 0 and sched.num_waiting == 0
     assert sched.block_manager.num_free_blocks == 24
     assert all(c == 0 for c in sched.block_manager.ref_counts)
+    assert sched.block_manager.num_shared_refs == 0
     for req in reqs.values():
-        if req.status != RequestStatus.FINISHED_ABORTED:
+        if req.status is RequestStatus.FINISHED_LENGTH:
             assert req.num_output_tokens == req.sampling_params.max_tokens
+        else:
+            assert req.request_id in stopped_by_runtime or req.status is RequestStatus.FINISHED_ABORTED
+    stats = sched.stats()
+    assert stats["prefix_cache_hits"] > 0, "shared prefixes must hit"
     assert sched.num_preemptions > 0 or seed % 2, "the pool is sized to force preemption in most runs"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import Scheduler, SchedulerConfig
+from scheduler import RequestStatus, Scheduler, SchedulerConfig, VTCPolicy
 from tests.scheduler.sim import make_request, step
 
 
@@ -61,24 +61,55 @@ def test_preemption_victim_follows_policy(policy, expected):
     assert preempted and preempted[0] == expected
 
 
-def test_long_prompt_is_chunked_and_decodes_keep_running():
-    sched = Scheduler(SchedulerConfig(num_blocks=200, block_size=4, max_num_seqs=4, max_num_batched_tokens=16))
-    short = make_request("short", 3, 30, arrival=0.0)
-    sched.add_request(short)
-    step(sched)
-    sched.add_request(make_request("long", 100, 2, arrival=1.0))
-    chunks = []
-    for _ in range(10):
-        _, sampled, plan = step(sched)
-        sizes = dict((r.request_id, n) for r, n in plan.scheduled)
-        assert sizes.get("short") == 1, "the running decode is served every step"
-        assert "short" in sampled
-        chunks.append(sizes.get("long", 0))
-    assert chunks[:6] == [15, 15, 15, 15, 15, 15] and sum(chunks) >= 100
+def test_vtc_charges_weighted_prompt_once_and_each_output_token():
+    vtc = VTCPolicy(prompt_token_weight=1.0, output_token_weight=2.0)
+    req = make_request("r", 10, 5, tenant="t", weight=2.0)
+    vtc.add(req)
+    vtc.remove(req)
+    vtc.charge_admission(req)
+    vtc.charge_output(req, 3)
+    assert vtc.counters()["t"] == (10 + 2 * 3) / 2
+    req.status = RequestStatus.PREEMPTED     # recomputing is not new service
+    vtc.add(req)
+    vtc.remove(req)
+    vtc.charge_admission(req)
+    assert vtc.counters()["t"] == 8.0
 
 
-def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="policy"):
-        SchedulerConfig(num_blocks=4, policy="lottery")
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        SchedulerConfig(num_blocks=4, max_num_seqs=0)
+def test_vtc_lifts_a_returning_tenant_to_the_smallest_backlogged_counter():
+    vtc = VTCPolicy()
+    a, b, c = (make_request(t, 4, 1, tenant=t) for t in "abc")
+    vtc.add(a)
+    vtc.add(b)
+    vtc.counters()["a"] = 100.0
+    vtc.counters()["b"] = 40.0
+    vtc.add(c)                               # c was idle at 0: lifted to min(100, 40), not below
+    assert vtc.counters()["c"] == 40.0
+    assert vtc.peek() is b                   # ties go to the tenant backlogged first
+    vtc.counters()["c"] = 500.0
+    late = make_request("c2", 4, 1, tenant="c")
+    vtc.add(late)                            # c already backlogged: no change
+    assert vtc.counters()["c"] == 500.0
+
+
+def test_vtc_lifts_to_the_last_served_tenant_when_nobody_waits():
+    vtc = VTCPolicy()
+    a = make_request("a", 4, 1, tenant="a")
+    vtc.add(a)
+    vtc.remove(a)
+    vtc.charge_admission(a)
+    vtc.charge_output(a, 10)                 # a: 24, last served, nobody waiting
+    b = make_request("b", 4, 1, tenant="b")
+    vtc.add(b)
+    assert vtc.counters()["b"] == 24.0
+
+
+def test_vtc_does_not_lift_a_preempted_request_coming_back():
+    vtc = VTCPolicy()
+    heavy = make_request("h", 4, 1, tenant="h")
+    vtc.add(heavy)
+    vtc.counters()["h"] = 1000.0
+    light = make_request("l", 4, 1, tenant="l")
+    light.status = RequestStatus.PREEMPTED
+    vtc.add(light)                           # l was being served, not idle: keeps its low counter
+    assert vtc.counters()["l"] == 0.0 and vtc.peek() is light
