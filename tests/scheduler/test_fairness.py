@@ -64,7 +64,9 @@ class Workload:
                 self.service[req.tenant] += W_Q / self.weights[req.tenant]
 
 
-def max_gap(policy: str, weights: dict[str, float], seed: int, steps: int = 1500, shared_prefix: int = 0) -> float:
+def max_gap(policy: str, weights: dict[str, float], seed: int, steps: int = 1500, shared_prefix: int = 0,
+            raw_service: dict | None = None) -> float:
+    """Worst |weighted service of a - of b| over the run; raw_service, if given, gets tokens per tenant."""
     sched = Scheduler(config(policy, prefix_caching=bool(shared_prefix)))
     load = Workload(seed, weights, depth={"a": 12, "b": 4}, shared_prefix=shared_prefix)   # a floods 3:1
     worst = 0.0
@@ -72,6 +74,8 @@ def max_gap(policy: str, weights: dict[str, float], seed: int, steps: int = 1500
         load.top_up(sched, weights)
         load.step(sched)
         worst = max(worst, abs(load.service["a"] - load.service["b"]))
+    if raw_service is not None:
+        raw_service.update({t: load.service[t] * w for t, w in weights.items()})
     return worst
 
 
@@ -84,8 +88,10 @@ def test_vtc_two_backlogged_tenants_within_2u(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_vtc_weights_one_to_two_split_service_one_to_two(seed):
     # weighted service (service / weight) stays within 2U, i.e. b gets twice a's tokens
-    gap = max_gap("vtc", {"a": 1.0, "b": 2.0}, seed)
+    raw: dict[str, float] = {}
+    gap = max_gap("vtc", {"a": 1.0, "b": 2.0}, seed, raw_service=raw)
     assert gap <= bound(config("vtc")), gap
+    assert 1.9 < raw["b"] / raw["a"] < 2.1, raw
 
 
 def test_vtc_bound_holds_when_prompts_are_served_from_the_prefix_cache():

@@ -226,3 +226,18 @@ def test_config_errors_name_the_field():
         SchedulerConfig(num_blocks=4, max_num_seqs=0)
     with pytest.raises(ValueError, match="watermark"):
         SchedulerConfig(num_blocks=4, watermark=1.0)
+
+
+def test_a_victim_already_planned_this_step_leaves_the_batch_and_returns_its_budget():
+    s = sched(num_blocks=2, policy="vtc", watermark=0.0)
+    heavy = make_request("heavy", 2, 5, tenant="h", arrival=0.0)      # room left in its block
+    light = make_request("light", 4, 4, tenant="l", arrival=1.0, seed=1)   # its next token needs a block
+    s.add_request(heavy)
+    s.add_request(light)
+    step(s)
+    s.policy.charge_output(heavy, 100)          # h is far above its share
+    plan = s.schedule()
+    assert plan.preempted == [heavy] and plan.scheduled == [(light, 1)] and plan.num_batched_tokens == 1
+    assert heavy.status is RequestStatus.PREEMPTED and heavy.block_table == []
+    s.update_from_output(plan, {"light": 7})
+    check_invariants(s)
