@@ -79,9 +79,10 @@ class DiesInWorker(tud.Dataset):
 
 def test_dead_worker_raises_like_torch():
     """torch raises RuntimeError('DataLoader worker (pid ...) exited unexpectedly'), or, when
-    the worker dies while the main process reads its pipe, ConnectionResetError."""
+    the worker dies while the main process reads its pipe, ConnectionResetError or EOFError:
+    it depends on timing in torch itself, and ours goes through the same machinery."""
     def dead_worker_error(error) -> bool:
-        if isinstance(error, ConnectionResetError):
+        if isinstance(error, (ConnectionResetError, EOFError)):
             return True
         return type(error) is RuntimeError and "DataLoader worker (pid" in str(error) \
             and "exited unexpectedly" in str(error)
