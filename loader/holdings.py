@@ -1,0 +1,170 @@
+"""What this node holds: samples in the shared-memory data area and on the local disk,
+which of them placement keeps (Belady, see placement.py), and which are pinned.
+
+A sample is pinned while plan positions that were published to the workers and not yet
+consumed refer to it; pinned bytes never move. Bytes in shared memory that placement does
+not keep are "staged": read ahead for one use and freed after it (they count against the
+prefetch budget, not the cache budget). A sample the RAM tier lets go may be kept on disk.
+Used only by the prefetch coordinator thread.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loader.arena import Arena
+from loader.cache_disk import DiskTier, read_file
+from loader.cache_ram import ABSENT, DISK, DISK_HITS, FAILED, LENGTH, RAM, RAM_HITS, SharedState
+from loader.placement import NEVER, BeladyCache
+
+
+@dataclass
+class _Held:
+    """A sample's bytes in the shared data area."""
+    offset: int
+    size: int
+    pending: int = 0          # published positions not yet consumed
+    next_use: int = NEVER     # plan position of its next use after the last one published
+
+
+class Holdings:
+    def __init__(self, shared: SharedState, cache_ram: int, disk: DiskTier | None):
+        self.shared, self.disk = shared, disk
+        self.ram = BeladyCache(cache_ram)
+        self.disk_set = BeladyCache(disk.budget) if disk else None
+        self.disk_pending: dict[int, int] = {}
+        self.arena = Arena(shared.layout.arena)
+        self.held: dict[int, _Held] = {}
+        self.staged_bytes = self.staged_peak = 0  # held bytes outside the RAM cache set
+
+    def has(self, index: int) -> bool:
+        return index in self.held or self.on_disk(index)
+
+    def on_disk(self, index: int) -> bool:
+        return self.disk_set is not None and index in self.disk_set
+
+    def renumber(self, first: dict[int, int]) -> None:
+        """A new epoch's plan: next uses are now positions in it."""
+        self.ram.renumber(lambda i: first.get(i, NEVER))
+        if self.disk_set is not None:
+            self.disk_set.renumber(lambda i: first.get(i, NEVER))
+        for index, held in self.held.items():
+            held.next_use = first.get(index, NEVER)
+
+    # --- a planned use -------------------------------------------------------------------------
+    def use(self, index: int, upcoming: int) -> int:
+        """Pin a held sample for one more use; returns the tier it is read from (or ABSENT)."""
+        held = self.held.get(index)
+        if held is not None:
+            held.pending += 1
+            held.next_use = upcoming
+            if index in self.ram:
+                self.ram.touch(index, upcoming)
+            else:
+                victims = self.ram.offer(index, held.size, upcoming)
+                if victims is not None:
+                    self.staged_bytes -= held.size
+                    self._evict(victims)
+            self.shared.counters[0, RAM_HITS] += 1
+            return RAM
+        if self.on_disk(index):
+            self.disk_pending[index] = self.disk_pending.get(index, 0) + 1
+            self.disk_set.touch(index, upcoming)
+            self.shared.counters[0, DISK_HITS] += 1
+            return DISK
+        return ABSENT
+
+    def place(self, index: int, raw: bytes | BaseException, upcoming: int, can_wait: bool) -> int | None:
+        """Put a fresh read in shared memory, pinned for its use. Returns its tier, or None when
+        it must wait for consumption to free room (only if `can_wait`)."""
+        if isinstance(raw, BaseException):
+            self.shared.set_entry(index, FAILED)          # the worker re-reads and raises with index and path
+            return ABSENT
+        offset = self.arena.alloc(len(raw))
+        while offset is None and not can_wait and self._evict_one():
+            offset = self.arena.alloc(len(raw))
+        if offset is None:
+            if can_wait:
+                return None
+            self.shared.set_entry(index, ABSENT)          # larger than the whole area: the worker reads it
+            return ABSENT
+        self.shared.write(offset, raw)
+        self.held[index] = _Held(offset, len(raw), pending=1, next_use=upcoming)
+        self.shared.set_entry(index, RAM, offset, len(raw))
+        victims = self.ram.offer(index, len(raw), upcoming)
+        if victims is None:
+            self._add_staged(len(raw))
+        else:
+            self._evict(victims)
+        return RAM
+
+    def release(self, index: int, tier: int) -> None:
+        """A published use was consumed: unpin, and free what nothing keeps any more."""
+        if tier == RAM:
+            held = self.held[index]
+            held.pending -= 1
+            if held.pending == 0 and index not in self.ram:
+                self._drop(index)
+        elif tier == DISK:
+            left = self.disk_pending[index] - 1
+            if left:
+                self.disk_pending[index] = left
+            else:
+                del self.disk_pending[index]
+
+    def copy_of(self, index: int) -> bytes | None:
+        """The bytes of a held sample (for a peer), or None."""
+        held = self.held.get(index)
+        if held is not None:
+            return self.shared.read(held.offset, held.size)
+        if self.on_disk(index):
+            return read_file(self.disk.path(index), int(self.shared.table[index, LENGTH]))
+        return None
+
+    def usage(self) -> dict:
+        disk = self.disk_set
+        return {"cache_ram_bytes": self.ram.used, "cache_ram_peak_bytes": self.ram.peak,
+                "cache_ram_samples": len(self.ram), "staging_bytes": self.staged_bytes,
+                "staging_peak_bytes": self.staged_peak, "cache_disk_bytes": disk.used if disk else 0,
+                "cache_disk_peak_bytes": disk.peak if disk else 0, "cache_disk_samples": len(disk) if disk else 0,
+                "disk_tier_enabled": bool(self.disk and self.disk.enabled)}
+
+    # --- eviction ------------------------------------------------------------------------------
+    def _evict(self, victims: list[int]) -> None:
+        for victim in victims:
+            held = self.held[victim]
+            self._add_staged(held.size)       # out of the cache set; its bytes stay while pinned
+            if held.pending == 0:
+                self._drop(victim)
+
+    def _evict_one(self) -> bool:
+        """Room for a sample needed now: evict the farthest-used cached one that is not pinned."""
+        for index, _ in sorted(self.ram.kept.items(), key=lambda kv: -kv[1][1]):
+            if self.held[index].pending == 0:
+                self.ram.remove(index)
+                self._add_staged(self.held[index].size)
+                self._drop(index)
+                return True
+        return False
+
+    def _drop(self, index: int) -> None:
+        """Free a sample's shared bytes; keep it on the disk tier if placement says so."""
+        held = self.held.pop(index)
+        self.staged_bytes -= held.size
+        tier = ABSENT
+        if self.disk_set is not None and self.disk.enabled:
+            victims = self.disk_set.offer(index, held.size, held.next_use,
+                                          can_evict=lambda victim: not self.disk_pending.get(victim))
+            if victims is not None:
+                for victim in victims:
+                    self.shared.set_entry(victim, ABSENT)
+                    self.disk.remove(victim)
+                if self.disk.write(index, self.shared.read(held.offset, held.size)):
+                    tier = DISK
+                else:
+                    self.disk_set.remove(index)
+        self.shared.set_entry(index, tier, 0, held.size if tier == DISK else 0)
+        self.arena.free(held.offset)
+
+    def _add_staged(self, nbytes: int) -> None:
+        self.staged_bytes += nbytes
+        self.staged_peak = max(self.staged_peak, self.staged_bytes)
