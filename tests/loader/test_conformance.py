@@ -138,3 +138,12 @@ def test_plain_dataset_uncached_like_torch():
     stats = dl.stats()
     assert stats["samples"] == 80 and stats["storage_reads"] == 0 and stats["cache_ram_bytes"] == 0
     dl.close()
+
+
+def test_spawned_workers_attach_to_shared_memory(files):
+    """With the spawn start method workers get a pickled view and open the segment by name."""
+    workers = dict(num_workers=2, multiprocessing_context="spawn", persistent_workers=True)
+    theirs = run(tud.DataLoader, files, "random_generator", workers)
+    ours = run(DataLoader, files, "random_generator", workers, cache_ram=20 * 64)
+    stats = assert_equal_runs(theirs, ours)
+    assert stats["direct_reads"] == 0 and stats["ram_hits"] > 0
