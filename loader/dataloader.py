@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 import torch.utils.data as tud
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from loader.clairvoyant import CacheOptions, Clairvoyant
-from loader.resume import from_dict, to_dict, capture
+from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
 from loader.view import FIRST, LAST, PLANNED_READ, Ticket
@@ -195,7 +196,6 @@ class DataLoader(tud.DataLoader):
         epoch = engine.epoch
         point = None
         if epoch is not None and epoch.num_batches is not None and epoch.yielded < epoch.num_batches:
-            from loader.resume import ResumePoint
             point = ResumePoint(epoch.start, epoch.yielded, engine.worker_snapshots(self.in_order))
         now = capture(self.generator, super()._index_sampler)
         return to_dict(point, now, len(self.dataset), self.num_workers)
@@ -204,8 +204,6 @@ class DataLoader(tud.DataLoader):
         """Continue from `state`: the next iteration yields the rest of that epoch."""
         point, now = from_dict(state, len(self.dataset), self.num_workers)
         if point is None:   # between epochs: only the generators move on
-            from loader.resume import restore
-            from dataclasses import replace
             restore(replace(now, global_rng=None, sampler_epoch=None), self.generator, super()._index_sampler)
         self._engine.resume = point
 

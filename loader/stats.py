@@ -14,7 +14,7 @@ from loader.cache_ram import (DIRECT_READS, DISK_HITS, PEER_READS, RAM_HITS, SAM
                               STORAGE_BYTES, STORAGE_READS, WAIT_NS)
 
 _COUNTERS = {  # stats key -> (counter column, Prometheus help)
-    "samples": (SAMPLES, "Samples delivered to the training loop."),
+    "samples": (SAMPLES, "Samples fetched for the training loop (by workers or the main process)."),
     "storage_reads": (STORAGE_READS, "Samples read from the dataset's storage."),
     "storage_bytes": (STORAGE_BYTES, "Bytes read from the dataset's storage."),
     "ram_hits": (RAM_HITS, "Samples served from shared memory without a storage read."),
