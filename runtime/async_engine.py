@@ -122,14 +122,15 @@ class AsyncEngine:
                         return
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
-                for request_id in aborts:
-                    engine.abort_request(request_id)
+                # Adds first: a request added and abandoned during the same step must be added, then aborted.
                 for request_id, ids, params, tenant, weight, priority, arrival in adds:
                     try:
                         engine.add_request(request_id, ids, params, tenant=tenant, weight=weight,
                                            priority=priority, arrival_time=arrival)
                     except ValueError as exc:
                         self._deliver(request_id, exc, final=True)
+                for request_id in aborts:
+                    engine.abort_request(request_id)
                 outputs = engine.step() if engine.has_unfinished_requests() else []
                 stats = engine.stats()
                 with self._lock:
