@@ -107,6 +107,7 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             while True:
+                self.wakeup.clear()       # before working: a wake-up during the work is not lost
                 with self.lock:
                     if self.closed:
                         return
@@ -118,7 +119,6 @@ class Prefetcher:
                     busy = self.consumed < self.done or self.done < self.sched
                 if not progressed:
                     self.wakeup.wait(BUSY_POLL_SECONDS if busy else IDLE_WAIT_SECONDS)
-                    self.wakeup.clear()
         except BaseException as error:  # noqa: BLE001 - workers must never wait on a dead thread
             self.failure = error
             self.shared.header[MODE] = DIRECT
