@@ -2,7 +2,9 @@
 shared state alive as long as the loader, and remember where the epoch is for resume."""
 from __future__ import annotations
 
+import os
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ from loader.view import CachedView, CachedItemsView
 EPOCH_STRIDE = 1 << 40        # plan positions of epoch e start at e * EPOCH_STRIDE
 RING = 1 << 16                # plan positions that may be published and unconsumed at once
 SNAPSHOT_WAIT_SECONDS = 30.0
+SHM_SHARE = 0.8               # of /dev/shm's free space the loader may take (torch's workers need some)
 
 
 @dataclass
@@ -116,6 +119,8 @@ class Clairvoyant:
 
     def _start(self, dataset) -> None:
         opts = self.options
+        if self.source is not None:
+            self._fit_shared_memory()
         arena = opts.cache_ram + opts.prefetch_bytes if self.source else 0
         layout = Layout(samples=len(dataset), rows=self.num_workers + 2, ring=RING,
                         snap_slots=max(self.snap_ring, 1) + self.num_workers, arena=arena)
@@ -125,6 +130,25 @@ class Clairvoyant:
             peers = PeerExchange(self.peer_group, opts.peer_window) if self.peer_group is not None else None
             self.resources.prefetcher = Prefetcher(self.shared, self.source, opts.cache_ram, opts.prefetch_bytes,
                                                    opts.prefetch_threads, disk, peers)
+
+    def _fit_shared_memory(self) -> None:
+        """/dev/shm is often small (64 MiB in a default Docker container) and a write beyond it
+        is a SIGBUS, not an error: shrink the RAM cache to what is free, with a warning."""
+        opts = self.options
+        try:
+            fs = os.statvfs("/dev/shm")
+        except OSError:
+            return
+        free = int(fs.f_bavail * fs.f_frsize * SHM_SHARE)
+        if opts.cache_ram + opts.prefetch_bytes <= free:
+            return
+        opts.prefetch_bytes = min(opts.prefetch_bytes, max(free // 2, 1 << 20))
+        fitted = max(0, free - opts.prefetch_bytes)
+        warnings.warn(f"cache_ram: {opts.cache_ram:,} bytes plus prefetch_bytes do not fit in the free space of "
+                      f"/dev/shm ({free:,} usable bytes); using cache_ram={fitted:,} and prefetch_bytes="
+                      f"{opts.prefetch_bytes:,}. Enlarge /dev/shm (docker run --shm-size=...) to cache more.",
+                      RuntimeWarning, stacklevel=4)
+        opts.cache_ram = fitted
 
     # --- epochs -------------------------------------------------------------------------------------
     def begin_epoch(self, index_sampler):

@@ -101,3 +101,13 @@ def test_released_when_the_process_dies(files, ending):
     assert not shm_names(pid)
     if ending == "raise":
         assert "the training step failed" in process.stderr.read()
+
+
+def test_cache_larger_than_dev_shm_is_shrunk_with_a_warning(files):
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    dl = DataLoader(FileDataset(files, decode=noisy_decode), batch_size=4, cache_ram=free * 2)
+    with pytest.warns(RuntimeWarning, match="do not fit in the free space of /dev/shm"):
+        batches = list(dl)
+    stats = dl.stats()
+    dl.close()
+    assert len(batches) == 12 and stats["shared_memory_bytes"] <= free
