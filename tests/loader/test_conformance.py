@@ -33,9 +33,14 @@ CASES = {
     "weighted_generator": lambda ds, g: dict(
         batch_size=4, sampler=WeightedRandomSampler([1.0 + i % 5 for i in range(45)], 30, generator=g)),
 }
+def reseed_numpy(worker_id: int) -> None:
+    """A typical worker_init_fn: derive numpy's seed from torch's per-worker seed."""
+    np.random.seed((torch.initial_seed() + 17 * worker_id) % 2**32)
+
+
 WORKERS = {
     "w0": dict(num_workers=0),
-    "w2": dict(num_workers=2),
+    "w2": dict(num_workers=2, worker_init_fn=reseed_numpy, prefetch_factor=3),
     "w2_persistent": dict(num_workers=2, persistent_workers=True),
 }
 # Cache configurations rotate through the matrix: everything cached, a cache smaller than
