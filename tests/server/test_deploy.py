@@ -1,0 +1,101 @@
+"""deploy/ stays consistent without Docker: files parse, paths exist, names and ports agree, promtool accepts the config.
+
+(PyYAML comes with transformers, a test dependency.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+
+import yaml
+
+from server.cli import parse_args
+from tests.server.conftest import ROOT
+
+DEPLOY = os.path.join(ROOT, "deploy")
+
+
+def load(path: str):
+    with open(os.path.join(DEPLOY, path)) as f:
+        return list(yaml.safe_load_all(f)) if path.startswith("k8s") else yaml.safe_load(f)
+
+
+def dockerfile() -> list[str]:
+    with open(os.path.join(DEPLOY, "Dockerfile")) as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def entrypoint_args() -> list[str]:
+    line = next(x for x in dockerfile() if x.startswith("ENTRYPOINT"))
+    args = json.loads(line[len("ENTRYPOINT"):])
+    assert args[:3] == ["python", "-m", "server"]
+    return args[3:]
+
+
+def test_dockerfile_copies_what_exists_and_serves_on_its_exposed_port():
+    for line in dockerfile():
+        if line.startswith("COPY"):
+            for source in shlex.split(line)[1:-1]:
+                assert os.path.exists(os.path.join(ROOT, source)), f"COPY {source}: not in the repository"
+    exposed = next(int(x.split()[1]) for x in dockerfile() if x.startswith("EXPOSE"))
+    args = parse_args(entrypoint_args())
+    assert args.host == "0.0.0.0" and args.port == exposed
+
+
+def test_compose_mounts_exist_and_prometheus_scrapes_the_server():
+    compose = load("compose.yaml")
+    assert set(compose["services"]) == {"prescient", "prometheus", "grafana"}
+    build = compose["services"]["prescient"]["build"]
+    assert os.path.exists(os.path.join(DEPLOY, build["context"], build["dockerfile"]))
+    for service in compose["services"].values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert os.path.exists(os.path.join(DEPLOY, source)), f"volume {volume}: {source} does not exist"
+    scrape = load("prometheus.yml")["scrape_configs"][0]
+    assert scrape.get("metrics_path", "/metrics") == "/metrics"
+    exposed = parse_args(entrypoint_args()).port
+    assert scrape["static_configs"][0]["targets"] == [f"prescient:{exposed}"]
+    drain = parse_args(entrypoint_args()).drain_timeout
+    grace = compose["services"]["prescient"]["stop_grace_period"]
+    assert int(re.fullmatch(r"(\d+)s", grace).group(1)) > drain
+
+
+def test_promtool_accepts_the_prometheus_config():
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool comes with Debian's prometheus package (`make test` installs it)"
+    result = subprocess.run([promtool, "check", "config", os.path.join(DEPLOY, "prometheus.yml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
+    compose = load("compose.yaml")
+    mounts = dict(v.split(":")[:2] for v in compose["services"]["grafana"]["volumes"])
+    provider = load("grafana/provisioning/dashboards/prescient.yaml")["providers"][0]
+    assert mounts["./grafana/dashboards"] == provider["options"]["path"]
+    datasource = load("grafana/provisioning/datasources/prometheus.yaml")["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+    with open(os.path.join(DEPLOY, "grafana", "dashboards", "prescient.json")) as f:
+        dashboard = json.load(f)
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+        assert panel["targets"] and all(t["expr"] and t["refId"] for t in panel["targets"]), panel["title"]
+    # (test_prometheus runs every expression against a real Prometheus scraping the real server)
+
+
+def test_kubernetes_deployment_is_ready_on_health_and_the_service_selects_it():
+    docs = {d["kind"]: d for d in load("k8s/prescient.yaml")}
+    pod = docs["Deployment"]["spec"]["template"]
+    assert docs["Deployment"]["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert docs["Service"]["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    container = pod["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert docs["Service"]["spec"]["ports"][0]["targetPort"] in port_names
+    args = parse_args(entrypoint_args() + container.get("args", []))
+    assert port_names[container["readinessProbe"]["httpGet"]["port"]] == args.port
+    assert pod["spec"]["terminationGracePeriodSeconds"] > args.drain_timeout
