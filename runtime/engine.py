@@ -108,6 +108,11 @@ class Engine:
         self.scheduler.add_request(request)
         return request
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds: the longest sequence it can run, whatever the context length."""
+        return self.kv.num_blocks * self.kv.block_size
+
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError if the request can never run. Safe from any thread."""
         ids = self._prompt_ids(prompt)
@@ -119,7 +124,7 @@ class Engine:
             raise ValueError(f"max_tokens: this model's maximum context length is {limit} tokens, but "
                              f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = "
                              f"{len(ids) + params.max_tokens}; lower max_tokens to at most {limit - len(ids)}")
-        capacity = self.kv.num_blocks * self.kv.block_size
+        capacity = self.kv_capacity_tokens
         if len(ids) + params.max_tokens > capacity:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
                              f"KV cache's capacity of {capacity} tokens; raise kv_cache_bytes or lower max_tokens")

@@ -64,7 +64,7 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
         ids = engine.check_request(req.prompt, req.params) if req.max_tokens_given else None
         if ids is None:
             ids = engine.check_request(req.prompt, _with_max_tokens(req, 1))
-            room = engine.max_model_len - len(ids)
+            room = min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids)   # what can run, not 400
             req.params.max_tokens = room if chat else min(16, room)
     except ValueError as exc:
         field = str(exc).split(":", 1)[0]

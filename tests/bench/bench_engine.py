@@ -61,14 +61,26 @@ def decode_rate(engine: Engine, batch: int) -> tuple[float, float]:
     return tokens / seconds, (statistics.median(fill) if fill else float("nan"))
 
 
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def transformers_rates(dtype: str) -> dict:
+    """transformers on the same GGUF: prefill tokens/s (one forward over 512 tokens) and decode tokens/s."""
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=getattr(torch, dtype)).eval()
     rates = {}
-    for batch in (1, 8):
+    prompt = torch.randint(100, 49152, (1, 512))
+    with torch.no_grad():
+        model(prompt)
+        seconds = statistics.median(_timed(lambda: model(prompt)) for _ in range(3))
+    rates["prefill"] = 512 / seconds
+    for batch in (1, 8, 32):
         ids = torch.randint(100, 49152, (batch, 64))
         mask = torch.ones_like(ids)
         with torch.no_grad():
@@ -98,9 +110,10 @@ def run() -> dict:
         decode_ceiling = bandwidth / weight_bytes
         notes.append(f"{dtype}: matmul {flops / 1e9:.0f} GFLOP/s, weights {weight_bytes / 1e6:.0f} MB")
         pf = prefill_rate(engine)
-        rows.append({"dtype": dtype, "what": "prefill 512 tok", "tokens/s": pf, "ceiling": prefill_ceiling,
-                     "of ceiling": pf / prefill_ceiling})
         hf = transformers_rates(dtype)
+        rows.append({"dtype": dtype, "what": "prefill 512 tok", "tokens/s": pf, "ceiling": prefill_ceiling,
+                     "of ceiling": pf / prefill_ceiling, "transformers": hf["prefill"],
+                     "vs transformers": pf / hf["prefill"]})
         for batch in BATCHES:
             rate, fill = decode_rate(engine, batch)
             # a step reads every weight once (bandwidth-bound) and does 2 FLOP per parameter per token

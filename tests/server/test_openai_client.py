@@ -36,6 +36,18 @@ def test_chat_completion_equals_offline_engine(client, offline_engine):
     assert resp.usage.completion_tokens == len(expected.token_ids)
 
 
+def test_chat_without_max_tokens_runs_when_the_kv_cache_is_smaller_than_the_context(client, server, offline_engine):
+    # this server's 256 MiB KV cache holds fewer tokens than the model's context: the default max_tokens
+    # must be what can run (vLLM users omit it routinely), not a 400
+    messages = [{"role": "user", "content": "Say hello in French."}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    prompt = offline_engine.tokenizer.apply_chat_template(messages, tokenize=True)
+    expected = offline_engine.generate([prompt], SamplingParams(max_tokens=512, temperature=0))[0]
+    assert expected.finish_reason == "stop"
+    assert resp.choices[0].message.content == expected.text
+    assert resp.choices[0].finish_reason == "stop"
+
+
 def test_streaming_chat_with_usage_equals_offline_engine(client, offline_engine):
     messages = [{"role": "user", "content": "Name four planets of the solar system."}]
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
