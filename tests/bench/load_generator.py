@@ -57,35 +57,41 @@ def random_prompts(n: int, input_len: int, seed: int, vocab: int = 49152, first_
     return [prefix + [rng.randrange(first_id, vocab) for _ in range(input_len)] for _ in range(n)]
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec, t0: float) -> Result:
+async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec,
+                            result: Result, t0: float) -> None:
+    """One streamed completion, filling `result` as it goes (a cancelled request keeps what it received).
+    Times are seconds since t0; result.start must already be set."""
     body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    start = time.perf_counter()
-    result = Result(tag=spec.tag, ok=False, start=start - t0)
     try:
         async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
             result.status = resp.status
             if resp.status != 200:
                 result.error = (await resp.text())[:200]
-                return result
+                return
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
-                now = time.perf_counter()
+                now = time.perf_counter() - t0
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 elif chunk["choices"] and chunk["choices"][0]["text"]:
                     if not result.chunk_times:
-                        result.ttft = now - start
+                        result.ttft = now - result.start
                     result.chunk_times.append(now)
-        result.e2e = time.perf_counter() - start
+        result.e2e = time.perf_counter() - t0 - result.start
         result.ok = result.output_tokens > 0
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         result.error = repr(exc)
+
+
+async def _one(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec, t0: float) -> Result:
+    result = Result(tag=spec.tag, ok=False, start=time.perf_counter() - t0)
+    await stream_completion(session, url, model, spec, result, t0)
     return result
 
 

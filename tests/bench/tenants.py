@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import os
 import random
 import time
@@ -24,7 +23,7 @@ import time
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.bench.load_generator import RequestSpec, Result, percentile
+from tests.bench.load_generator import RequestSpec, Result, percentile, stream_completion
 
 W_P, W_Q = 1.0, 2.0   # the server's VTC weights (scheduler.config defaults)
 
@@ -40,33 +39,9 @@ def poisson_times(rate: float, duration: float, seed: int) -> list[float]:
 
 async def _stream(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec, r: Result,
                   t0: float) -> None:
-    """One streamed completion; fills r as it goes (times relative to t0)."""
-    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    """One streamed completion; fills r as it goes and records when it ended (times relative to t0)."""
     try:
-        async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
-            r.status = resp.status
-            if resp.status != 200:
-                r.error = (await resp.text())[:200]
-                return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                now = time.perf_counter() - t0
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    r.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    r.output_tokens = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0]["text"]:
-                    if not r.chunk_times:
-                        r.ttft = now - r.start
-                    r.chunk_times.append(now)
-        r.e2e = time.perf_counter() - t0 - r.start
-        r.ok = r.output_tokens > 0
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        r.error = repr(exc)
+        await stream_completion(session, url, model, spec, r, t0)
     finally:
         r.end = time.perf_counter() - t0
 
