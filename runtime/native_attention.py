@@ -1,4 +1,4 @@
-"""A small C kernel for float32 decode attention on CPU, compiled on first use.
+"""A small C kernel for decode attention on CPU (float32 or bfloat16 KV), compiled on first use.
 
 Pure PyTorch has to gather each sequence's KV blocks into a contiguous copy
 before its matmuls; for decode that copy costs more than the attention math.
@@ -64,25 +64,29 @@ def load() -> ctypes.CDLL | None:
             os.replace(built, target)
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode_attention_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                               ctypes.c_float, ctypes.c_int]
-    lib.paged_decode_attention_f32.restype = None
+    for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16):
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.restype = None
     return lib
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and q.shape[1] // k_cache.shape[2] <= 16 and load() is not None)
+    heads, kv_heads, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16) and d % 16 == 0
+            and heads // kv_heads <= 16 and heads <= 1024 and load() is not None)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, heads, D] (contiguous float32); caches [blocks, block_size, kv_heads, D]; returns [B, heads, D]."""
-    q = q.contiguous()
+    """q [B, heads, D]; caches [blocks, block_size, kv_heads, D] (float32 or bfloat16); returns [B, heads, D] in
+    q's dtype. The math is float32."""
+    dtype = q.dtype
+    q = q.to(torch.float32).contiguous()
     out = torch.empty_like(q)
     b, heads, d = q.shape
-    load().paged_decode_attention_f32(
+    kernel = load().paged_decode_attention_bf16 if k_cache.dtype == torch.bfloat16 else load().paged_decode_attention_f32
+    kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), b, heads, k_cache.shape[2], d, k_cache.shape[1], block_tables.shape[1], scale,
         torch.get_num_threads())
-    return out
+    return out.to(dtype)
