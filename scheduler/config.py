@@ -9,7 +9,7 @@ POLICIES = ("vtc", "fcfs", "priority")
 @dataclass
 class SchedulerConfig:
     num_blocks: int
-    block_size: int = 16
+    block_size: int = 8
     max_num_seqs: int = 64
     """Most requests running at once."""
     max_num_batched_tokens: int = 2048

@@ -24,6 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--kv-cache-bytes", type=_bytes, default=None, help="KV cache size, e.g. 1GiB (default 1 GiB)")
+    p.add_argument("--block-size", type=int, default=8, help="tokens per KV cache block (default 8)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -58,7 +59,7 @@ async def serve(args: argparse.Namespace) -> int:
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     engine = Engine.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         policy=args.policy, max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
     log.info("model %s (%s, %s): %d KV blocks of %d tokens, context %d, policy %s", engine.model_name,
              engine.model.dtype, engine.model.device, engine.kv.num_blocks, engine.kv.block_size,

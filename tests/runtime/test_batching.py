@@ -46,7 +46,8 @@ def test_batched_equals_alone(engine_fp32, prompts, alone):
 
 def test_preemption_under_tiny_kv_pool_equals_alone(engine_fp32, prompts, alone):
     longest = max(len(p) for p in prompts) + PARAMS.max_tokens
-    num_blocks = (longest + 15) // 16 + 2  # room for one or two sequences at a time
+    bs = engine_fp32.kv.block_size
+    num_blocks = (longest + bs - 1) // bs + 2  # room for one or two sequences at a time
     engine = variant(engine_fp32, num_blocks=num_blocks)
     outs = engine.generate(prompts, PARAMS)
     assert engine.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
@@ -75,8 +76,9 @@ def test_shared_prefix_hits_cache_and_equals_alone(engine_fp32):
     assert [o.token_ids for o in outs] == expected
     shared = len(engine_fp32.tokenizer.apply_chat_template([{"role": "system", "content": system}],
                                                            add_generation_prompt=False, tokenize=True))
+    bs = engine.kv.block_size
     for out in rest:
-        assert out.num_cached_tokens >= (shared // 16) * 16 - 16
+        assert out.num_cached_tokens >= (shared // bs) * bs - bs
     stats = engine.stats()
     assert stats["prefix_cache_hits"] >= sum(o.num_cached_tokens for o in rest) > 0
     assert_no_leaks(engine)
