@@ -4,7 +4,7 @@ A step's tokens are flattened into one batch: first one token for each
 decoding sequence, then the prefill chunks. Decode attention is batched as a
 grouped matmul over the gathered blocks (much faster on CPU than
 scaled_dot_product_attention for one query token); prefill chunks run one
-sequence at a time through scaled_dot_product_attention. In float32 on CPU a
+sequence at a time through scaled_dot_product_attention. On CPU (float32 or bfloat16) a
 small C kernel (native_attention) does the decode part in place.
 """
 from __future__ import annotations
