@@ -48,6 +48,7 @@ def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_get("/v1/models", utility_api.models)
+    app.router.add_get("/v1/models/{model}", utility_api.model)
     app.router.add_get("/health", utility_api.health)
     app.router.add_get("/metrics", utility_api.metrics)
     app.router.add_post("/tokenize", utility_api.tokenize)

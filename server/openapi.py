@@ -33,7 +33,9 @@ def document() -> dict:
                                                        {"type": "array", "items": {"type": "integer"}}]}}}
     message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
-        "content": {"type": "string"}}}
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}
     chat = {"type": "object", "required": ["messages"], "properties": {
         **_sampling_properties(), "max_completion_tokens": {"type": "integer", "minimum": 1},
         "messages": {"type": "array", "minItems": 1, "items": message}}}
@@ -47,6 +49,7 @@ def document() -> dict:
             "/v1/chat/completions": _post("Chat completion (stream with SSE when stream=true)", chat,
                                           "chat.completion, or an SSE stream of chat.completion.chunk"),
             "/v1/models": get("Models served"),
+            "/v1/models/{model}": get("One model served (404 for any other id)"),
             "/health": get("Liveness and readiness (503 while draining)"),
             "/metrics": get("Prometheus metrics"),
             "/tokenize": _post("Text or chat messages to token ids", {"type": "object", "properties": {

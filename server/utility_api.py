@@ -1,21 +1,34 @@
-"""GET /v1/models, /health, /metrics and POST /tokenize, /detokenize."""
+"""GET /v1/models, /v1/models/{model}, /health, /metrics and POST /tokenize, /detokenize."""
 from __future__ import annotations
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.auth import authenticate
-from server.errors import bad_request
+from server.errors import APIError, bad_request
 from server.protocol import parse_messages
 from server.state import ServerState, read_json
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "prescient",
+            "max_model_len": state.engine.max_model_len}
 
 
 async def models(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
-    return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "prescient",
-        "max_model_len": state.engine.max_model_len}]})
+    return web.json_response({"object": "list", "data": [_model_card(state)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    authenticate(state.api_keys, request.headers.get("Authorization"), None)
+    name = request.match_info["model"]
+    if name not in state.model_names:
+        raise APIError(404, f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
+                       param="model", code="model_not_found")
+    return web.json_response(_model_card(state))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -4,12 +4,24 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+
 from runtime import SamplingParams
 from tests.server.conftest import MODEL
 
 
 def test_models_lists_the_default_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_models_retrieve_one_and_unknown_is_404(client):
+    import openai
+
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert "gpt-4o" in info.value.body["message"] and info.value.body["code"] == "model_not_found"
 
 
 def test_completion_equals_offline_engine(client, offline_engine):
@@ -112,8 +124,8 @@ def test_openapi_describes_every_route(server):
 
     with urllib.request.urlopen(server.url + "/openapi.json") as r:
         doc = json.loads(r.read())
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                                 "/tokenize", "/detokenize", "/openapi.json"}
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
+                                 "/health", "/metrics", "/tokenize", "/detokenize", "/openapi.json"}
 
 
 def test_logs_a_line_per_request_and_throughput(server, client):
