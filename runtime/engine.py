@@ -67,14 +67,14 @@ class Engine:
         if num_threads:
             torch.set_num_threads(num_threads)
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if kv_cache_bytes is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
         if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, got {kv_cache_bytes!r}")
-        budget = max_num_batched_tokens or 512
-        if not isinstance(budget, int) or budget < 1:
+        budget = 512 if max_num_batched_tokens is None else max_num_batched_tokens
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
             raise ValueError(f"max_num_batched_tokens: must be a positive integer, got {budget!r}")
 
         ckpt = load_checkpoint(model)

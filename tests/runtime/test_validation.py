@@ -49,3 +49,9 @@ def test_bad_engine_arguments():
         Engine.from_pretrained(kv_cache_bytes=-1)
     with pytest.raises(ValueError, match="max_num_seqs"):
         Engine.from_pretrained(max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Engine.from_pretrained(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="block_size"):
+        Engine.from_pretrained(block_size=0)
+    with pytest.raises(ValueError, match="kv_cache_bytes: too small"):
+        Engine.from_pretrained(kv_cache_bytes=1024)
