@@ -87,6 +87,8 @@ class ModelRunner:
         if not sample_reqs:
             return {}
         logits = self.model.logits(hidden[sample_rows])
-        tokens = sample(logits, [r.sampling_params for r in sample_reqs],
-                        [self.generators.get(r.request_id) for r in sample_reqs])
+        params = [r.sampling_params for r in sample_reqs]
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in sample_reqs] \
+            if any(p.penalized for p in params) else None
+        tokens = sample(logits, params, [self.generators.get(r.request_id) for r in sample_reqs], histories)
         return {r.request_id: t for r, t in zip(sample_reqs, tokens)}

@@ -1,6 +1,7 @@
 """Pick the next token of each sequence from its logits and its SamplingParams.
 
-Greedy rows take the argmax. Other rows are scaled by temperature, cut to
+Penalties (repetition, then frequency and presence) adjust a row's logits
+first. Greedy rows take the argmax. Other rows are scaled by temperature, cut to
 top-k and to top-p, and drawn from the rest; a request with a seed draws from
 its own generator, so its tokens do not depend on what else is in the batch.
 """
@@ -11,9 +12,14 @@ import torch
 from scheduler import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits: float32 [N, vocab]; returns N token ids."""
+@torch.inference_mode()
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
+    """logits: float32 [N, vocab]; histories: (prompt ids, output ids) per row, needed by penalties.
+    Returns N token ids."""
+    for i, p in enumerate(params):
+        if p.penalized:
+            _penalize(logits[i], p, *histories[i])
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -25,6 +31,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return tokens.tolist()
+
+
+def _penalize(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> None:
+    """In place, on one row of logits."""
+    vocab = row.shape[0]
+    counts = torch.bincount(torch.tensor(output, dtype=torch.int64, device=row.device), minlength=vocab)[:vocab]
+    if p.repetition_penalty != 1:
+        seen = counts > 0
+        seen[torch.tensor(prompt, dtype=torch.int64, device=row.device)] = True
+        hit = row[seen]
+        row[seen] = torch.where(hit > 0, hit / p.repetition_penalty, hit * p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -27,6 +27,13 @@ class SamplingParams:
     """Stop when one of these token ids is generated (it is kept in token_ids)."""
     ignore_eos: bool = False
     """Keep generating past the model's end-of-turn token (benchmarks)."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted once from the logit of every token already generated, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time it was generated, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """CTRL's (as in transformers and vLLM): logits of tokens in the prompt or the output are divided by it
+    when positive and multiplied when negative; 1 disables it, > 0."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +59,17 @@ class SamplingParams:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

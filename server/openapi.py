@@ -17,6 +17,9 @@ def _sampling_properties() -> dict:
         "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
         "n": {"type": "integer", "enum": [1]}, "user": {"type": "string"}, "priority": {"type": "integer"},
         "ignore_eos": {"type": "boolean"}, "stream": {"type": "boolean"},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     }
 

@@ -84,16 +84,18 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     best_of = _get(body, "best_of", (int,), 1)
     if best_of != 1:
         raise bad_request("'best_of' other than 1 is not supported", "best_of")
-    for name_ in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name_, 0.0, -2.0, 2.0) != 0.0:
-            raise bad_request(f"'{name_}' is not supported; leave it at 0", name_)
+    presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True)
     for name_ in ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "response_format"):
         if body.get(name_) not in (None, False, 0, {}, []):
             raise bad_request(f"'{name_}' is not supported by this server", name_)
     if body.get("echo"):
         raise bad_request("'echo' is not supported by this server", "echo")
     return SamplingParams(max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+                          top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                          repetition_penalty=repetition_penalty)
 
 
 def _common(body: dict, prompt, default_max_tokens: int) -> GenerationRequest:

@@ -90,3 +90,40 @@ def test_ignore_eos_runs_past_end_of_turn(engine_fp32):
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("penalties", [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+                                       dict(repetition_penalty=1.3),
+                                       dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5)])
+def test_penalties_greedy_equal_transformers_with_the_published_formulas(engine_fp32, reference, penalties):
+    """Greedy under penalties against transformers' forward, with the repetition penalty from transformers'
+    own logits processor (prompt and output tokens) and OpenAI's documented frequency/presence formula
+    (output tokens only): logit[j] -= count[j] * frequency + (count[j] > 0) * presence."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    _, model = reference
+    prompt = chat_ids(engine_fp32.tokenizer, "List the colors of the rainbow, then list them again.")
+    rep = RepetitionPenaltyLogitsProcessor(penalties.get("repetition_penalty", 1.0))
+    ids, expected = torch.tensor([prompt]), []
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        for _ in range(24):
+            logits = rep(ids, out.logits[:, -1].float().clone())[0]
+            counts = torch.bincount(torch.tensor(expected, dtype=torch.int64), minlength=logits.shape[0])
+            logits -= penalties.get("frequency_penalty", 0) * counts + penalties.get("presence_penalty", 0) * (counts > 0)
+            token = int(logits.argmax())
+            expected.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    plain = engine_fp32.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    got = engine_fp32.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                        **penalties))[0]
+    assert got.token_ids == expected
+    assert got.token_ids != plain.token_ids, "the penalty was meant to change this output"
+
+
+@pytest.mark.parametrize("kwargs", [dict(presence_penalty=2.5), dict(frequency_penalty=-3),
+                                    dict(repetition_penalty=0), dict(repetition_penalty="1")])
+def test_bad_penalties_name_the_field(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)

@@ -36,6 +36,8 @@ CASES = [
     ("temperature wrong type", "POST", COMP, {"prompt": "x", "temperature": "hot"}, 400, "'temperature'"),
     ("top_p zero", "POST", COMP, {"prompt": "x", "top_p": 0}, 400, "'top_p' must be in"),
     ("top_k below -1", "POST", COMP, {"prompt": "x", "top_k": -5}, 400, "'top_k'"),
+    ("presence_penalty above 2", "POST", COMP, {"prompt": "x", "presence_penalty": 2.5}, 400, "'presence_penalty'"),
+    ("repetition_penalty zero", "POST", COMP, {"prompt": "x", "repetition_penalty": 0}, 400, "'repetition_penalty'"),
     ("seed float", "POST", COMP, {"prompt": "x", "seed": 1.5}, 400, "'seed' must be an integer"),
     ("stop wrong type", "POST", COMP, {"prompt": "x", "stop": [1, 2]}, 400, "'stop'"),
     ("n above 1", "POST", COMP, {"prompt": "x", "n": 3}, 400, "'n' must be 1"),

@@ -35,6 +35,18 @@ def test_completion_equals_offline_engine(client, offline_engine):
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
 
 
+def test_completion_with_penalties_equals_offline_engine(client, offline_engine):
+    prompt = "Repeat after me: la la la la la la"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                     frequency_penalty=1.0, presence_penalty=0.5,
+                                     extra_body={"repetition_penalty": 1.1})
+    params = dict(max_tokens=20, temperature=0)
+    expected = offline_engine.generate([prompt], SamplingParams(frequency_penalty=1.0, presence_penalty=0.5,
+                                                                repetition_penalty=1.1, **params))[0]
+    assert resp.choices[0].text == expected.text
+    assert expected.text != offline_engine.generate([prompt], SamplingParams(**params))[0].text
+
+
 def test_chat_completion_equals_offline_engine(client, offline_engine):
     messages = [{"role": "system", "content": "You answer in one short sentence."},
                 {"role": "user", "content": "What is the boiling point of water at sea level?"}]
