@@ -13,6 +13,8 @@ cached block is the one evicted.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from scheduler.request import Request
@@ -21,8 +23,15 @@ _ROOT = 0x5EED  # stands in for the parent hash of a request's first block
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Content id of a full block: Python's 64-bit tuple hash over (parent hash, token ids)."""
-    return hash((_ROOT if parent is None else parent, tokens))
+    """Content id of a full block: 128 bits of BLAKE2b over (parent id, token ids).
+
+    Blocks are shared across tenants, so the id must not be forgeable: with Python's
+    hash of a tuple of ints, a client could craft a prompt whose blocks collide with
+    another tenant's cached prefix and be served that tenant's KV."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update((_ROOT if parent is None else parent).to_bytes(16, "little"))
+    digest.update(array("q", tokens).tobytes())
+    return int.from_bytes(digest.digest(), "little")
 
 
 class BlockManager:
