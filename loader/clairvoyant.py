@@ -24,6 +24,8 @@ from loader.view import CachedView, CachedItemsView
 EPOCH_STRIDE = 1 << 40        # plan positions of epoch e start at e * EPOCH_STRIDE
 RING = 1 << 16                # plan positions that may be published and unconsumed at once
 SNAPSHOT_WAIT_SECONDS = 30.0
+FALLBACK_SECONDS = 0.5      # how long state_dict() waits for a start-of-batch snapshot before using the end
+                            # of the worker's previous batch
 SHM_SHARE = 0.8               # of /dev/shm's free space the loader may take (torch's workers need some)
 
 
@@ -221,10 +223,18 @@ class Clairvoyant:
                 if not earlier or earlier[-1] < epoch.skipped:
                     continue                      # this worker had no batch this epoch
                 batch, slot, end = earlier[-1], self.snap_ring + worker, True
-            deadline = time.monotonic() + SNAPSHOT_WAIT_SECONDS
+            # The worker's RNG state when its previous batch ended is the same state: the fallback when
+            # the worker never starts the upcoming batch (non-persistent workers stop as soon as the
+            # training loop breaks out and drops the iterator).
+            previous = batch - workers if not end and batch - workers >= epoch.skipped else None
+            started = time.monotonic()
+            deadline = started + SNAPSHOT_WAIT_SECONDS
             while True:
                 if batch < len(epoch.batch_first):
                     payload = self.shared.get_snapshot(slot, epoch.pos0 + epoch.batch_first[batch] + 1)
+                    if payload is None and previous is not None and time.monotonic() - started > FALLBACK_SECONDS:
+                        payload = self.shared.get_snapshot(self.snap_ring + worker,
+                                                           epoch.pos0 + epoch.batch_first[previous] + 1)
                     if payload is not None:
                         snapshots[worker] = payload
                         break

@@ -45,6 +45,9 @@ class PlannedSampler:
                 after_first_draw()
                 after_first_draw = None
             keys = list(item) if self.batched else [item]
+            # recorded before the batch goes out (and for skipped batches too, so that the list is indexed
+            # by batch number): state_dict() may need it before the sampler is asked for another batch
+            epoch.batch_first.append(offset)
             if batch < epoch.skipped:
                 offset, batch = offset + len(keys), batch + 1
                 continue
@@ -61,7 +64,6 @@ class PlannedSampler:
                                   flag | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
                            for j, k in enumerate(keys)]
                 yield tickets if self.batched else tickets[0]
-            epoch.batch_first.append(offset)
             offset, batch = offset + len(keys), batch + 1
         if after_first_draw is not None:
             after_first_draw()

@@ -23,6 +23,9 @@ WORKERS = {
     "w0": dict(num_workers=0),
     "w2": dict(num_workers=2),
     "w2_persistent": dict(num_workers=2, persistent_workers=True),
+    # batch STOP+1 reaches its worker just as the loop breaks and the workers stop: that worker may never
+    # start it, and state_dict() must not wait for it
+    "w2_prefetch1": dict(num_workers=2, prefetch_factor=1),
 }
 STOP = 5  # batches of epoch 1 trained on before the interruption
 
@@ -52,12 +55,18 @@ def train(dl, generator, epoch, stop=None):
 @pytest.mark.parametrize("workers", list(WORKERS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_resume_mid_epoch_equals_uninterrupted_torch(files, case, workers):
+    check_resume(files, case, workers)
+
+
+def check_resume(files, case, workers, before_state_dict=None):
     dl, g = build(tud.DataLoader, files, case, WORKERS[workers])
     oracle = [train(dl, g, epoch) for epoch in range(3)]
 
     dl, g = build(DataLoader, files, case, WORKERS[workers], cache_ram="1MiB")
     train(dl, g, 0)
     train(dl, g, 1, stop=STOP)
+    if before_state_dict is not None:
+        before_state_dict(dl)
     checkpoint = dl.state_dict()
     script_rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
     dl.close()
