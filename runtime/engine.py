@@ -35,7 +35,8 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, *, num_blocks: int, block_size: int = 8,
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, *, num_blocks: int,
+                 block_size: int = SchedulerConfig.block_size,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, policy: str = "vtc",
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  model_name: str | None = None):
@@ -57,7 +58,8 @@ class Engine:
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype | None = None,
                         device: str | None = None, kv_cache_bytes: int | None = None,
                         max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                        policy: str = "vtc", block_size: int = 8, max_model_len: int | None = None,
+                        policy: str = "vtc", block_size: int = SchedulerConfig.block_size,
+                        max_model_len: int | None = None,
                         enable_prefix_caching: bool = True, num_threads: int | None = None) -> "Engine":
         """model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
         dtype: 'auto' (bfloat16 where the hardware computes in it, else float32), 'bfloat16' or 'float32'.

@@ -73,7 +73,8 @@ def load() -> ctypes.CDLL | None:
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     heads, kv_heads, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16) and d % 16 == 0
-            and heads // kv_heads <= 16 and heads <= 1024 and load() is not None)
+            and heads // kv_heads <= 16 and heads <= 1024   # the kernel's MAX_GROUP and per-head arrays
+            and load() is not None)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -84,7 +85,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q.to(torch.float32).contiguous()
     out = torch.empty_like(q)
     b, heads, d = q.shape
-    kernel = load().paged_decode_attention_bf16 if k_cache.dtype == torch.bfloat16 else load().paged_decode_attention_f32
+    lib = load()
+    kernel = lib.paged_decode_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
     kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), b, heads, k_cache.shape[2], d, k_cache.shape[1], block_tables.shape[1], scale,

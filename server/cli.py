@@ -9,7 +9,7 @@ import sys
 
 from aiohttp import web
 
-from scheduler import POLICIES
+from scheduler import POLICIES, SchedulerConfig
 
 log = logging.getLogger("prescient.server")
 
@@ -24,7 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--kv-cache-bytes", type=_bytes, default=None, help="KV cache size, e.g. 1GiB (default 1 GiB)")
-    p.add_argument("--block-size", type=int, default=8, help="tokens per KV cache block (default 8)")
+    p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size,
+                   help=f"tokens per KV cache block (default {SchedulerConfig.block_size})")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)

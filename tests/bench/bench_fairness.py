@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 
 from tests.bench.load_generator import RequestSpec, random_prompts
 from tests.bench.tenants import (W_P, W_Q, backlogged_intervals, closed_loop, intersect, max_service_gap,
@@ -161,8 +162,6 @@ def _policy_cost(repeats: int = 3, requests: int = 24) -> tuple[list[dict], floa
     """Wall time of one backlogged workload (tenant A 3/4 of the requests, B 1/4, all queued at once) on the
     offline engine under each policy, alternating so that both see the machine alike. Returns rows and the
     median of vtc/fcfs throughput ratios over the pairs."""
-    import time
-
     from runtime import Engine, SamplingParams
 
     prompts = random_prompts(requests, PROMPT, seed=77)
