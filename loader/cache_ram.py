@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import numpy as np
+import torch
+
+from loader.rng_state import RNG_STATE_BYTES
 
 PREFIX = "prescient_"
 
@@ -36,7 +39,7 @@ ABSENT, RAM, DISK, FAILED = 0, 1, 2, 3
 (SAMPLES, STORAGE_READS, STORAGE_BYTES, RAM_HITS, DISK_HITS, PEER_READS, STALL_NS,
  WAIT_NS, DIRECT_READS, BATCHES) = range(10)
 COUNTERS = 16
-SNAP_BYTES = 16 << 10
+SNAP_BYTES = 16 + RNG_STATE_BYTES
 
 
 def _aligned(n: int) -> int:
@@ -132,23 +135,22 @@ class SharedState:
         return bytes(self.data[offset: offset + length])
 
     # --- snapshots -------------------------------------------------------------------------
-    def put_snapshot(self, slot: int, tag: int, payload: bytes) -> None:
-        if len(payload) > SNAP_BYTES - 16:
-            return
+    def put_snapshot(self, slot: int, tag: int, state: torch.Tensor) -> None:
+        """Store a worker's RNG state (uint8, see rng_state.py) under `tag`."""
         row = self.snaps[slot]
         head = row[:16].view(np.int64)
         head[0] = 0
-        row[16: 16 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-        head[1] = len(payload)
+        row[16: 16 + RNG_STATE_BYTES] = state.numpy()
+        head[1] = RNG_STATE_BYTES
         head[0] = tag
 
-    def get_snapshot(self, slot: int, tag: int) -> bytes | None:
+    def get_snapshot(self, slot: int, tag: int) -> torch.Tensor | None:
         row = self.snaps[slot]
         head = row[:16].view(np.int64)
         if head[0] != tag:
             return None
-        payload = row[16: 16 + int(head[1])].tobytes()
-        return payload if head[0] == tag else None
+        state = torch.from_numpy(row[16: 16 + RNG_STATE_BYTES].copy())
+        return state if head[0] == tag else None
 
     # --- lifetime --------------------------------------------------------------------------
     def close(self) -> None:

@@ -91,6 +91,10 @@ class Clairvoyant:
         self.stall_seconds = 0.0
         self.batches = 0
         self.peer_group = None
+        if options.peer_exchange and self.source is not None and self.source.items:
+            raise ValueError("peer_exchange: a dataset cached with cache_items=True is cached as pickled items, "
+                             "and bytes from another process are never unpickled; implement read(index) -> "
+                             "bytes and decode(raw, index) to exchange raw samples with peers")
         if options.peer_exchange and self.source is not None:
             import torch.distributed as dist
             if not (dist.is_available() and dist.is_initialized()):
@@ -203,7 +207,7 @@ class Clairvoyant:
             self.epoch.yielded += 1
 
     # --- resume -------------------------------------------------------------------------------------
-    def worker_snapshots(self, in_order: bool) -> dict[int, bytes]:
+    def worker_snapshots(self, in_order: bool) -> dict[int, torch.Tensor]:
         """Each worker's RNG state where a resumed run's worker of the same id must start."""
         epoch, workers = self.epoch, self.num_workers
         if workers == 0 or epoch is None or self.shared is None:
