@@ -11,7 +11,9 @@ Layout, all int64 unless noted:
   data     [arena]       uint8: sample bytes (cached and staged)
 
 The segment is created with multiprocessing's SharedMemory, so the resource tracker
-unlinks it even if the main process is killed; workers started with spawn attach by path
+unlinks it even if the main process is killed (and the next loader reclaims it if the tracker
+died too, see reclaim.py); its pages are reserved up front, so several loaders on a node
+never overcommit /dev/shm; workers started with spawn attach by path
 without registering, so their exit never unlinks what the main process still uses.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from loader.reclaim import reclaim_shared_memory
 from loader.rng_state import RNG_STATE_BYTES
 
 PREFIX = "prescient_"
@@ -40,6 +43,18 @@ ABSENT, RAM, DISK, FAILED = 0, 1, 2, 3
  WAIT_NS, DIRECT_READS, BATCHES) = range(10)
 COUNTERS = 16
 SNAP_BYTES = 16 + RNG_STATE_BYTES
+
+
+class SharedMemoryFull(MemoryError):
+    """/dev/shm has no room for the loader's segment."""
+
+
+def shm_free_bytes() -> int | None:
+    try:
+        fs = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return fs.f_bavail * fs.f_frsize
 
 
 def _aligned(n: int) -> int:
@@ -77,8 +92,10 @@ class SharedState:
         self.layout = layout
         self._owner = name is None
         if self._owner:
+            reclaim_shared_memory(PREFIX)          # segments of loaders that were killed
             self.name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
             self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=layout.total)
+            self._reserve(layout.total)
             self._buffer = self._shm.buf
         else:
             self.name = name
@@ -92,6 +109,24 @@ class SharedState:
         self._views()
         if self._owner:
             self.header[ALIVE] = 1
+
+    def _reserve(self, size: int) -> None:
+        """Allocate every page now. A tmpfs segment is sparse: a write to a page /dev/shm has no room
+        for is a SIGBUS in whichever process touches it. Reserved, the segment either fits or fails
+        here with an error, and the next loader on the node sees the space as taken."""
+        fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as error:
+            self._shm.close()
+            self._shm.unlink()
+            free = shm_free_bytes()
+            raise SharedMemoryFull(
+                f"shared memory: cannot reserve {size:,} bytes in /dev/shm ({error.strerror}; {free:,} bytes "
+                "free, the rest held by other loaders or processes on this node). Lower cache_ram or "
+                "prefetch_bytes, or enlarge /dev/shm (docker run --shm-size=...).") from None
+        finally:
+            os.close(fd)
 
     def _views(self) -> None:
         sec = self.layout.sections()

@@ -2,7 +2,6 @@
 shared state alive as long as the loader, and remember where the epoch is for resume."""
 from __future__ import annotations
 
-import os
 import time
 import warnings
 import weakref
@@ -13,7 +12,7 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind
 
 from loader.cache_disk import DiskTier
-from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState
+from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
 from loader.exchange import PeerExchange
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
@@ -141,11 +140,10 @@ class Clairvoyant:
         """/dev/shm is often small (64 MiB in a default Docker container) and a write beyond it
         is a SIGBUS, not an error: shrink the RAM cache to what is free, with a warning."""
         opts = self.options
-        try:
-            fs = os.statvfs("/dev/shm")
-        except OSError:
+        free = shm_free_bytes()          # what other loaders reserved is already taken off
+        if free is None:
             return
-        free = int(fs.f_bavail * fs.f_frsize * SHM_SHARE)
+        free = int(free * SHM_SHARE)
         if opts.cache_ram + opts.prefetch_bytes <= free:
             return
         opts.prefetch_bytes = min(opts.prefetch_bytes, max(free // 2, 1 << 20))
