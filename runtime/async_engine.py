@@ -72,8 +72,8 @@ class AsyncEngine:
             return dict(self._stats)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       *, tenant: str = "default", weight: float = 1.0,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield snapshots of the request's output as tokens arrive; the last one has finished=True."""
         if self.error is not None:
             raise EngineDeadError("the engine stopped after an internal error")
@@ -96,7 +96,7 @@ class AsyncEngine:
             if request_id in self._sinks:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self._sinks[request_id] = (loop, queue)
-            self._adds.append((request_id, ids, params, tenant, weight, priority, arrival))
+            self._adds.append((request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
             self._wake.notify()
         finished = False
         try:
@@ -143,10 +143,10 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 # Adds first: a request added and abandoned during the same step must be added, then aborted.
-                for request_id, ids, params, tenant, weight, priority, arrival in adds:
+                for request_id, ids, params, tenant, weight, priority, arrival, salt in adds:
                     try:
                         engine.add_request(request_id, ids, params, tenant=tenant, weight=weight,
-                                           priority=priority, arrival_time=arrival)
+                                           priority=priority, arrival_time=arrival, cache_salt=salt)
                     except ValueError as exc:
                         self._deliver(request_id, exc, final=True)
                     except Exception as exc:   # a bug adding this one request: fail it, not the engine
