@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error; nothing more will be served."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The server aborted this request (abort_all: shutdown after the drain timeout)."""
+
+
 class RequestFailedError(RuntimeError):
     """This request failed inside the engine (its step raised); the engine keeps serving the others.
 
@@ -122,12 +126,24 @@ class AsyncEngine:
                 self._aborts.append(request_id)
                 self._wake.notify()
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight now: each consumer gets RequestAbortedError(reason) and the
+        engine frees their blocks. Returns how many there were."""
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            self._aborts.extend(sinks)
+            self._wake.notify()
+        for loop, queue in sinks.values():
+            loop.call_soon_threadsafe(queue.put_nowait, RequestAbortedError(reason))
+        return len(sinks)
+
     async def shutdown(self) -> None:
         with self._lock:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.abort_all("the engine has shut down")   # nobody may wait on a stopped engine
 
     # ---- engine thread --------------------------------------------------------------------------
 

@@ -12,6 +12,10 @@ from aiohttp import web
 from scheduler import POLICIES, SchedulerConfig
 
 log = logging.getLogger("prescient.server")
+ABORT_GRACE = 3.0
+"""Seconds after the drain timeout for aborted requests' handlers to send their last event."""
+SHUTDOWN_GRACE = 3.0
+"""Seconds aiohttp waits for connections to close at the very end."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,7 +78,9 @@ async def serve(args: argparse.Namespace) -> int:
     app = build_app(engine, api_keys=keys, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                     served_model_name=args.served_model_name, throughput_log_seconds=args.throughput_log_seconds,
                     metrics_auth=args.metrics_auth, tenant_metrics=not args.no_tenant_metrics)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # Shutdown = drain (--drain-timeout) + ABORT_GRACE for aborted streams to end + SHUTDOWN_GRACE for
+    # aiohttp to close connections: keep it inside the deployment's terminationGracePeriodSeconds.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -93,7 +99,11 @@ async def serve(args: argparse.Namespace) -> int:
     while state.in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     if state.in_flight:
-        log.warning("drain timeout: aborting %d requests", state.in_flight)
+        aborted = state.async_engine.abort_all("the server is shutting down and the drain timeout passed")
+        log.warning("drain timeout: aborted %d requests", aborted)
+        deadline = loop.time() + ABORT_GRACE   # their handlers end the streams with an error event + [DONE]
+        while state.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
     await runner.cleanup()
     log.info("stopped")
     return 0

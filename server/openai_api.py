@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from runtime import EngineDeadError, QueueFullError, RequestFailedError, RequestOutput
+from runtime import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError, RequestOutput
 from server import sse
 from server.auth import Tenant, authenticate, check_key
 from server.errors import APIError, bad_request
@@ -130,6 +130,10 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
             error = APIError(500, f"The engine failed while generating this request ({exc.cause}); other "
                                   f"requests are unaffected, retry it. Request id {request_id}.",
                              code="engine_error")
+        elif isinstance(exc, RequestAbortedError):
+            log.warning("request %s aborted: %s", request_id, exc)
+            error = APIError(503, f"The server aborted this request: {exc}; retry on another replica. "
+                                  f"Request id {request_id}.", code="shutdown", headers={"Retry-After": "1"})
         elif isinstance(exc, EngineDeadError):
             log.error("request %s: the engine has stopped", request_id)
             error = APIError(500, "The engine has stopped after an internal error; retry on another "
