@@ -78,6 +78,10 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
         raise APIError(400, f"The model '{req.model}' does not exist; this server serves "
                             f"{', '.join(repr(n) for n in sorted(state.model_names))} (see GET /v1/models).",
                        param="model", code="model_not_found")
+    low, high = tenant.priority_range
+    if not low <= req.priority <= high:
+        raise bad_request(f"'priority' must be in [{low}, {high}] for this caller (lower runs first; a client "
+                          f"may only make its own requests less urgent unless its key grants more)", "priority")
     size = sum(len(m["content"]) for m in messages) if chat else \
         (len(req.prompt) if isinstance(req.prompt, str) else 0)
     try:

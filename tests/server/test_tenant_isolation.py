@@ -13,7 +13,7 @@ import pytest
 
 from tests.server.conftest import running_server
 
-KEYS = {"sk-alpha": {"tenant": "alpha"}, "sk-beta": {"tenant": "beta"},
+KEYS = {"sk-alpha": {"tenant": "alpha", "priority_range": [-5, 5]}, "sk-beta": {"tenant": "beta"},
         "sk-c1": {"tenant": "c1", "prefix_cache_group": "shared"},
         "sk-c2": {"tenant": "c2", "prefix_cache_group": "shared"}}
 # Long enough for several full KV blocks, whatever the block size.
@@ -131,3 +131,12 @@ def test_big_prompt_is_tokenized_off_the_event_loop(keyed):
     assert status == 400 and "context" in payload["error"]["message"]   # 780k tokens never fit
     assert len(gaps) >= 5                 # tokenizing took a while...
     assert max(gaps) < 1.5, max(gaps)     # ...and /health kept answering all along
+
+
+def test_priority_only_within_what_the_key_grants(keyed):
+    body = {"prompt": "Hi", "max_tokens": 1}
+    assert post(keyed.url, "/v1/completions", {**body, "priority": 3}, "sk-beta")[0] == 200     # less urgent
+    code, payload = post(keyed.url, "/v1/completions", {**body, "priority": -1}, "sk-beta")
+    assert code == 400 and payload["error"]["param"] == "priority"
+    assert post(keyed.url, "/v1/completions", {**body, "priority": -5}, "sk-alpha")[0] == 200   # granted
+    assert post(keyed.url, "/v1/completions", {**body, "priority": 6}, "sk-alpha")[0] == 400
