@@ -55,7 +55,7 @@ def test_compose_mounts_exist_and_prometheus_scrapes_the_server():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             assert os.path.exists(os.path.join(DEPLOY, source)), f"volume {volume}: {source} does not exist"
-    scrape = load("prometheus.yml")["scrape_configs"][0]
+    scrape = load("prometheus/prometheus.yml")["scrape_configs"][0]
     assert scrape.get("metrics_path", "/metrics") == "/metrics"
     exposed = parse_args(entrypoint_args()).port
     assert scrape["static_configs"][0]["targets"] == [f"prescient:{exposed}"]
@@ -67,7 +67,7 @@ def test_compose_mounts_exist_and_prometheus_scrapes_the_server():
 def test_promtool_accepts_the_prometheus_config():
     promtool = shutil.which("promtool")
     assert promtool, "promtool comes with Debian's prometheus package (`make test` installs it)"
-    result = subprocess.run([promtool, "check", "config", os.path.join(DEPLOY, "prometheus.yml")],
+    result = subprocess.run([promtool, "check", "config", os.path.join(DEPLOY, "prometheus", "prometheus.yml")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
