@@ -10,21 +10,21 @@ restore them and decode with the same random augmentation.
 """
 from __future__ import annotations
 
-import pickle
-import random
+import os
 import time
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from loader.cache_disk import read_file
 from loader.cache_ram import (COUNTERS, DIRECT_READS, DISK, GEN_BASE, LENGTH, MODE, OFFSET, PLANNED, RAM, SAMPLES,
                               STORAGE_BYTES, STORAGE_READS, TIER, WAIT_NS, SharedState)
+from loader.rng_state import capture_rng, restore_rng
 from loader.source import ByteSource
 
 FIRST, LAST, PLANNED_READ = 1, 2, 4   # Ticket.edge bits: first / last of its batch; covered by the plan
 POLL_SECONDS = 0.0002       # how often a worker looks for a position it waits on
+PARENT_CHECK_SECONDS = 0.5  # after this long waiting, a worker also checks that the main process lives
 
 
 class Ticket:
@@ -42,18 +42,6 @@ class Ticket:
         return f"Ticket(index={self.index}, pos={self.pos})"
 
 
-def rng_state() -> bytes:
-    """The RNG states a worker's decode may draw from: torch, random, numpy."""
-    return pickle.dumps((bytes(torch.get_rng_state().numpy()), random.getstate(), np.random.get_state()))
-
-
-def set_rng_state(payload: bytes) -> None:
-    torch_state, py_state, np_state = pickle.loads(payload)
-    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
-    random.setstate(py_state)
-    np.random.set_state(np_state)
-
-
 class CachedView(Dataset):
     def __init__(self, dataset, source: ByteSource | None, shared: SharedState | None,
                  disk_dir: str | None, snap_ring: int):
@@ -62,8 +50,15 @@ class CachedView(Dataset):
         self.shared = shared
         self.disk_dir = disk_dir
         self.snap_ring = snap_ring                 # start-of-batch snapshot slots; then one end slot per worker
-        self.resume_rng: dict[int, bytes] | None = None   # worker id -> RNG state to start from
+        self.resume_rng: dict[int, torch.Tensor] | None = None   # worker id -> RNG state to start from
         self._resumed = False
+        self._parent = os.getpid()               # the main process: workers are its children
+
+    def __getattr__(self, name: str):
+        # worker_init_fn and collate functions reach the dataset through get_worker_info().dataset
+        if name.startswith("__") or "dataset" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["dataset"], name)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -90,13 +85,13 @@ class CachedView(Dataset):
         if self.resume_rng is not None and not self._resumed:
             self._resumed = True
             if worker in self.resume_rng:
-                set_rng_state(self.resume_rng[worker])
+                restore_rng(self.resume_rng[worker])
         if ticket.edge & FIRST:
-            self.shared.put_snapshot(ticket.batch % self.snap_ring, ticket.first + 1, rng_state())
+            self.shared.put_snapshot(ticket.batch % self.snap_ring, ticket.first + 1, capture_rng())
 
     def _batch_end(self, ticket: Ticket, worker: int | None) -> None:
         if worker is not None and ticket.edge & LAST:
-            self.shared.put_snapshot(self.snap_ring + worker, ticket.first + 1, rng_state())
+            self.shared.put_snapshot(self.snap_ring + worker, ticket.first + 1, capture_rng())
 
     def _row(self) -> tuple[int, int | None]:
         info = get_worker_info()
@@ -115,6 +110,8 @@ class CachedView(Dataset):
                 break
             if waited is None:
                 waited = time.perf_counter()
+            elif time.perf_counter() - waited > PARENT_CHECK_SECONDS and os.getppid() != self._parent:
+                os._exit(1)                                   # the main process is gone: nothing will come
             time.sleep(POLL_SECONDS)
         if waited is not None:
             fast["counters"][row * COUNTERS + WAIT_NS] += int((time.perf_counter() - waited) * 1e9)
