@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import importlib.util
 import os
 import re
 import tomllib
@@ -174,3 +175,35 @@ def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metri
     backend = route["spec"]["rules"][0]["backendRefs"][0]
     assert (backend["group"], backend["kind"], backend["name"]) == (
         "inference.networking.k8s.io", "InferencePool", pool["metadata"]["name"])
+
+
+def test_training_job_runs_the_example_on_every_pod_with_a_reachable_rendezvous():
+    spec = importlib.util.spec_from_file_location("train", os.path.join(DEPLOY, "examples", "train", "train.py"))
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    docs = {(d["kind"], d["metadata"]["name"]): d
+            for d in documents(os.path.join(DEPLOY, "examples", "train", "job.yaml"))}
+    job = docs[("Job", "prescient-train")]
+    pod = job["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["torchrun"]
+    flags = dict(a[2:].split("=", 1) for a in container["args"] if a.startswith("--") and "=" in a)
+    script = next(a for a in container["args"] if a.endswith(".py"))
+    script_args = container["args"][container["args"].index(script) + 1:]
+    args = train.parse_args(script_args)   # the script accepts what the Job passes
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert int(flags["nnodes"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+    assert flags["node-rank"] == "$(JOB_COMPLETION_INDEX)"
+    assert "JOB_COMPLETION_INDEX" in {e["name"] for e in container["env"]}
+    service = docs[("Service", pod["spec"]["subdomain"])]
+    assert service["spec"]["clusterIP"] == "None"
+    assert selects(service["spec"]["selector"], pod["metadata"]["labels"])
+    assert flags["master-addr"] == f"{job['metadata']['name']}-0.{pod['spec']['subdomain']}"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["rendezvous"] == int(flags["master-port"]) and ports["metrics"] == args.metrics_port
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[mounts[os.path.dirname(script)]]["configMap"]["name"]
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert container["image"] == by_kind("prescient.yaml")[("Deployment", "prescient")]["spec"]["template"][
+        "spec"]["containers"][0]["image"]

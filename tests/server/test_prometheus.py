@@ -1,25 +1,24 @@
 """A real Prometheus scrapes the server and a training loader; the dashboards' queries and the rules run on it."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
-import threading
 import time
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from tests.server.conftest import MODEL, ROOT, free_port, wait_idle
 
 DASHBOARDS = os.path.join(ROOT, "deploy", "grafana", "dashboards")
 RULES = os.path.join(ROOT, "deploy", "prometheus", "rules.yml")
+TRAIN_EXAMPLE = os.path.join(ROOT, "deploy", "examples", "train", "train.py")
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*", "$instance": ".*", "$tenant": ".*",
                      "$loader": ".*"}   # what Grafana puts in with "All" selected
 
@@ -28,18 +27,6 @@ def api(base: str, path: str, **params) -> dict:
     url = f"{base}{path}?{urllib.parse.urlencode(params)}" if params else base + path
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
-
-
-class TextMetrics(BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = generate_latest(REGISTRY)
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 class Squares(torch.utils.data.Dataset):
@@ -58,7 +45,7 @@ class Squares(torch.utils.data.Dataset):
 
 @pytest.fixture(scope="module")
 def training_loader():
-    """A loader that ran two epochs, its series served in the text format as the training example serves them.
+    """A loader that ran two epochs, its series served by the training example's exporter (text format).
 
     (prometheus_client 0.26's OpenMetrics output, which its start_http_server sends to a Prometheus, writes
     `prescient:loader_x` samples as `prescient_loader_x`; the text format keeps the names.)
@@ -69,8 +56,10 @@ def training_loader():
     for _ in range(2):
         for _ in dl:
             pass
-    http = ThreadingHTTPServer(("127.0.0.1", 0), TextMetrics)
-    threading.Thread(target=http.serve_forever, daemon=True).start()
+    spec = importlib.util.spec_from_file_location("train", TRAIN_EXAMPLE)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    http = train.serve_metrics(0, host="127.0.0.1")
     yield http.server_address[1]
     http.shutdown()
     dl.close()
