@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from typing import IO
 
@@ -46,9 +47,31 @@ class Progress:
         self.stream.write("\r\x1b[2K" + line + end)
         self.stream.flush()
 
-    def close(self) -> None:
+    def ticking(self, every: float = 1.0) -> Progress:
+        """Redraw (elapsed time) every `every` seconds until closed: for work that reports no steps."""
         if self.enabled:
-            self._draw(end="\n")
+            self._stop = threading.Event()
+
+            def tick():
+                while not self._stop.wait(every):
+                    self._draw()
+
+            self._ticker = threading.Thread(target=tick, daemon=True, name="progress")
+            self._ticker.start()
+        return self
+
+    def close(self, keep: bool = True) -> None:
+        """End the line (keep=True) or erase it (so that what is printed next starts clean)."""
+        if getattr(self, "_ticker", None) is not None:
+            self._stop.set()
+            self._ticker.join()
+            self._ticker = None
+        if self.enabled:
+            if keep:
+                self._draw(end="\n")
+            else:
+                self.stream.write("\r\x1b[2K")
+                self.stream.flush()
             self.enabled = False
 
     def __enter__(self) -> Progress:

@@ -8,6 +8,7 @@ import os
 import pty
 import subprocess
 import sys
+import time
 
 from runtime.progress import Progress
 from tests.server.conftest import ROOT
@@ -69,3 +70,16 @@ def test_silent_in_a_pipe_or_with_logging_configured(monkeypatch):
 def test_model_load_shows_progress_on_a_real_terminal():
     drawn = run_on_pty(LOAD)
     assert "loading SmolLM2-135M-Instruct: " in drawn and "(100%)" in drawn, drawn[-500:]
+
+
+def test_ticking_redraws_without_steps_and_erases_its_line(monkeypatch):
+    monkeypatch.delenv("PRESCIENT_PROGRESS", raising=False)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    stream = Terminal()
+    progress = Progress("bench serve", stream=stream).ticking(every=0.05)
+    deadline = time.monotonic() + 5
+    while stream.getvalue().count("bench serve: 0 ") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    progress.close(keep=False)
+    assert stream.getvalue().count("bench serve: 0 ") >= 2
+    assert stream.getvalue().endswith("\r\x1b[2K")
