@@ -119,18 +119,21 @@ class Clairvoyant:
             kind = CachedItemsView if callable(getattr(dataset, "__getitems__", None)) else CachedView
             self.view = kind(dataset, self.source, self.shared,
                              self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
-                             max(self.snap_ring, 1))
+                             max(self.snap_ring, 1), -(-self.options.prefetch_threads // max(1, self.num_workers)))
         return self.view
 
     def _start(self, dataset) -> None:
         opts = self.options
-        if self.source is not None:
+        # Nothing to keep across epochs: the workers read their batches themselves (batch_reads.py) and
+        # the main process only plans; the prefetcher runs where there is a cache to place samples in.
+        placing = self.source is not None and bool(opts.cache_ram or opts.cache_disk or self.peer_group)
+        if placing:
             self._fit_shared_memory()
-        arena = opts.cache_ram + opts.prefetch_bytes if self.source else 0
+        arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
         layout = Layout(samples=len(dataset), rows=self.num_workers + 2, ring=RING,
                         snap_slots=max(self.snap_ring, 1) + self.num_workers, arena=arena)
         self.resources.shared = SharedState(layout)
-        if self.source is not None:
+        if placing:
             disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
             peers = PeerExchange(self.peer_group, opts.peer_window) if self.peer_group is not None else None
             self.resources.prefetcher = Prefetcher(self.shared, self.source, opts.cache_ram, opts.prefetch_bytes,
