@@ -1,17 +1,21 @@
 """The Kubernetes manifests: schema-valid for a pinned Kubernetes, and consistent with the server they run.
 
-Built-in kinds are validated with kubernetes-validate (strict: unknown fields fail). The custom resources
-(ServiceMonitor, PrometheusRule, InferencePool, HTTPRoute) have no schema in it; no package on PyPI or npm
-ships the Inference Extension's CRDs, so those are checked here for what they must agree on: names,
-labels, ports, flags and metric names.
+Built-in kinds are validated with kubernetes-validate (strict: unknown fields fail). HTTPRoute,
+ServiceMonitor and PrometheusRule are validated under Node.js against the schemas that npm's
+@kubernetes-models packages generate from their CRDs (types and patterns; unknown fields pass, as on an
+API server that prunes them). No package on PyPI or npm ships the Inference Extension's CRDs, so the
+InferencePool is checked for what it must agree on: names, labels, ports, flags and metric names.
 """
 from __future__ import annotations
 
 import copy
 import glob
+import json
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import tomllib
 
 import kubernetes_validate
@@ -49,6 +53,24 @@ def server_metric_names() -> set[str]:
 
 def selects(selector: dict, labels: dict) -> bool:
     return selector.items() <= labels.items()
+
+
+def test_custom_resources_match_their_published_schemas():
+    """HTTPRoute, ServiceMonitor and PrometheusRule against the npm packages' CRD schemas (`make test` installs
+    them); the InferencePool has none published, see the next tests."""
+    node, modules = shutil.which("node"), os.path.join(ROOT, ".venv", "node", "node_modules")
+    assert node and os.path.isdir(modules), "run `make crd-schemas` (make test does): Node.js and the schemas"
+    docs = [d for path in MANIFESTS for d in documents(path) if d["kind"] in CUSTOM]
+    result = subprocess.run([node, os.path.join(ROOT, "tests", "deploy", "crd_schemas.mjs"), modules],
+                            input=json.dumps(docs), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    checked = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
+    assert checked == {"HTTPRoute/prescient", "ServiceMonitor/prescient", "PrometheusRule/prescient"}, result.stdout
+    broken = copy.deepcopy(next(d for d in docs if d["kind"] == "PrometheusRule"))
+    broken["spec"]["groups"][1]["rules"][0]["for"] = "ten minutes"
+    result = subprocess.run([node, os.path.join(ROOT, "tests", "deploy", "crd_schemas.mjs"), modules],
+                            input=json.dumps([broken]), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "FAIL PrometheusRule/prescient" in result.stdout
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: os.path.relpath(p, DEPLOY))
