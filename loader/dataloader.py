@@ -21,7 +21,7 @@ from loader.clairvoyant import CacheOptions, Clairvoyant
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
-from loader.view import FIRST, LAST, PLANNED_READ, Ticket, TicketBatch
+from loader.view import FIRST, LAST, NEAR_END, PLANNED_READ, Ticket, TicketBatch
 
 
 class PlannedSampler:
@@ -58,6 +58,8 @@ class PlannedSampler:
                 yield item                     # not dataset indices we can reason about
             else:
                 flag = PLANNED_READ if planned else 0
+                if epoch.num_batches is None or batch >= epoch.num_batches - self.engine.num_workers:
+                    flag |= NEAR_END
                 first = epoch.pos0 + offset
                 if self.batched:
                     yield TicketBatch(tuple(keys), first, batch, flag)
