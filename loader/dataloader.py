@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 import torch.utils.data as tud
@@ -22,6 +23,9 @@ from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
 from loader.view import FIRST, LAST, NEAR_END, PLANNED_READ, Ticket, TicketBatch
+
+
+T_co = TypeVar("T_co", covariant=True)
 
 
 class PlannedSampler:
@@ -112,7 +116,7 @@ class _MultiIter(_Observed, _MultiProcessingDataLoaderIter):
         self.__dict__["_cycle"] = cycle
 
 
-class DataLoader(tud.DataLoader):
+class DataLoader(tud.DataLoader[T_co]):
     """Drop-in for `torch.utils.data.DataLoader` (same arguments, defaults, errors, batches).
 
     Extra keyword-only options (all off by default except prefetching):
