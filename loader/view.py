@@ -64,7 +64,8 @@ class TicketBatch:
 
     def tickets(self) -> list[Ticket]:
         first, batch, flags, last = self.first, self.batch, self.flags, len(self.indices) - 1
-        return [Ticket(index, first + j, batch, first, flags | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
+        return [Ticket(index, first + j, batch, first,
+                       flags | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
                 for j, index in enumerate(self.indices)]
 
 

@@ -107,7 +107,7 @@ def test_same_batches_and_rng_as_torch(files, case, workers, tmp_path):
     if cache:
         assert stats["direct_reads"] == 0, "every sample should have come through the plan"
     else:
-        assert stats["direct_reads"] == stats["storage_reads"] == delivered, "each sample read once, by a worker"
+        assert stats["direct_reads"] == stats["storage_reads"] == delivered, "one read a sample, by a worker"
 
 
 @pytest.mark.parametrize("workers", list(WORKERS))
