@@ -96,6 +96,7 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
                     await sse.send(stream, _chunk(request_id, created, model, {"content": delta} if chat else delta,
                                                   out.finish_reason if out.finished else None, chat))
     except QueueFullError as exc:
+        state.metrics.count_rejected("queue_full")
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly.",
                        code="queue_full", headers={"Retry-After": "1"}) from exc
     except ValueError as exc:
