@@ -172,7 +172,21 @@ def issue_cases(repeats: int = 3) -> tuple[list[dict], list[str]]:
         notes += summarize(rows)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return rows, notes
+    return median_rows(rows, repeats), notes
+
+
+def median_rows(rows: list[dict], repeats: int) -> list[dict]:
+    """One row per (config, loader, epoch): the median of each figure over the repeats."""
+    import statistics
+    out = []
+    for key in dict.fromkeys((r["config"], r["loader"], r["epoch"]) for r in rows):
+        mine = [r for r in rows if (r["config"], r["loader"], r["epoch"]) == key]
+        row = dict(mine[0], repeats=repeats)
+        for field, value in mine[0].items():
+            if isinstance(value, (int, float)) and field != "epoch" and value is not None:
+                row[field] = statistics.median(r[field] for r in mine)
+        out.append(row)
+    return out
 
 
 def summarize(rows: list[dict]) -> list[str]:
