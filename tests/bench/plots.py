@@ -27,7 +27,8 @@ def machine() -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+            model = names[0] if names else model
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores"
@@ -46,7 +47,8 @@ def serve(result: dict) -> Figure | None:
     throughput.plot(concurrency, [r["output tok/s"] for r in rows], marker="o", label="server (HTTP)")
     offline = [r for r in result["rows"] if str(r.get("workload", "")).startswith("offline engine")]
     if offline:
-        throughput.axhline(offline[0]["output tok/s"], linestyle="--", color="gray", label=offline[0]["workload"])
+        throughput.axhline(offline[0]["output tok/s"], linestyle="--", color="gray",
+                           label=offline[0]["workload"])
     throughput.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title="Throughput")
     ttft.plot(concurrency, [r["TTFT p50 ms"] / 1000 for r in rows], marker="o", label="p50")
     ttft.plot(concurrency, [r["TTFT p99 ms"] / 1000 for r in rows], marker="s", label="p99")
