@@ -45,7 +45,7 @@ def by_kind(name: str) -> dict[tuple[str, str], dict]:
 
 
 def server_metric_names() -> set[str]:
-    """Series the server's /metrics exposes (its real registry; engine stats as an idle engine reports them)."""
+    """Series the server's /metrics exposes (its real registry, fed the stats of an idle engine)."""
     stats = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "tenants": {"default": {}}}
     text = generate_latest(ServerMetrics("m", 2048, lambda: stats).registry).decode()
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
@@ -56,8 +56,8 @@ def selects(selector: dict, labels: dict) -> bool:
 
 
 def test_custom_resources_match_their_published_schemas():
-    """HTTPRoute, ServiceMonitor and PrometheusRule against the npm packages' CRD schemas (`make test` installs
-    them); the InferencePool has none published, see the next tests."""
+    """HTTPRoute, ServiceMonitor and PrometheusRule against the npm packages' CRD schemas (`make test`
+    installs them); the InferencePool has none published, see below."""
     node, modules = shutil.which("node"), os.path.join(ROOT, ".venv", "node", "node_modules")
     assert node and os.path.isdir(modules), "run `make crd-schemas` (make test does): Node.js and the schemas"
     docs = [d for path in MANIFESTS for d in documents(path) if d["kind"] in CUSTOM]
@@ -65,7 +65,8 @@ def test_custom_resources_match_their_published_schemas():
                             input=json.dumps(docs), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     checked = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
-    assert checked == {"HTTPRoute/prescient", "ServiceMonitor/prescient", "PrometheusRule/prescient"}, result.stdout
+    expected = {"HTTPRoute/prescient", "ServiceMonitor/prescient", "PrometheusRule/prescient"}
+    assert checked == expected, result.stdout
     broken = copy.deepcopy(next(d for d in docs if d["kind"] == "PrometheusRule"))
     broken["spec"]["groups"][1]["rules"][0]["for"] = "ten minutes"
     result = subprocess.run([node, os.path.join(ROOT, "tests", "deploy", "crd_schemas.mjs"), modules],
@@ -102,14 +103,14 @@ def test_deployment_probes_security_resources_and_secret():
     live = container["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] > pod["spec"]["terminationGracePeriodSeconds"]
     start = container["startupProbe"]
-    assert start["periodSeconds"] * start["failureThreshold"] >= 120, "model load needs minutes on a cold node"
+    assert start["periodSeconds"] * start["failureThreshold"] >= 120, "model load: minutes when cold"
 
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["securityContext"]["runAsUser"] != 0
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"]["drop"] == ["ALL"]
-    assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}, "a writable /tmp on a read-only root"
+    assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}, "writable /tmp, read-only root"
     assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
 
     # a locally built image: no registry host, a version tag, and never pulled when present
@@ -135,10 +136,11 @@ def test_service_pdb_and_hpa_select_the_deployment():
     assert service["spec"]["ports"][0]["targetPort"] in ports
     pdb = docs[("PodDisruptionBudget", "prescient")]
     assert selects(pdb["spec"]["selector"]["matchLabels"], labels)
-    assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"], "a drain must be able to evict one pod"
+    assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"], "a node drain can evict a pod"
 
     hpa = docs[("HorizontalPodAutoscaler", "prescient")]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "prescient"}
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "prescient"}
+    assert hpa["spec"]["scaleTargetRef"] == target
     assert hpa["spec"]["minReplicas"] >= pdb["spec"]["minAvailable"] + 1
     # the adapter rule turns a series the server exports into the metric the HPA asks for
     rule = yaml.safe_load(docs[("ConfigMap", "prescient-adapter-rules")]["data"]["config.yaml"])["rules"][0]
@@ -170,7 +172,8 @@ def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metri
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     assert selects(pool["spec"]["selector"]["matchLabels"], server["metadata"]["labels"])
     container = server["spec"]["containers"][0]
-    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [p["containerPort"] for p in container["ports"]]
+    container_ports = [p["containerPort"] for p in container["ports"]]
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == container_ports
 
     picker = docs[("Deployment", pool["spec"]["endpointPickerRef"]["name"])]["spec"]["template"]
     picker_service = docs[("Service", pool["spec"]["endpointPickerRef"]["name"])]
@@ -200,7 +203,8 @@ def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metri
 
 
 def test_training_job_runs_the_example_on_every_pod_with_a_reachable_rendezvous():
-    spec = importlib.util.spec_from_file_location("train", os.path.join(DEPLOY, "examples", "train", "train.py"))
+    script = os.path.join(DEPLOY, "examples", "train", "train.py")
+    spec = importlib.util.spec_from_file_location("train", script)
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
     docs = {(d["kind"], d["metadata"]["name"]): d

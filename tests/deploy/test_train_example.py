@@ -27,7 +27,8 @@ def test_torchrun_two_ranks_learn_and_read_storage_as_planned(tmp_path):
     out, data = tmp_path / "out", tmp_path / "data"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                SCRIPT, "--data", str(data), "--samples", str(samples), "--epochs", str(epochs),
-               "--batch-size", "16", "--workers", "1", "--out", str(out), "--read-log", str(tmp_path / "reads")]
+               "--batch-size", "16", "--workers", "1", "--out", str(out),
+               "--read-log", str(tmp_path / "reads")]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=tmp_path, start_new_session=True)
