@@ -166,7 +166,7 @@ def test_service_monitor_and_prometheus_rule_match_the_service_and_the_rules_fil
     target_down = next(r for g in rules["groups"] for r in g["rules"]
                        if r.get("alert") == "PrescientTargetDown")
     job_pattern = re.search(r'job=~"([^"]+)"', target_down["expr"]).group(1)
-    assert re.fullmatch(job_pattern, service["metadata"]["name"]), "the Operator names a job after its Service"
+    assert re.fullmatch(job_pattern, service["metadata"]["name"]), "a job is named after its Service"
 
 
 def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metrics():
