@@ -69,5 +69,6 @@ def test_prestop_drain_and_cleanup_fit_the_grace_period():
 
     cleanup = measured_cleanup_seconds(drain=1.0, limit=grace - prestop - drain)
     assert prestop + drain + cleanup <= grace, (
-        f"preStop {prestop} s + drain {drain} s + cleanup {cleanup:.1f} s > terminationGracePeriodSeconds {grace}")
+        f"preStop {prestop} s + drain {drain} s + cleanup {cleanup:.1f} s"
+        f" > terminationGracePeriodSeconds {grace}")
     assert drain + cleanup <= int(re.fullmatch(r"(\d+)s", compose_grace).group(1))
