@@ -23,6 +23,9 @@ class SchedulerConfig:
     """VTC's w_p: service charged per prompt token."""
     output_token_weight: float = 2.0
     """VTC's w_q: service charged per generated token."""
+    max_idle_tenants: int = 1024
+    """Tenants without requests that are still remembered (counters, service); beyond this the longest
+    idle are forgotten, so memory and stats() cost do not grow with every `user` name ever seen."""
     watermark: float = 0.01
     """Fraction of blocks that admitting a new request leaves free while others run, so running
     decodes that cross into a new block do not at once preempt the request just admitted."""
@@ -30,7 +33,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "max_idle_tenants"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -78,6 +78,9 @@ class Policy:
     def on_finish(self, request: Request) -> None:
         """Called when a request leaves the system (finished or aborted)."""
 
+    def forget_tenant(self, tenant: str) -> None:
+        """The tenant has no requests and has been idle longest: drop what is kept about it."""
+
     def counters(self) -> dict[str, float]:
         """Per-tenant virtual counters in weighted tokens (empty for policies without them); read only."""
         return {}

@@ -15,6 +15,7 @@ the tokens it already generated (the prefix cache may serve part of that).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager
@@ -73,6 +74,10 @@ class Scheduler:
         self.num_computed_tokens = 0   # tokens run through the model (prefill chunks and decodes)
         self.num_generated_tokens = 0  # tokens sampled
         self._tenants: dict[str, _TenantTally] = {}
+        self._idle: OrderedDict[str, None] = OrderedDict()
+        """Tenants in _tenants without a waiting or running request, longest idle first."""
+        self.retired_service_tokens = 0
+        """Service of the tenants forgotten after being idle longest (still part of the total)."""
         self._watermark_blocks = int(config.watermark * config.num_blocks + 0.999999)
 
     # ---- requests in and out --------------------------------------------------------------------
@@ -87,6 +92,7 @@ class Scheduler:
         tally = self._tenants.get(request.tenant)
         if tally is None:
             tally = self._tenants[request.tenant] = _TenantTally()
+        self._idle.pop(request.tenant, None)
         tally.waiting += 1
         self.policy.add(request)
 
@@ -120,6 +126,14 @@ class Scheduler:
         self.block_manager.free(request)
         self.policy.on_finish(request)
         del self.requests[request.request_id]
+        if not tally.waiting and not tally.running:
+            self._idle[request.tenant] = None
+            if len(self._idle) > self.config.max_idle_tenants:
+                self._forget(self._idle.popitem(last=False)[0])
+
+    def _forget(self, tenant: str) -> None:
+        self.retired_service_tokens += self._tenants.pop(tenant).service_tokens
+        self.policy.forget_tenant(tenant)
 
     @property
     def num_running(self) -> int:
@@ -269,7 +283,8 @@ class Scheduler:
     # ---- observability --------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Gauges and cumulative counters for metrics; O(running + tenants), cheap enough every step.
+        """Gauges and cumulative counters for metrics; O(running + tenants with requests + at most
+        max_idle_tenants idle ones), cheap enough every step.
 
         live_token_slots / allocated_token_slots is the fraction of held KV slots that hold a
         computed token of a running request (a shared prefix block counts once).
@@ -289,4 +304,5 @@ class Scheduler:
             "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
             "num_preemptions": self.num_preemptions, "computed_tokens": self.num_computed_tokens,
             "generated_tokens": self.num_generated_tokens, "policy": self.policy.name, "tenants": tenants,
+            "retired_service_tokens": self.retired_service_tokens,
         }

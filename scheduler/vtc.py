@@ -98,6 +98,11 @@ class VTCPolicy(Policy):
     def on_finish(self, request: Request) -> None:
         self._charged.discard(request.request_id)
 
+    def forget_tenant(self, tenant: str) -> None:
+        # Safe for fairness: a tenant coming back from idle is lifted to the backlogged minimum anyway.
+        if tenant not in self._queues and tenant != self._last_served:
+            self._counters.pop(tenant, None)
+
     def victim(self, running: list[Request]) -> Request:
         """The newest running request of the tenant furthest ahead (largest counter)."""
         counters = self._counters

@@ -186,6 +186,8 @@ class _EngineCollector:
             acc[0] += t.get("service_tokens", 0)
             acc[1] = max(acc[1], t.get("counter", 0.0))
             acc[2] += t.get("waiting", 0)
+        if stats.get("retired_service_tokens"):   # tenants forgotten after a long idle stay in the total
+            merged.setdefault("other", [0.0, 0.0, 0.0])[0] += stats["retired_service_tokens"]
         for label, (served, vtc, queued) in merged.items():
             service.add_metric(m + [label], served)
             counter_g.add_metric(m + [label], vtc)
