@@ -44,6 +44,27 @@ class RequestFailedError(RuntimeError):
         self.cause = output.error
 
 
+class _Sink:
+    """Where the engine thread leaves one request's outputs for its consumer.
+
+    Only the latest output waits: each one holds everything before it (all tokens, all text), so a reader
+    slower than the engine gets the outputs coalesced, and a stalled one costs one output's memory, not
+    one per step. put() runs under the engine's lock; the event is only touched on the consumer's loop."""
+
+    __slots__ = ("loop", "event", "pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.event = asyncio.Event()
+        self.pending = None
+
+    def put(self, item) -> None:
+        was_empty = self.pending is None
+        self.pending = item
+        if was_empty:
+            self.loop.call_soon_threadsafe(self.event.set)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting: int | None = None):
         self.engine = engine
@@ -53,7 +74,7 @@ class AsyncEngine:
         self._wake = threading.Condition(self._lock)
         self._adds: list[tuple] = []
         self._aborts: list[str] = []
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._stats: dict = engine.stats()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -83,7 +104,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine stopped after an internal error")
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        sink = _Sink(loop)
         arrival = time.monotonic()
         # Validate on the caller's side so bad input fails before anything is queued.
         ids = self.engine.check_request(prompt, params)
@@ -99,13 +120,19 @@ class AsyncEngine:
                 raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
             if request_id in self._sinks:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
-            self._sinks[request_id] = (loop, queue)
+            self._sinks[request_id] = sink
             self._adds.append((request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
             self._wake.notify()
         finished = False
         try:
             while True:
-                item = await queue.get()
+                with self._lock:
+                    item, sink.pending = sink.pending, None
+                    if item is None:
+                        sink.event.clear()
+                if item is None:
+                    await sink.event.wait()
+                    continue
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -133,8 +160,8 @@ class AsyncEngine:
             sinks, self._sinks = self._sinks, {}
             self._aborts.extend(sinks)
             self._wake.notify()
-        for loop, queue in sinks.values():
-            loop.call_soon_threadsafe(queue.put_nowait, RequestAbortedError(reason))
+            for sink in sinks.values():
+                sink.put(RequestAbortedError(reason))
         return len(sinks)
 
     async def shutdown(self) -> None:
@@ -185,12 +212,11 @@ class AsyncEngine:
                 self.error = exc
                 sinks, self._sinks = self._sinks, {}
                 self._adds.clear()
-            for loop, queue in sinks.values():
-                loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError("the engine failed"))
+                for sink in sinks.values():
+                    sink.put(EngineDeadError("the engine failed"))
 
     def _deliver(self, request_id: str, item, final: bool) -> None:
         with self._lock:
             sink = self._sinks.pop(request_id, None) if final else self._sinks.get(request_id)
-        if sink is not None:
-            loop, queue = sink
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            if sink is not None:
+                sink.put(item)

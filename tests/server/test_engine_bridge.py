@@ -53,3 +53,20 @@ async def test_abandoned_mid_stream_frees_its_blocks(offline_engine):
         assert stats["num_running"] == 0 and stats["kv_usage"] == 0.0
     finally:
         await bridge.shutdown()
+
+
+async def test_a_stalled_reader_gets_coalesced_outputs_not_a_backlog(offline_engine):
+    """While the consumer does not read, only the latest output waits for it (each holds all before it):
+    memory per request stays one output, however far the engine runs ahead."""
+    bridge = AsyncEngine(offline_engine)
+    bridge.start()
+    try:
+        outputs = bridge.generate("Once upon a time", SamplingParams(max_tokens=40, ignore_eos=True), "stalled")
+        first = await outputs.__anext__()                 # the request is running
+        while bridge.stats()["num_running"]:              # ...and the reader stalls until it is done
+            await asyncio.sleep(0.05)
+        rest = [out async for out in outputs]
+        assert len(rest) == 1 and rest[0].finished and len(rest[0].token_ids) == 40
+        assert rest[0].text.startswith(first.text)
+    finally:
+        await bridge.shutdown()

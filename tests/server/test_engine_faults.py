@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import aiohttp
 import pytest
@@ -17,8 +18,9 @@ from runtime import AsyncEngine, EngineDeadError, RequestFailedError, SamplingPa
 from server import build_app
 
 POISON = [9991, 9992, 9993]
-"""A prompt starting with these token ids makes the injected fault fire once the request has a first token,
-so a stream has started when it fires."""
+"""A prompt starting with these token ids makes the injected fault fire once the request has a first token
+and ARMED is set (a streaming test sets it once its stream has started)."""
+ARMED = threading.Event()
 
 
 @pytest.fixture
@@ -27,11 +29,13 @@ def faulty_engine(offline_engine, monkeypatch):
     real_execute = runner.execute
 
     def execute_with_injected_fault(plan):
-        if any(req.prompt_token_ids[:3] == POISON and req.output_token_ids for req, _ in plan.scheduled):
+        if ARMED.is_set() and any(req.prompt_token_ids[:3] == POISON and req.output_token_ids
+                                  for req, _ in plan.scheduled):
             raise RuntimeError("injected fault: secret detail that must not reach the client")
         return real_execute(plan)
 
     monkeypatch.setattr(runner, "execute", execute_with_injected_fault)
+    ARMED.set()
     return offline_engine
 
 
@@ -54,10 +58,15 @@ async def test_failing_step_is_a_500_for_its_request_and_the_engine_keeps_servin
             assert "secret detail" not in error["message"] and "request id" in error["message"].lower()
 
             # streaming: the stream ends with an error event, then [DONE]
+            ARMED.clear()
             async with session.post(url + "/v1/completions", json={
-                    "prompt": POISON + [30], "max_tokens": 3, "stream": True, "ignore_eos": True}) as resp:
+                    "prompt": POISON + [30], "max_tokens": 50, "stream": True, "ignore_eos": True}) as resp:
                 assert resp.status == 200
-                events = [line[6:] for line in (await resp.read()).split(b"\n") if line.startswith(b"data: ")]
+                events = []
+                async for line in resp.content:
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].strip())
+                        ARMED.set()   # the stream has started: now let the fault fire
             assert events[-1] == b"[DONE]"
             assert json.loads(events[-2])["error"]["code"] == "engine_error"
 
