@@ -8,6 +8,7 @@ because they need the detokenizer.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from runtime.tokenizer import Tokenizer
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+log = logging.getLogger("prescient.engine")
 
 
 @dataclass
@@ -172,7 +174,12 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        sampled = self.runner.execute(plan)
+        try:
+            sampled = self.runner.execute(plan)
+        except Exception as exc:   # the model or the sampler failed: fail this step's requests only
+            log.exception("engine step failed; failing its %d requests: %s", len(plan.scheduled),
+                          ", ".join(r.request_id for r, _ in plan.scheduled))
+            return [self._fail(r.request_id, exc) for r, _ in plan.scheduled]
         now = time.monotonic()
         finished = self.scheduler.update_from_output(plan, sampled)
         done = {r.request_id for r in finished}
@@ -181,7 +188,14 @@ class Engine:
             tracked = self._tracked[request_id]
             tracked.token_times.append(now)
             req = tracked.request
-            if tracked.detokenizer.update(req.output_token_ids, req.is_finished):
+            try:
+                stopped = tracked.detokenizer.update(req.output_token_ids, req.is_finished)
+            except Exception as exc:
+                log.exception("detokenizing request %s failed", request_id)
+                done.discard(request_id)
+                outputs.append(self._fail(request_id, exc))
+                continue
+            if stopped:
                 if not req.is_finished:
                     self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
                                                   tracked.detokenizer.stop_reason)
@@ -194,6 +208,12 @@ class Engine:
             self._tracked.pop(request_id, None)
             self.runner.remove_request(request_id)
         return outputs
+
+    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
+        """Abort a request whose step raised; its output is final and names the cause in `error`."""
+        out = self.abort_request(request_id)
+        out.error = f"{type(exc).__name__} in the engine step"
+        return out
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request

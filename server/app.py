@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from aiohttp import web
 
@@ -33,8 +34,9 @@ async def errors_as_envelopes(request: web.Request, handler):
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
-        log.exception("internal error on %s %s", request.method, request.path)
-        return APIError(500, "Internal server error; it has been logged.").response()
+        error_id = uuid.uuid4().hex
+        log.exception("internal error %s on %s %s", error_id, request.method, request.path)
+        return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response()
 
 
 def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_waiting: int | None = 256,
