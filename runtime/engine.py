@@ -66,7 +66,7 @@ class Engine:
                         enable_prefix_caching: bool = True, num_threads: int | None = None,
                         quantization: str | None = None) -> "Engine":
         """model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
-        dtype: 'auto' (bfloat16 where the hardware computes in it, else float32), 'bfloat16' or 'float32'.
+        dtype: 'auto' (CUDA: bfloat16; CPU: the dtype that measured fastest here), 'bfloat16' or 'float32'.
         kv_cache_bytes: the KV pool's size in bytes (default 1 GiB).
         quantization: 'auto' (default: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast, i.e.
         bfloat16 on CPU), 'none' (dequantize), 'gguf' (always packed), 'int8' / 'int4' (quantize on load)."""
@@ -99,8 +99,9 @@ class Engine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue one request; raises ValueError naming the offending field."""
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        """Validate and queue one request; raises ValueError naming the offending field.
+        cache_salt: the prefix-cache namespace (default: the tenant's own, see Request.cache_salt)."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._tracked:
@@ -109,7 +110,7 @@ class Engine:
         if not weight > 0:
             raise ValueError(f"weight: must be positive, got {weight!r}")
         request = Request(request_id, ids, params, eos_token_id=self.tokenizer.eos_token_id, tenant=tenant,
-                          weight=weight, priority=priority)
+                          weight=weight, priority=priority, cache_salt=cache_salt)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop), [])

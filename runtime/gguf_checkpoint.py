@@ -15,6 +15,7 @@ import numpy as np
 
 from runtime.checkpoint import Checkpoint, TokenizerSource
 from runtime.model_config import ModelConfig
+from runtime.progress import Progress
 from runtime.quantization import GGUFBlocks
 
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -78,7 +79,9 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
         return np.array(array.reshape(shape), dtype=np.float32)  # a writable copy
 
     weights: dict[str, np.ndarray | GGUFBlocks] = {}
+    progress = Progress(f"loading {name}", total=len(tensors))
     for tname, tensor in tensors.items():
+        progress.update()
         parts = tname.split(".")
         if tname == "token_embd.weight":
             hf = "model.embed_tokens.weight"
@@ -96,6 +99,7 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
         elif parts[0] == "blk" and parts[2] == "attn_k":
             array = _unpermute(array, kv_heads)
         weights[hf] = array
+    progress.close()
 
     tokens = [str(t) for t in meta("tokenizer.ggml.tokens")]
     types = list(meta("tokenizer.ggml.token_type", []))
