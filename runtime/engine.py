@@ -22,6 +22,7 @@ from runtime.kv_cache import KVCache, bytes_per_block
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
+from runtime.quantization import resolve_quantization
 from runtime.tokenizer import Tokenizer
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 
@@ -62,12 +63,16 @@ class Engine:
                         max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                         policy: str = "vtc", block_size: int = SchedulerConfig.block_size,
                         max_model_len: int | None = None,
-                        enable_prefix_caching: bool = True, num_threads: int | None = None) -> "Engine":
+                        enable_prefix_caching: bool = True, num_threads: int | None = None,
+                        quantization: str | None = None) -> "Engine":
         """model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
-        dtype: 'auto' (bfloat16 where the hardware computes in it, else float32), 'bfloat16' or 'float32'.
-        kv_cache_bytes: the KV pool's size in bytes (default 1 GiB)."""
+        dtype: 'auto' (CUDA: bfloat16; CPU: the dtype that measured fastest here), 'bfloat16' or 'float32'.
+        kv_cache_bytes: the KV pool's size in bytes (default 1 GiB).
+        quantization: 'auto' (default: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast, i.e.
+        bfloat16 on CPU), 'none' (dequantize), 'gguf' (always packed), 'int8' / 'int4' (quantize on load)."""
         torch_device = resolve_device(device)
         dtype = resolve_dtype(dtype, torch_device)
+        quantization = resolve_quantization(quantization, dtype, torch_device)
         if num_threads:
             torch.set_num_threads(num_threads)
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
@@ -84,7 +89,7 @@ class Engine:
         ckpt = load_checkpoint(model)
         config = ckpt.config
         tokenizer = Tokenizer(ckpt.tokenizer)
-        net = LlamaModel(config, ckpt.weights, dtype, torch_device)
+        net = LlamaModel(config, ckpt.weights, dtype, torch_device, quantization)
         del ckpt
         return cls(net, tokenizer, num_blocks=kv_cache_bytes // bytes_per_block(config, block_size, dtype),
                    block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

@@ -19,6 +19,8 @@ SHUTDOWN_GRACE = 3.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from runtime.quantization import QUANTIZATIONS
+
     p = argparse.ArgumentParser(prog="python -m server", description="Prescient OpenAI-compatible LLM server")
     p.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)")
@@ -26,6 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="auto: run a GGUF's 4/8-bit blocks packed where that is fast (bfloat16 on CPU); "
+                        "int8/int4: quantize float weights on load; none: dequantize")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--kv-cache-bytes", type=_bytes, default=None, help="KV cache size, e.g. 1GiB (default 1 GiB)")
     p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size,
@@ -69,7 +74,8 @@ async def serve(args: argparse.Namespace) -> int:
     if args.metrics_auth and not keys:   # say so before minutes of model loading
         raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
+        args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         policy=args.policy, max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
     log.info("model %s (%s, %s): %d KV blocks of %d tokens, context %d, policy %s", engine.model_name,
