@@ -8,7 +8,7 @@ import uuid
 
 from aiohttp import web
 
-from runtime import AsyncEngine, Engine
+from runtime import AsyncEngine, Engine, EngineCoreClient
 from server import openai_api, openapi, utility_api
 from server.auth import Tenant
 from server.errors import APIError
@@ -39,12 +39,16 @@ async def errors_as_envelopes(request: web.Request, handler):
         return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response()
 
 
-def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_waiting: int | None = 256,
+def build_app(engine: Engine | EngineCoreClient, *, api_keys: dict[str, Tenant] | None = None, max_waiting: int | None = 256,
               max_body_bytes: int = 4 << 20, served_model_name: str | None = None,
               throughput_log_seconds: float = 5.0) -> web.Application:
     app = web.Application(middlewares=[errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    if isinstance(engine, EngineCoreClient):   # the engine runs in its own process behind this client
+        async_engine = engine
+        engine.max_waiting = max_waiting
+    else:
+        async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     state = ServerState(engine, async_engine, api_keys, served_model_name)
     app["state"] = state
     app.router.add_post("/v1/completions", openai_api.completions)

@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--throughput-log-seconds", type=float, default=5.0,
                    help="log a throughput line this often while there is work")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine's step loop in a process of its own (default) or in a thread")
     return p.parse_args(argv)
 
 
@@ -53,18 +55,26 @@ def _bytes(text: str) -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from runtime import Engine
+    from runtime import Engine, EngineCoreClient
     from server.app import build_app
     from server.auth import load_api_keys
 
     keys = load_api_keys(args.api_keys) if args.api_keys else None
-    engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        policy=args.policy, max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
-    log.info("model %s (%s, %s): %d KV blocks of %d tokens, context %d, policy %s", engine.model_name,
-             engine.model.dtype, engine.model.device, engine.kv.num_blocks, engine.kv.block_size,
-             engine.max_model_len, args.policy)
+    settings = dict(model=args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    block_size=args.block_size, policy=args.policy, max_model_len=args.max_model_len,
+                    enable_prefix_caching=not args.no_prefix_caching)
+    if args.engine_process:
+        engine = EngineCoreClient.launch(settings, log_level=args.log_level)
+        info = engine.info
+        log.info("engine core process %d: model %s (%s, %s): %d KV blocks of %d tokens, context %d, policy %s",
+                 engine.pid, info.model_name, info.dtype, info.device, info.num_blocks, info.block_size,
+                 info.max_model_len, args.policy)
+    else:
+        engine = Engine.from_pretrained(**settings)
+        log.info("model %s (%s, %s): %d KV blocks of %d tokens, context %d, policy %s", engine.model_name,
+                 engine.model.dtype, engine.model.device, engine.kv.num_blocks, engine.kv.block_size,
+                 engine.max_model_len, args.policy)
     app = build_app(engine, api_keys=keys, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                     served_model_name=args.served_model_name, throughput_log_seconds=args.throughput_log_seconds)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -24,6 +24,7 @@ class ServerState:
         self.api_keys = api_keys
         self.model_name = served_model_name or engine.model_name
         self.model_names = {self.model_name, engine.model_name}
+        self.vocab_size = engine.vocab_size if hasattr(engine, "vocab_size") else engine.model.config.vocab_size
         self.metrics = ServerMetrics(self.model_name, engine.max_model_len, async_engine.stats,
                                      {t.name for t in (api_keys or {}).values()})
         self.draining = False

@@ -69,7 +69,7 @@ async def detokenize(request: web.Request) -> web.Response:
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
     body = await read_json(request)
     tokens = body.get("tokens")
-    vocab = state.engine.model.config.vocab_size
+    vocab = state.vocab_size
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise bad_request("'tokens' must be an array of token ids", "tokens")
     bad = [t for t in tokens if not 0 <= t < vocab]

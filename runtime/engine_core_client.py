@@ -1,0 +1,273 @@
+"""The server's side of an engine core in its own process (runtime/engine_core.py has the protocol).
+
+It offers what AsyncEngine offers (generate, abort, stats, num_in_flight,
+start, shutdown, error) plus what the server asks of the engine itself
+(tokenizer, max_model_len, kv_capacity_tokens, vocab_size, check_request),
+so the server cannot tell which one it talks to. Tokenization and request
+checks run here; the core only steps.
+
+Hand-off. Adds and aborts go through a queue to one sender thread, so a full
+pipe (the core busy in a long step) never blocks the event loop. The core's
+outputs are read on the event loop itself (loop.add_reader), one message per
+step for all requests; each request's state is updated in place and its
+consumer woken once, so a consumer slower than the engine gets one output
+carrying every token since its last one instead of a backlog of snapshots.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from runtime.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from runtime.engine_core import CoreInfo, Delta, run_engine_core
+from runtime.outputs import RequestOutput
+from scheduler import SamplingParams
+
+log = logging.getLogger("prescient.engine")
+
+STARTUP_TIMEOUT_SECONDS = 600.0
+"""Longest wait for the core to load its model and say ready."""
+STOP_TIMEOUT_SECONDS = 10.0
+"""After asking the core to stop, wait this long before killing it."""
+
+
+class _Stream:
+    """One request's output as the server sees it, updated in place by each step's delta."""
+    __slots__ = ("output", "wake", "failure")
+
+    def __init__(self, output: RequestOutput):
+        self.output = output
+        self.wake = asyncio.Event()
+        self.failure: BaseException | None = None
+
+
+class EngineCoreClient:
+    def __init__(self, process: multiprocessing.process.BaseProcess, requests, outputs, info: CoreInfo,
+                 max_waiting: int | None = None):
+        self._process = process
+        self._requests = requests
+        self._outputs = outputs
+        self.info = info
+        self.tokenizer = info.tokenizer
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.kv_capacity_tokens = info.kv_capacity_tokens
+        self.vocab_size = info.vocab_size
+        self.max_waiting = max_waiting
+        self._stats = dict(info.stats)
+        self._streams: dict[str, _Stream] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+
+    @classmethod
+    def launch(cls, settings: dict, *, max_waiting: int | None = None, log_level: str = "INFO",
+               startup_timeout: float = STARTUP_TIMEOUT_SECONDS) -> EngineCoreClient:
+        """Start a core process with Engine.from_pretrained(**settings) and wait until it is ready.
+        A core that cannot load raises here: ValueError for a bad setting or path, RuntimeError otherwise."""
+        ctx = multiprocessing.get_context("spawn")   # never fork a process that has torch threads running
+        requests_read, requests_write = ctx.Pipe(duplex=False)
+        outputs_read, outputs_write = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=run_engine_core, name="prescient-engine-core", daemon=True,
+                              args=(requests_read, outputs_write, settings, os.getpid(), log_level))
+        process.start()
+        requests_read.close()
+        outputs_write.close()
+        deadline = time.monotonic() + startup_timeout
+        try:
+            while not outputs_read.poll(0.1):
+                if not process.is_alive():
+                    raise RuntimeError(f"the engine core exited with code {process.exitcode} while loading")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine core was not ready within {startup_timeout:.0f} s")
+            message = outputs_read.recv()
+        except BaseException:
+            _stop_process(process, 0)
+            raise
+        if message[0] == "failed":
+            _stop_process(process, STOP_TIMEOUT_SECONDS)
+            raise (ValueError if message[2] == "ValueError" else RuntimeError)(message[1])
+        return cls(process, requests_write, outputs_read, message[1], max_waiting)
+
+    # ---- what the server asks of the engine ---------------------------------------------------
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ValueError naming the field if the request can never run."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt: token {i} is {t!r}, not a token id in [0, {self.vocab_size})")
+        else:
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        limit, capacity = self.max_model_len, self.kv_capacity_tokens
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens does not fit this model's context of {limit} tokens "
+                             f"(and at least one token must be generated)")
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(f"max_tokens: this model's maximum context length is {limit} tokens, but "
+                             f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = "
+                             f"{len(ids) + params.max_tokens}; lower max_tokens to at most {limit - len(ids)}")
+        if len(ids) + params.max_tokens > capacity:
+            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"KV cache's capacity of {capacity} tokens; raise kv_cache_bytes or lower max_tokens")
+        return ids
+
+    # ---- the AsyncEngine interface ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin reading the core's outputs on the running event loop."""
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._outputs.fileno(), self._on_outputs)
+        self._sender = threading.Thread(target=self._send_loop, name="prescient-core-sender", daemon=True)
+        self._sender.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def stats(self) -> dict:
+        """The engine's stats as of its last step."""
+        return dict(self._stats)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
+                       **options) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output as tokens arrive (each a snapshot); the last one has finished=True."""
+        if self.error is not None:
+            raise EngineDeadError("the engine stopped after an internal error")
+        request_id = request_id or uuid.uuid4().hex
+        arrival = time.monotonic()
+        ids = self.check_request(prompt, params)
+        in_flight = len(self._streams)
+        running = max(self._stats.get("num_running", 0), min(in_flight, self.info.max_num_seqs))
+        waiting = in_flight - running
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        stream = _Stream(RequestOutput(request_id, ids, [], "", arrival_time=arrival))
+        self._streams[request_id] = stream
+        options.update(tenant=tenant, weight=weight, priority=priority, arrival_time=arrival)
+        self._outbox.put(("add", request_id, ids, params, options))
+        finished = False
+        try:
+            while True:
+                await stream.wake.wait()
+                stream.wake.clear()
+                out = stream.output
+                if stream.failure is not None:
+                    finished = True
+                    raise stream.failure
+                if out.error is not None:
+                    finished = True
+                    raise RequestFailedError(replace(out))
+                yield replace(out, token_ids=list(out.token_ids), token_times=list(out.token_times))
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None and self.error is None:
+            self._outbox.put(("abort", request_id))
+
+    async def shutdown(self) -> None:
+        """Stop the core (it finishes the step it is in) and wait for it; kill it if it does not stop."""
+        if self._loop is not None:
+            self._loop.remove_reader(self._outputs.fileno())
+        self._outbox.put(("stop",))
+        self._outbox.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, _stop_process, self._process, STOP_TIMEOUT_SECONDS)
+        if self._sender is not None:
+            self._sender.join(timeout=STOP_TIMEOUT_SECONDS)
+        self._fail_all(EngineDeadError("the engine has shut down"))
+        self._requests.close()
+        self._outputs.close()
+
+    # ---- the hand-off --------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._requests.send(message)
+            except OSError:   # the core is gone; the reader reports it
+                return
+
+    def _on_outputs(self) -> None:
+        try:
+            while self._outputs.poll():
+                message = self._outputs.recv()
+                if message[0] == "step":
+                    self._stats = message[2]
+                    for delta in message[1]:
+                        self._apply(delta)
+                else:   # "dead"
+                    self._core_died(f"the engine core failed: {message[1]}")
+                    return
+        except (EOFError, OSError):
+            self._core_died(f"the engine core exited (code {self._process.exitcode})")
+
+    def _apply(self, delta: Delta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is None:   # aborted by its consumer
+            return
+        out = stream.output
+        if delta.rejected:
+            stream.failure = ValueError(delta.error)
+        else:
+            out.token_ids.extend(delta.new_token_ids)
+            out.text += delta.new_text
+            if delta.token_time is not None:
+                out.token_times.extend([delta.token_time] * len(delta.new_token_ids))
+            out.finished, out.finish_reason, out.stop_reason = delta.finished, delta.finish_reason, delta.stop_reason
+            out.num_cached_tokens, out.num_preemptions, out.error = (delta.num_cached_tokens, delta.num_preemptions,
+                                                                     delta.error)
+            out.first_scheduled_time, out.first_token_time, out.finished_time = (
+                delta.first_scheduled_time, delta.first_token_time, delta.finished_time)
+        if delta.finished:
+            del self._streams[delta.request_id]
+        stream.wake.set()
+
+    def _core_died(self, reason: str) -> None:
+        if self.error is None:
+            log.error("%s; failing %d requests in flight", reason, len(self._streams))
+            self.error = EngineDeadError(reason)
+        if self._loop is not None:
+            self._loop.remove_reader(self._outputs.fileno())
+        self._outbox.put(None)
+        self._fail_all(EngineDeadError("the engine stopped after an internal error"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.failure = error
+            stream.wake.set()
+
+
+def _stop_process(process, timeout: float) -> None:
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
