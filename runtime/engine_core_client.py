@@ -113,17 +113,17 @@ class EngineCoreClient:
             raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt: must not be empty")
-        limit, capacity = self.max_model_len, self.kv_capacity_tokens
-        if len(ids) >= limit:
-            raise ValueError(f"prompt: {len(ids)} tokens does not fit this model's context of {limit} tokens "
+        p, m, limit, capacity = len(ids), params.max_tokens, self.max_model_len, self.kv_capacity_tokens
+        if p >= limit:
+            raise ValueError(f"prompt: {p} tokens does not fit this model's context of {limit} tokens "
                              f"(and at least one token must be generated)")
-        if len(ids) + params.max_tokens > limit:
+        if p + m > limit:
             raise ValueError(f"max_tokens: this model's maximum context length is {limit} tokens, but "
-                             f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = "
-                             f"{len(ids) + params.max_tokens}; lower max_tokens to at most {limit - len(ids)}")
-        if len(ids) + params.max_tokens > capacity:
-            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"KV cache's capacity of {capacity} tokens; raise kv_cache_bytes or lower max_tokens")
+                             f"{p} prompt tokens + max_tokens {m} = {p + m}; lower max_tokens to at most "
+                             f"{limit - p}")
+        if p + m > capacity:
+            raise ValueError(f"max_tokens: prompt ({p}) + max_tokens ({m}) exceeds the KV cache's capacity of "
+                             f"{capacity} tokens; raise kv_cache_bytes or lower max_tokens")
         return ids
 
     # ---- the AsyncEngine interface ---------------------------------------------------------------
@@ -199,7 +199,8 @@ class EngineCoreClient:
             self._loop.remove_reader(self._outputs.fileno())
         self._outbox.put(("stop",))
         self._outbox.put(None)
-        await asyncio.get_running_loop().run_in_executor(None, _stop_process, self._process, STOP_TIMEOUT_SECONDS)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, _stop_process, self._process, STOP_TIMEOUT_SECONDS)
         if self._sender is not None:
             self._sender.join(timeout=STOP_TIMEOUT_SECONDS)
         self._fail_all(EngineDeadError("the engine has shut down"))
@@ -241,11 +242,9 @@ class EngineCoreClient:
             out.text += delta.new_text
             if delta.token_time is not None:
                 out.token_times.extend([delta.token_time] * len(delta.new_token_ids))
-            out.finished, out.finish_reason, out.stop_reason = delta.finished, delta.finish_reason, delta.stop_reason
-            out.num_cached_tokens, out.num_preemptions, out.error = (delta.num_cached_tokens, delta.num_preemptions,
-                                                                     delta.error)
-            out.first_scheduled_time, out.first_token_time, out.finished_time = (
-                delta.first_scheduled_time, delta.first_token_time, delta.finished_time)
+            for name in ("finished", "finish_reason", "stop_reason", "num_cached_tokens", "num_preemptions",
+                         "error", "first_scheduled_time", "first_token_time", "finished_time"):
+                setattr(out, name, getattr(delta, name))
         if delta.finished:
             del self._streams[delta.request_id]
         stream.wake.set()

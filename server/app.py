@@ -39,7 +39,8 @@ async def errors_as_envelopes(request: web.Request, handler):
         return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response()
 
 
-def build_app(engine: Engine | EngineCoreClient, *, api_keys: dict[str, Tenant] | None = None, max_waiting: int | None = 256,
+def build_app(engine: Engine | EngineCoreClient, *, api_keys: dict[str, Tenant] | None = None,
+              max_waiting: int | None = 256,
               max_body_bytes: int = 4 << 20, served_model_name: str | None = None,
               throughput_log_seconds: float = 5.0) -> web.Application:
     app = web.Application(middlewares=[errors_as_envelopes], client_max_size=max_body_bytes)

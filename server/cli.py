@@ -60,14 +60,15 @@ async def serve(args: argparse.Namespace) -> int:
     from server.auth import load_api_keys
 
     keys = load_api_keys(args.api_keys) if args.api_keys else None
-    settings = dict(model=args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    settings = dict(model=args.model, dtype=args.dtype, device=args.device,
+                    kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     block_size=args.block_size, policy=args.policy, max_model_len=args.max_model_len,
                     enable_prefix_caching=not args.no_prefix_caching)
     if args.engine_process:
         engine = EngineCoreClient.launch(settings, log_level=args.log_level)
         info = engine.info
-        log.info("engine core process %d: model %s (%s, %s): %d KV blocks of %d tokens, context %d, policy %s",
+        log.info("engine core process %d: model %s (%s, %s): %d KV blocks of %d tokens, context %d, "
+                 "policy %s",
                  engine.pid, info.model_name, info.dtype, info.device, info.num_blocks, info.block_size,
                  info.max_model_len, args.policy)
     else:
