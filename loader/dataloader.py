@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 import torch.utils.data as tud
@@ -21,7 +22,10 @@ from loader.clairvoyant import CacheOptions, Clairvoyant
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
-from loader.view import FIRST, LAST, PLANNED_READ, Ticket
+from loader.view import FIRST, LAST, NEAR_END, PLANNED_READ, Ticket, TicketBatch
+
+
+T_co = TypeVar("T_co", covariant=True)
 
 
 class PlannedSampler:
@@ -58,12 +62,13 @@ class PlannedSampler:
                 yield item                     # not dataset indices we can reason about
             else:
                 flag = PLANNED_READ if planned else 0
+                if epoch.num_batches is None or batch >= epoch.num_batches - self.engine.num_workers:
+                    flag |= NEAR_END
                 first = epoch.pos0 + offset
-                last = len(keys) - 1
-                tickets = [Ticket(k, first + j, batch, first,
-                                  flag | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
-                           for j, k in enumerate(keys)]
-                yield tickets if self.batched else tickets[0]
+                if self.batched:
+                    yield TicketBatch(tuple(keys), first, batch, flag)
+                else:
+                    yield Ticket(keys[0], first, batch, first, flag | FIRST | LAST)
             offset, batch = offset + len(keys), batch + 1
         if after_first_draw is not None:
             after_first_draw()
@@ -111,21 +116,24 @@ class _MultiIter(_Observed, _MultiProcessingDataLoaderIter):
         self.__dict__["_cycle"] = cycle
 
 
-class DataLoader(tud.DataLoader):
+class DataLoader(tud.DataLoader[T_co]):
     """Drop-in for `torch.utils.data.DataLoader` (same arguments, defaults, errors, batches).
 
     Extra keyword-only options (all off by default except prefetching):
       cache_ram: bytes (int or "8GiB") of raw samples kept in shared memory across epochs.
       cache_disk / cache_disk_bytes: a local directory and how many bytes it may hold.
       cache_items: the dataset has no read/decode but its items are deterministic: cache them.
-      prefetch_bytes: bytes read ahead of the workers and not cached (default 64 MiB).
-      prefetch_threads: concurrent storage reads (default 16).
+      prefetch_bytes: with a cache, bytes read ahead of the workers and not cached (default 64 MiB).
+      prefetch_threads: concurrent storage reads (default 16): with a cache, the prefetcher's; without
+        one, shared out among the workers, each reading its batch with that many reads in flight when
+        storage is slow.
       peer_exchange: under torch.distributed, take samples another rank holds from it (gloo)
         instead of storage; all ranks must build the loader together and iterate whole epochs.
       peer_window: samples per exchange window (default 128).
       name: label of this loader's Prometheus series.
-    Shared memory used: cache_ram + prefetch_bytes, for a dataset that implements
-    read(index) -> bytes and decode(raw, index), or with cache_items=True.
+    Shared memory used: cache_ram + prefetch_bytes when there is a cache, for a dataset that
+    implements read(index) -> bytes and decode(raw, index), or with cache_items=True; reserved
+    when the loader starts. The protocol between processes is described in clairvoyant.py.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,

@@ -1,9 +1,10 @@
 """Prescient's model runtime: a Llama-family model on a paged KV cache with continuous batching."""
-from runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
+from runtime.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestAbortedError,
+                                  RequestFailedError)
 from runtime.engine import Engine
 from runtime.engine_core_client import EngineCoreClient
 from runtime.outputs import RequestOutput
 from scheduler import SamplingParams
 
-__all__ = ["AsyncEngine", "Engine", "EngineCoreClient", "EngineDeadError", "QueueFullError", "RequestFailedError",
-           "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "Engine", "EngineCoreClient", "EngineDeadError", "QueueFullError",
+           "RequestAbortedError", "RequestFailedError", "RequestOutput", "SamplingParams"]

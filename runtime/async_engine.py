@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error; nothing more will be served."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The server aborted this request (abort_all: shutdown after the drain timeout)."""
+
+
 class RequestFailedError(RuntimeError):
     """This request failed inside the engine (its step raised); the engine keeps serving the others.
 
@@ -72,8 +76,8 @@ class AsyncEngine:
             return dict(self._stats)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       *, tenant: str = "default", weight: float = 1.0,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield snapshots of the request's output as tokens arrive; the last one has finished=True."""
         if self.error is not None:
             raise EngineDeadError("the engine stopped after an internal error")
@@ -96,7 +100,7 @@ class AsyncEngine:
             if request_id in self._sinks:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self._sinks[request_id] = (loop, queue)
-            self._adds.append((request_id, ids, params, tenant, weight, priority, arrival))
+            self._adds.append((request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
             self._wake.notify()
         finished = False
         try:
@@ -122,12 +126,24 @@ class AsyncEngine:
                 self._aborts.append(request_id)
                 self._wake.notify()
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight now: each consumer gets RequestAbortedError(reason) and the
+        engine frees their blocks. Returns how many there were."""
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            self._aborts.extend(sinks)
+            self._wake.notify()
+        for loop, queue in sinks.values():
+            loop.call_soon_threadsafe(queue.put_nowait, RequestAbortedError(reason))
+        return len(sinks)
+
     async def shutdown(self) -> None:
         with self._lock:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.abort_all("the engine has shut down")   # nobody may wait on a stopped engine
 
     # ---- engine thread --------------------------------------------------------------------------
 
@@ -143,10 +159,10 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 # Adds first: a request added and abandoned during the same step must be added, then aborted.
-                for request_id, ids, params, tenant, weight, priority, arrival in adds:
+                for request_id, ids, params, tenant, weight, priority, arrival, salt in adds:
                     try:
                         engine.add_request(request_id, ids, params, tenant=tenant, weight=weight,
-                                           priority=priority, arrival_time=arrival)
+                                           priority=priority, arrival_time=arrival, cache_salt=salt)
                     except ValueError as exc:
                         self._deliver(request_id, exc, final=True)
                     except Exception as exc:   # a bug adding this one request: fail it, not the engine

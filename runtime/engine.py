@@ -94,8 +94,9 @@ class Engine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue one request; raises ValueError naming the offending field."""
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        """Validate and queue one request; raises ValueError naming the offending field.
+        cache_salt: the prefix-cache namespace (default: the tenant's own, see Request.cache_salt)."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._tracked:
@@ -104,7 +105,7 @@ class Engine:
         if not weight > 0:
             raise ValueError(f"weight: must be positive, got {weight!r}")
         request = Request(request_id, ids, params, eos_token_id=self.tokenizer.eos_token_id, tenant=tenant,
-                          weight=weight, priority=priority)
+                          weight=weight, priority=priority, cache_salt=cache_salt)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop), [])

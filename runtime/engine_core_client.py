@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from runtime.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from runtime.async_engine import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError
 from runtime.engine_core import CoreInfo, Delta, run_engine_core
 from runtime.outputs import RequestOutput
 from scheduler import SamplingParams
@@ -193,6 +193,14 @@ class EngineCoreClient:
         if self._streams.pop(request_id, None) is not None and self.error is None:
             self._outbox.put(("abort", request_id))
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight now: each consumer gets RequestAbortedError(reason) and the core
+        frees their blocks. Returns how many there were."""
+        if self.error is None:
+            for request_id in self._streams:
+                self._outbox.put(("abort", request_id))
+        return self._fail_all(RequestAbortedError(reason))
+
     async def shutdown(self) -> None:
         """Stop the core (it finishes the step it is in) and wait for it; kill it if it does not stop."""
         if self._loop is not None:
@@ -203,7 +211,7 @@ class EngineCoreClient:
         await loop.run_in_executor(None, _stop_process, self._process, STOP_TIMEOUT_SECONDS)
         if self._sender is not None:
             self._sender.join(timeout=STOP_TIMEOUT_SECONDS)
-        self._fail_all(EngineDeadError("the engine has shut down"))
+        self._fail_all(RequestAbortedError("the engine has shut down"))
         self._requests.close()
         self._outputs.close()
 
@@ -258,11 +266,12 @@ class EngineCoreClient:
         self._outbox.put(None)
         self._fail_all(EngineDeadError("the engine stopped after an internal error"))
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: BaseException) -> int:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.failure = error
             stream.wake.set()
+        return len(streams)
 
 
 def _stop_process(process, timeout: float) -> None:

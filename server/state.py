@@ -18,7 +18,7 @@ log = logging.getLogger("prescient.server")
 
 class ServerState:
     def __init__(self, engine: Engine, async_engine: AsyncEngine, api_keys: dict[str, Tenant] | None = None,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, tenant_metrics: bool = True):
         self.engine = engine
         self.async_engine = async_engine
         self.api_keys = api_keys
@@ -26,13 +26,16 @@ class ServerState:
         self.model_names = {self.model_name, engine.model_name}
         self.vocab_size = engine.vocab_size if hasattr(engine, "vocab_size") else engine.model.config.vocab_size
         self.metrics = ServerMetrics(self.model_name, engine.max_model_len, async_engine.stats,
-                                     {t.name for t in (api_keys or {}).values()})
+                                     {t.name for t in (api_keys or {}).values()}, tenant_metrics=tenant_metrics)
+        self.metrics_auth = False
+        """/metrics asks for an API key (the per-tenant series name tenants and their load)."""
         self.draining = False
         self.in_flight = 0
         self.started = time.time()
 
     def check_accepting(self) -> None:
         if self.draining:
+            self.metrics.count_rejected("draining")
             raise APIError(503, "The server is shutting down and accepts no new requests; retry on another replica.",
                            code="draining", headers={"Retry-After": "5"})
 
