@@ -122,8 +122,8 @@ class EngineCoreClient:
                              f"{p} prompt tokens + max_tokens {m} = {p + m}; lower max_tokens to at most "
                              f"{limit - p}")
         if p + m > capacity:
-            raise ValueError(f"max_tokens: prompt ({p}) + max_tokens ({m}) exceeds the KV cache's capacity of "
-                             f"{capacity} tokens; raise kv_cache_bytes or lower max_tokens")
+            raise ValueError(f"max_tokens: prompt ({p}) + max_tokens ({m}) exceeds the KV cache's capacity "
+                             f"of {capacity} tokens; raise kv_cache_bytes or lower max_tokens")
         return ids
 
     # ---- the AsyncEngine interface ---------------------------------------------------------------
@@ -181,8 +181,9 @@ class EngineCoreClient:
                 if out.error is not None:
                     finished = True
                     raise RequestFailedError(replace(out))
-                yield replace(out, token_ids=list(out.token_ids), token_times=list(out.token_times))
-                if out.finished:
+                snapshot = replace(out, token_ids=list(out.token_ids), token_times=list(out.token_times))
+                yield snapshot
+                if snapshot.finished:   # not out.finished: that may have turned true while the consumer ran
                     finished = True
                     return
         finally:
