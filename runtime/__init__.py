@@ -1,7 +1,9 @@
 """Prescient's model runtime: a Llama-family model on a paged KV cache with continuous batching."""
 from runtime.async_engine import AsyncEngine, QueueFullError
+from runtime.config import CacheConfig, EngineConfig, ModelSettings, ParallelConfig
 from runtime.engine import Engine
 from runtime.outputs import RequestOutput
 from scheduler import SamplingParams
 
-__all__ = ["AsyncEngine", "Engine", "QueueFullError", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "CacheConfig", "Engine", "EngineConfig", "ModelSettings", "ParallelConfig", "QueueFullError",
+           "RequestOutput", "SamplingParams"]

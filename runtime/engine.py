@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from runtime.attention import AttentionMetadata, PrefillChunk
 from runtime.checkpoint import load_checkpoint
+from runtime.config import EngineConfig
 from runtime.detokenizer import Detokenizer
 from runtime.device import resolve_device, resolve_dtype
 from runtime.kv_cache import KVCache, bytes_per_block
@@ -22,9 +23,7 @@ from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
 from runtime.tokenizer import Tokenizer
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
-
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+from scheduler import Request, RequestStatus, SamplingParams, Scheduler
 
 
 @dataclass
@@ -35,58 +34,48 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, *, num_blocks: int,
-                 block_size: int = SchedulerConfig.block_size,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, policy: str = "vtc",
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 model_name: str | None = None):
-        """An engine over an already loaded model; from_pretrained is the usual way in."""
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig | None = None, *,
+                 model_name: str | None = None, **settings):
+        """An engine over an already loaded model; from_pretrained is the usual way in.
+
+        settings: EngineConfig fields by name (e.g. num_blocks=256, max_num_seqs=8), over `config`.
+        Without num_blocks, the KV pool takes cache.kv_cache_bytes."""
+        config = (config or EngineConfig()).replace(**settings)
+        sched = config.scheduler
+        num_blocks = sched.num_blocks
+        if num_blocks is None:
+            num_blocks = config.cache.kv_cache_bytes // bytes_per_block(model.config, sched.block_size, model.dtype)
         self.model = model
         self.tokenizer = tokenizer
-        self.kv = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
-        self.max_model_len = min(max_model_len or model.config.max_model_len, model.config.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len, policy=policy,
-            enable_prefix_caching=enable_prefix_caching))
+        self.kv = KVCache(model.config, num_blocks, sched.block_size, model.dtype, model.device)
+        context = model.config.max_model_len
+        sched = replace(sched, num_blocks=num_blocks, max_model_len=min(sched.max_model_len or context, context))
+        self.config = replace(config, scheduler=sched)
+        self.max_model_len = sched.max_model_len
+        self.scheduler = Scheduler(sched)
         self.runner = ModelRunner(model, self.kv)
         self.model_name = model_name or model.config.name
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype | None = None,
-                        device: str | None = None, kv_cache_bytes: int | None = None,
-                        max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                        policy: str = "vtc", block_size: int = SchedulerConfig.block_size,
-                        max_model_len: int | None = None,
-                        enable_prefix_caching: bool = True, num_threads: int | None = None) -> "Engine":
-        """model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
-        dtype: 'auto' (bfloat16 where the hardware computes in it, else float32), 'bfloat16' or 'float32'.
-        kv_cache_bytes: the KV pool's size in bytes (default 1 GiB)."""
-        torch_device = resolve_device(device)
-        dtype = resolve_dtype(dtype, torch_device)
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if kv_cache_bytes is None:
-            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
-        if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, got {kv_cache_bytes!r}")
-        budget = 512 if max_num_batched_tokens is None else max_num_batched_tokens
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-            raise ValueError(f"max_num_batched_tokens: must be a positive integer, got {budget!r}")
+    def from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None,
+                        **settings) -> Engine:
+        """Load a checkpoint and build an engine over it.
 
-        ckpt = load_checkpoint(model)
-        config = ckpt.config
+        model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
+        config: an EngineConfig (default EngineConfig()); settings: any of its fields by name over it,
+        e.g. dtype="float32", kv_cache_bytes="256MiB", max_num_seqs=8 (see runtime/config.py)."""
+        config = (config or EngineConfig()).replace(model=model, **settings)
+        torch_device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, torch_device)
+        if config.parallel.num_threads:
+            torch.set_num_threads(config.parallel.num_threads)
+        ckpt = load_checkpoint(config.model.model)
         tokenizer = Tokenizer(ckpt.tokenizer)
-        net = LlamaModel(config, ckpt.weights, dtype, torch_device)
+        net = LlamaModel(ckpt.config, ckpt.weights, dtype, torch_device)
         del ckpt
-        return cls(net, tokenizer, num_blocks=kv_cache_bytes // bytes_per_block(config, block_size, dtype),
-                   block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                   policy=policy, max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching)
+        return cls(net, tokenizer, config)
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ the tokens it already generated (the prefix cache may serve part of that).
 """
 from __future__ import annotations
 
+import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +28,8 @@ from scheduler.request import Request, RequestStatus
 from scheduler.vtc import VTCPolicy
 
 _RUNNING = RequestStatus.RUNNING
+_FLOAT_SLACK = 1e-6
+"""Rounding error to ignore before a ceiling: 0.01 * 700 blocks is 7.000000000000001, which is 7."""
 
 
 @dataclass
@@ -60,6 +64,8 @@ def make_policy(config: SchedulerConfig) -> Policy:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, policy: Policy | None = None):
+        if config.num_blocks is None:
+            raise ValueError("num_blocks: a Scheduler needs the KV pool's size in blocks")
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = policy or make_policy(config)
@@ -73,7 +79,7 @@ class Scheduler:
         self.num_computed_tokens = 0   # tokens run through the model (prefill chunks and decodes)
         self.num_generated_tokens = 0  # tokens sampled
         self._tenants: dict[str, _TenantTally] = {}
-        self._watermark_blocks = int(config.watermark * config.num_blocks + 0.999999)
+        self._watermark_blocks = math.ceil(config.watermark * config.num_blocks - _FLOAT_SLACK)
 
     # ---- requests in and out --------------------------------------------------------------------
 
@@ -240,7 +246,7 @@ class Scheduler:
                     request.num_computed_tokens -= 1
         finished = []
         now = time.monotonic()
-        max_len = self.config.max_model_len
+        max_len = self.config.max_model_len or sys.maxsize
         for request_id, token in sampled.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not _RUNNING \

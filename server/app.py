@@ -10,6 +10,7 @@ from aiohttp import web
 from runtime import AsyncEngine, Engine
 from server import openai_api, openapi, utility_api
 from server.auth import Tenant
+from server.config import ServerConfig
 from server.errors import APIError
 from server.state import ServerState
 
@@ -37,9 +38,10 @@ async def errors_as_envelopes(request: web.Request, handler):
         return APIError(500, "Internal server error; it has been logged.").response()
 
 
-def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_waiting: int | None = 256,
-              max_body_bytes: int = 4 << 20, served_model_name: str | None = None,
-              throughput_log_seconds: float = 5.0) -> web.Application:
+def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None,
+              max_waiting: int | None = ServerConfig.max_waiting, max_body_bytes: int = ServerConfig.max_body_bytes,
+              served_model_name: str | None = None,
+              throughput_log_seconds: float = ServerConfig.throughput_log_seconds) -> web.Application:
     app = web.Application(middlewares=[errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
