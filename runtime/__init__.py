@@ -2,8 +2,9 @@
 from runtime.async_engine import AsyncEngine, QueueFullError
 from runtime.config import CacheConfig, EngineConfig, ModelSettings, ParallelConfig
 from runtime.engine import Engine
+from runtime.engine_client import EngineClient
 from runtime.outputs import RequestOutput
 from scheduler import SamplingParams
 
-__all__ = ["AsyncEngine", "CacheConfig", "Engine", "EngineConfig", "ModelSettings", "ParallelConfig", "QueueFullError",
-           "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "CacheConfig", "Engine", "EngineClient", "EngineConfig", "ModelSettings", "ParallelConfig",
+           "QueueFullError", "RequestOutput", "SamplingParams"]

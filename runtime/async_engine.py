@@ -1,9 +1,12 @@
-"""The engine on its own thread, fed and read from an asyncio event loop.
+"""AsyncEngine: the in-process EngineClient. The engine runs on its own thread, fed and read from
+an asyncio event loop.
 
-The event loop never runs the model: requests and aborts are queued to the
-engine thread, which steps the engine and hands each output back to the
-loop with call_soon_threadsafe. A consumer that stops iterating (client gone,
-task cancelled) aborts its request at once, which frees its KV blocks.
+The event loop never runs the model. A request is admitted (tokenized and
+checked against the admission rule) on the caller's side, then queued to the
+engine thread, which steps the engine and hands each output back to the loop
+with call_soon_threadsafe. A consumer that stops iterating (client gone, task
+cancelled) aborts its request at once, which frees its KV blocks. The whole
+hand-off is described in the note "Engine thread <-> event loop" below.
 """
 from __future__ import annotations
 
@@ -13,10 +16,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from runtime.engine import Engine
 from runtime.outputs import RequestOutput
-from scheduler import SamplingParams
+from runtime.tokenizer import Tokenizer
+from scheduler import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("prescient.engine")
 
@@ -25,14 +30,28 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than the server admits; retry later."""
 
 
+@dataclass
+class _Add:
+    """One admitted request on its way from the event loop to the engine thread."""
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    weight: float
+    priority: int
+    arrival_time: float
+
+
 class AsyncEngine:
+    """The EngineClient (runtime/engine_client.py) over an Engine in this process."""
+
     def __init__(self, engine: Engine, max_waiting: int | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
-        self._max_num_seqs = engine.scheduler.config.max_num_seqs
+        self._max_num_seqs = engine.config.scheduler.max_num_seqs
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._adds: list[tuple] = []
+        self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats: dict = engine.stats()
@@ -44,6 +63,30 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="prescient-engine", daemon=True)
             self._thread.start()
+
+    # ---- what the server may read: fixed when the engine was built ----------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """For chat templates, /tokenize and /detokenize; encode/decode are safe from any thread."""
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if the engine thread has stopped on an error."""
+        if self.error is not None:
+            raise RuntimeError(f"engine stopped after an internal error: {self.error!r}")
 
     @property
     def num_in_flight(self) -> int:
@@ -57,17 +100,21 @@ class AsyncEngine:
             return dict(self._stats)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       *, tenant: str = "default", weight: float = 1.0,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield snapshots of the request's output as tokens arrive; the last one has finished=True."""
-        if self.error is not None:
-            raise RuntimeError(f"engine stopped after an internal error: {self.error!r}")
+                       *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
+                       clamp_max_tokens: bool = False) -> AsyncIterator[RequestOutput]:
+        """Yield snapshots of the request's output as tokens arrive; the last one has finished=True.
+
+        The request is admitted here, before anything is queued: InvalidRequestError (naming the
+        field) if it can never run, QueueFullError if too many wait. params.max_tokens None asks
+        for all the room there is; clamp_max_tokens: max_tokens is a default, lowered to what fits."""
+        self.check_health()
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic()
-        # Validate on the caller's side so bad input fails before anything is queued.
-        ids = self.engine.check_request(prompt, params)
+        ids, params = self.engine.admit(prompt, params, clamp_max_tokens=clamp_max_tokens)
+        if not weight > 0:
+            raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
         with self._lock:
             # Requests in flight that will not be in the running batch: those beyond what runs now, or
             # beyond max_num_seqs (a burst arrives before the engine thread has admitted anyone).
@@ -77,9 +124,9 @@ class AsyncEngine:
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
             if request_id in self._sinks:
-                raise ValueError(f"request_id: {request_id!r} is already in use")
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             self._sinks[request_id] = (loop, queue)
-            self._adds.append((request_id, ids, params, tenant, weight, priority, arrival))
+            self._adds.append(_Add(request_id, ids, params, tenant, weight, priority, arrival))
             self._wake.notify()
         finished = False
         try:
@@ -123,12 +170,12 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 # Adds first: a request added and abandoned during the same step must be added, then aborted.
-                for request_id, ids, params, tenant, weight, priority, arrival in adds:
+                for add in adds:
                     try:
-                        engine.add_request(request_id, ids, params, tenant=tenant, weight=weight,
-                                           priority=priority, arrival_time=arrival)
+                        engine.enqueue(add.request_id, add.prompt_ids, add.params, tenant=add.tenant,
+                                       weight=add.weight, priority=add.priority, arrival_time=add.arrival_time)
                     except ValueError as exc:
-                        self._deliver(request_id, exc, final=True)
+                        self._deliver(add.request_id, exc, final=True)
                 for request_id in aborts:
                     engine.abort_request(request_id)
                 outputs = engine.step() if engine.has_unfinished_requests() else []

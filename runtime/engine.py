@@ -23,7 +23,7 @@ from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
 from runtime.tokenizer import Tokenizer
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler
+from scheduler import AdmissionRule, InvalidRequestError, Request, SamplingParams, Scheduler
 
 
 @dataclass
@@ -52,6 +52,8 @@ class Engine:
         sched = replace(sched, num_blocks=num_blocks, max_model_len=min(sched.max_model_len or context, context))
         self.config = replace(config, scheduler=sched)
         self.max_model_len = sched.max_model_len
+        self.vocab_size = model.config.vocab_size
+        self.admission = AdmissionRule(self.max_model_len, num_blocks * sched.block_size)
         self.scheduler = Scheduler(sched)
         self.runner = ModelRunner(model, self.kv)
         self.model_name = model_name or model.config.name
@@ -82,58 +84,52 @@ class Engine:
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
                     arrival_time: float | None = None) -> Request:
-        """Validate and queue one request; raises ValueError naming the offending field."""
-        params = params or SamplingParams()
+        """Admit and queue one request; raises InvalidRequestError (a ValueError) naming the field."""
+        ids, params = self.admit(prompt, params or SamplingParams())
+        return self.enqueue(request_id, ids, params, tenant=tenant, weight=weight, priority=priority,
+                            arrival_time=arrival_time)
+
+    def admit(self, prompt: str | list[int], params: SamplingParams, *,
+              clamp_max_tokens: bool = False) -> tuple[list[int], SamplingParams]:
+        """The admission rule, where a request enters: its prompt ids and its params with max_tokens
+        resolved (None: as many as fit; clamp_max_tokens: a default lowered to what fits), or
+        InvalidRequestError naming the field. Reads only what never changes: safe from any thread."""
+        ids = self._prompt_ids(prompt)
+        max_tokens = self.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
+        if max_tokens != params.max_tokens:
+            params = replace(params, max_tokens=max_tokens)
+        return ids, params
+
+    def enqueue(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams, *,
+                tenant: str = "default", weight: float = 1.0, priority: int = 0,
+                arrival_time: float | None = None) -> Request:
+        """Queue a request that admit() accepted (an engine client admits on its caller's thread)."""
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._tracked:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        ids = self.check_request(prompt, params)
         if not weight > 0:
-            raise ValueError(f"weight: must be positive, got {weight!r}")
-        request = Request(request_id, ids, params, eos_token_id=self.tokenizer.eos_token_id, tenant=tenant,
+            raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
+        request = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_token_id, tenant=tenant,
                           weight=weight, priority=priority)
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        self.scheduler.add_request(request, admitted=True)   # refuses an id in use
         self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop), [])
         self.runner.add_request(request)
-        self.scheduler.add_request(request)
         return request
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """Tokens the whole KV cache holds: the longest sequence it can run, whatever the context length."""
-        return self.kv.num_blocks * self.kv.block_size
-
-    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, or ValueError if the request can never run. Safe from any thread."""
-        ids = self._prompt_ids(prompt)
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt: {len(ids)} tokens does not fit this model's context of {limit} tokens "
-                             f"(and at least one token must be generated)")
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(f"max_tokens: this model's maximum context length is {limit} tokens, but "
-                             f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = "
-                             f"{len(ids) + params.max_tokens}; lower max_tokens to at most {limit - len(ids)}")
-        capacity = self.kv_capacity_tokens
-        if len(ids) + params.max_tokens > capacity:
-            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"KV cache's capacity of {capacity} tokens; raise kv_cache_bytes or lower max_tokens")
-        return ids
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
-            vocab = self.model.config.vocab_size
+            vocab = self.vocab_size
             for i, t in enumerate(ids):
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt: token {i} is {t!r}, not a token id in [0, {vocab})")
+                    raise InvalidRequestError("prompt", f"token {i} is {t!r}, not a token id in [0, {vocab})")
         else:
-            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got "
+                                                f"{type(prompt).__name__}")
         if not ids:
-            raise ValueError("prompt: must not be empty")
+            raise InvalidRequestError("prompt", "must not be empty")
         return ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -166,12 +162,7 @@ class Engine:
             tracked.token_times.append(now)
             req = tracked.request
             if tracked.detokenizer.update(req.output_token_ids, req.is_finished):
-                if not req.is_finished:
-                    self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
-                                                  tracked.detokenizer.stop_reason)
-                else:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = tracked.detokenizer.stop_reason
+                self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
                 done.add(request_id)
             outputs.append(self._output(tracked))
         for request_id in done:
@@ -225,6 +216,12 @@ class Engine:
         hidden = self.model.forward(torch.tensor(ids, device=device), torch.arange(len(ids), device=device),
                                     meta, scratch)
         return self.model.logits(hidden)
+
+    def describe(self) -> str:
+        """One line for the log: model, dtype, device, KV pool, context, policy."""
+        sched = self.config.scheduler
+        return (f"model {self.model_name} ({self.model.dtype}, {self.model.device}): {self.kv.num_blocks} KV "
+                f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}")
 
     def stats(self) -> dict:
         return self.scheduler.stats()

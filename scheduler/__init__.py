@@ -1,4 +1,5 @@
 """Pure scheduling logic over integers: requests, KV blocks, admission policies. No tensors, no I/O."""
+from scheduler.admission import AdmissionRule, InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.config import POLICIES, SchedulerConfig
 from scheduler.fcfs import FCFSPolicy
@@ -9,5 +10,6 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.vtc import VTCPolicy
 
-__all__ = ["BlockManager", "FCFSPolicy", "POLICIES", "Policy", "PriorityPolicy", "Request", "RequestStatus",
-           "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "VTCPolicy"]
+__all__ = ["AdmissionRule", "BlockManager", "FCFSPolicy", "InvalidRequestError", "POLICIES", "Policy",
+           "PriorityPolicy", "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
+           "SchedulerOutput", "VTCPolicy"]

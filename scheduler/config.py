@@ -6,7 +6,10 @@ written here and nowhere else.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+
+from scheduler.admission import AdmissionRule
 
 POLICIES = ("vtc", "fcfs", "priority")
 
@@ -59,14 +62,15 @@ class SchedulerConfig:
             raise ValueError("num_blocks: not set; the KV pool's size is unknown")
         return self.num_blocks * self.block_size
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError (naming max_tokens) if the request could outgrow the whole KV pool even
-        when running alone: then no schedule can finish it, so it must be refused upfront."""
-        # The last token sampled is never fed back, so at most (final length - 1) tokens hold KV.
-        final_len = num_prompt_tokens + max_tokens
-        if self.max_model_len is not None:
-            final_len = min(final_len, max(self.max_model_len, num_prompt_tokens + 1))
-        if final_len - 1 > self.kv_capacity_tokens:
-            raise ValueError(f"max_tokens: the request needs up to {num_prompt_tokens} prompt + {max_tokens} "
-                             f"output tokens of KV cache, more than the {self.kv_capacity_tokens} tokens "
-                             f"({self.num_blocks} blocks of {self.block_size}) the cache holds")
+    @property
+    def admission(self) -> AdmissionRule:
+        """The admission rule over this pool; without max_model_len, only the pool limits a request."""
+        return AdmissionRule(self.max_model_len or sys.maxsize, self.kv_capacity_tokens)
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise InvalidRequestError unless the request can finish in this pool when running alone.
+        A standalone scheduler stops a request at max_model_len (finish reason 'length') rather than
+        refusing it, so max_tokens counts only up to there."""
+        if self.max_model_len is not None and num_prompt_tokens < self.max_model_len:
+            max_tokens = min(max_tokens or sys.maxsize, self.max_model_len - num_prompt_tokens)
+        self.admission.admit(num_prompt_tokens, max_tokens)

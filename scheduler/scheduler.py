@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from scheduler.admission import InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.fcfs import FCFSPolicy
@@ -83,11 +84,13 @@ class Scheduler:
 
     # ---- requests in and out --------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a new request; ValueError if its id is in use or it could never fit in the KV pool."""
+    def add_request(self, request: Request, *, admitted: bool = False) -> None:
+        """Queue a new request. InvalidRequestError if its id is in use or, unless `admitted` (the
+        engine ran the admission rule where the request entered), if it could never fit the KV pool."""
         if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
-        self.config.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        if not admitted:
+            self.config.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         tally = self._tenants.get(request.tenant)
@@ -103,6 +106,15 @@ class Scheduler:
             return None
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
+
+    def stop_request(self, request: Request, stop_reason: str) -> None:
+        """End a request on a stop string (only the runtime's detokenizer sees text). A request this
+        step already finished (its last token was also eos or its length limit) ends as stopped too."""
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop_reason
+        else:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """End a request for a reason only the runtime sees (a stop string); no-op if unknown."""
@@ -265,7 +277,8 @@ class Scheduler:
             elif params.stop_token_ids and token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
-            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
+            elif request.num_tokens >= max_len or (params.max_tokens is not None
+                                                   and request.num_output_tokens >= params.max_tokens):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self._finish(request, status)

@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from runtime import AsyncEngine, Engine
+from runtime import EngineClient
 from server import openai_api, openapi, utility_api
 from server.auth import Tenant
 from server.config import ServerConfig
@@ -38,14 +38,13 @@ async def errors_as_envelopes(request: web.Request, handler):
         return APIError(500, "Internal server error; it has been logged.").response()
 
 
-def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None,
-              max_waiting: int | None = ServerConfig.max_waiting, max_body_bytes: int = ServerConfig.max_body_bytes,
-              served_model_name: str | None = None,
+def build_app(client: EngineClient, *, api_keys: dict[str, Tenant] | None = None,
+              max_body_bytes: int = ServerConfig.max_body_bytes, served_model_name: str | None = None,
               throughput_log_seconds: float = ServerConfig.throughput_log_seconds) -> web.Application:
+    """The app over an engine client; it starts the client's loop with the app and stops it after."""
     app = web.Application(middlewares=[errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-    state = ServerState(engine, async_engine, api_keys, served_model_name)
+    state = ServerState(client, api_keys, served_model_name)
     app["state"] = state
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
@@ -58,11 +57,11 @@ def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None,
     app.router.add_get("/openapi.json", openapi.openapi)
 
     async def lifetime(app: web.Application):
-        async_engine.start()
+        client.start()
         logger = asyncio.create_task(_log_throughput(state, throughput_log_seconds))
         yield
         logger.cancel()
-        await async_engine.shutdown()
+        await client.shutdown()
 
     app.cleanup_ctx.append(lifetime)
     return app
@@ -71,7 +70,7 @@ def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None,
 async def _log_throughput(state: ServerState, every: float) -> None:
     """A line every few seconds while there is work: tokens/s, batch, queue, KV usage."""
     def snapshot():
-        stats = state.async_engine.stats()
+        stats = state.client.stats()
         return time.monotonic(), stats.get("generated_tokens", 0), stats.get("computed_tokens", 0), stats
 
     last = snapshot()

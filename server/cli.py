@@ -70,16 +70,15 @@ def _size(text: str) -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from runtime import Engine
+    from runtime import AsyncEngine, Engine
     from server.app import build_app
     from server.auth import load_api_keys
 
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     engine = Engine.from_pretrained(config=engine_config(args))
-    log.info("model %s (%s, %s): %d KV blocks of %d tokens, context %d, policy %s", engine.model_name,
-             engine.model.dtype, engine.model.device, engine.kv.num_blocks, engine.kv.block_size,
-             engine.max_model_len, args.policy)
-    app = build_app(engine, api_keys=keys, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+    log.info("%s", engine.describe())
+    client = AsyncEngine(engine, max_waiting=args.max_waiting)
+    app = build_app(client, api_keys=keys, max_body_bytes=args.max_body_bytes,
                     served_model_name=args.served_model_name, throughput_log_seconds=args.throughput_log_seconds)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()

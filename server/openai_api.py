@@ -11,11 +11,11 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import replace
 
 from aiohttp import web
 
 from runtime import QueueFullError, RequestOutput
+from scheduler import InvalidRequestError
 from server import sse
 from server.auth import authenticate
 from server.errors import APIError, bad_request
@@ -39,7 +39,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req, messages = parse_chat(body)
     try:
-        req.prompt = state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        req.prompt = state.client.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                 tokenize=True)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
     return await _generate(request, state, req, chat=True)
@@ -59,17 +60,6 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
         raise APIError(400, f"The model '{req.model}' does not exist; this server serves "
                             f"{', '.join(repr(n) for n in sorted(state.model_names))} (see GET /v1/models).",
                        param="model", code="model_not_found")
-    engine = state.engine
-    try:
-        ids = engine.check_request(req.prompt, req.params) if req.max_tokens_given else None
-        if ids is None:
-            ids = engine.check_request(req.prompt, _with_max_tokens(req, 1))
-            room = min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids)   # what can run, not 400
-            req.params.max_tokens = room if chat else min(16, room)
-    except ValueError as exc:
-        field = str(exc).split(":", 1)[0]
-        raise bad_request(str(exc), field if field in ("prompt", "max_tokens") else None) from exc
-
     kind = "chat.completion" if chat else "text_completion"
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
@@ -77,10 +67,12 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     stream = None
     last: RequestOutput | None = None
     sent = 0
-    state.in_flight += 1
     try:
-        async with aclosing(state.async_engine.generate(ids, req.params, request_id, tenant=tenant.name,
-                                                        weight=tenant.weight, priority=req.priority)) as outputs:
+        # The engine client admits the request (one rule: InvalidRequestError names the field); a
+        # max_tokens the client did not send is a default, lowered to what fits rather than refused.
+        async with aclosing(state.client.generate(req.prompt, req.params, request_id, tenant=tenant.name,
+                                                  weight=tenant.weight, priority=req.priority,
+                                                  clamp_max_tokens=not req.max_tokens_given)) as outputs:
             async for out in outputs:
                 last = out
                 if not req.stream:
@@ -98,6 +90,8 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     except QueueFullError as exc:
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly.",
                        code="queue_full", headers={"Retry-After": "1"}) from exc
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.param) from exc
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     except ConnectionError:
@@ -110,7 +104,6 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
         await sse.send_done(stream)
         return stream
     finally:
-        state.in_flight -= 1
         state.record(request, req, tenant.name, last)
 
     if req.stream:
@@ -126,10 +119,6 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
         choice["stop_reason"] = last.stop_reason
     return web.json_response({"id": request_id, "object": kind, "created": created, "model": model,
                               "choices": [choice], "usage": _usage(last)})
-
-
-def _with_max_tokens(req: GenerationRequest, n: int):
-    return replace(req.params, max_tokens=n)
 
 
 def _chunk(request_id: str, created: int, model: str, delta, finish_reason, chat: bool) -> dict:

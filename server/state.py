@@ -1,4 +1,4 @@
-"""What the request handlers share: the engine, keys, metrics, drain state, and request logging."""
+"""What the request handlers share: the engine client, keys, metrics, drain state, and request logging."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from runtime import AsyncEngine, Engine, RequestOutput
+from runtime import EngineClient, RequestOutput
 from server.auth import Tenant
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
@@ -16,18 +16,22 @@ log = logging.getLogger("prescient.server")
 
 
 class ServerState:
-    def __init__(self, engine: Engine, async_engine: AsyncEngine, api_keys: dict[str, Tenant] | None = None,
+    def __init__(self, client: EngineClient, api_keys: dict[str, Tenant] | None = None,
                  served_model_name: str | None = None):
-        self.engine = engine
-        self.async_engine = async_engine
+        self.client = client
+        """The one way to the engine (runtime/engine_client.py)."""
         self.api_keys = api_keys
-        self.model_name = served_model_name or engine.model_name
-        self.model_names = {self.model_name, engine.model_name}
-        self.metrics = ServerMetrics(self.model_name, engine.max_model_len, async_engine.stats,
+        self.model_name = served_model_name or client.model_name
+        self.model_names = {self.model_name, client.model_name}
+        self.metrics = ServerMetrics(self.model_name, client.max_model_len, client.stats,
                                      {t.name for t in (api_keys or {}).values()})
         self.draining = False
-        self.in_flight = 0
         self.started = time.time()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine has not yet finished."""
+        return self.client.num_in_flight
 
     def check_accepting(self) -> None:
         if self.draining:
