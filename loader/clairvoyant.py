@@ -2,7 +2,6 @@
 shared state alive as long as the loader, and remember where the epoch is for resume."""
 from __future__ import annotations
 
-import os
 import time
 import warnings
 import weakref
@@ -13,7 +12,7 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind
 
 from loader.cache_disk import DiskTier
-from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState
+from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
 from loader.exchange import PeerExchange
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
@@ -91,6 +90,10 @@ class Clairvoyant:
         self.stall_seconds = 0.0
         self.batches = 0
         self.peer_group = None
+        if options.peer_exchange and self.source is not None and self.source.items:
+            raise ValueError("peer_exchange: a dataset cached with cache_items=True is cached as pickled items, "
+                             "and bytes from another process are never unpickled; implement read(index) -> "
+                             "bytes and decode(raw, index) to exchange raw samples with peers")
         if options.peer_exchange and self.source is not None:
             import torch.distributed as dist
             if not (dist.is_available() and dist.is_initialized()):
@@ -116,18 +119,21 @@ class Clairvoyant:
             kind = CachedItemsView if callable(getattr(dataset, "__getitems__", None)) else CachedView
             self.view = kind(dataset, self.source, self.shared,
                              self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
-                             max(self.snap_ring, 1))
+                             max(self.snap_ring, 1), -(-self.options.prefetch_threads // max(1, self.num_workers)))
         return self.view
 
     def _start(self, dataset) -> None:
         opts = self.options
-        if self.source is not None:
+        # Nothing to keep across epochs: the workers read their batches themselves (batch_reads.py) and
+        # the main process only plans; the prefetcher runs where there is a cache to place samples in.
+        placing = self.source is not None and bool(opts.cache_ram or opts.cache_disk or self.peer_group)
+        if placing:
             self._fit_shared_memory()
-        arena = opts.cache_ram + opts.prefetch_bytes if self.source else 0
+        arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
         layout = Layout(samples=len(dataset), rows=self.num_workers + 2, ring=RING,
                         snap_slots=max(self.snap_ring, 1) + self.num_workers, arena=arena)
         self.resources.shared = SharedState(layout)
-        if self.source is not None:
+        if placing:
             disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
             peers = PeerExchange(self.peer_group, opts.peer_window) if self.peer_group is not None else None
             self.resources.prefetcher = Prefetcher(self.shared, self.source, opts.cache_ram, opts.prefetch_bytes,
@@ -137,11 +143,10 @@ class Clairvoyant:
         """/dev/shm is often small (64 MiB in a default Docker container) and a write beyond it
         is a SIGBUS, not an error: shrink the RAM cache to what is free, with a warning."""
         opts = self.options
-        try:
-            fs = os.statvfs("/dev/shm")
-        except OSError:
+        free = shm_free_bytes()          # what other loaders reserved is already taken off
+        if free is None:
             return
-        free = int(fs.f_bavail * fs.f_frsize * SHM_SHARE)
+        free = int(free * SHM_SHARE)
         if opts.cache_ram + opts.prefetch_bytes <= free:
             return
         opts.prefetch_bytes = min(opts.prefetch_bytes, max(free // 2, 1 << 20))
@@ -203,7 +208,7 @@ class Clairvoyant:
             self.epoch.yielded += 1
 
     # --- resume -------------------------------------------------------------------------------------
-    def worker_snapshots(self, in_order: bool) -> dict[int, bytes]:
+    def worker_snapshots(self, in_order: bool) -> dict[int, torch.Tensor]:
         """Each worker's RNG state where a resumed run's worker of the same id must start."""
         epoch, workers = self.epoch, self.num_workers
         if workers == 0 or epoch is None or self.shared is None:

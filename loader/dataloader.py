@@ -21,7 +21,7 @@ from loader.clairvoyant import CacheOptions, Clairvoyant
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
-from loader.view import FIRST, LAST, PLANNED_READ, Ticket
+from loader.view import FIRST, LAST, PLANNED_READ, Ticket, TicketBatch
 
 
 class PlannedSampler:
@@ -59,11 +59,10 @@ class PlannedSampler:
             else:
                 flag = PLANNED_READ if planned else 0
                 first = epoch.pos0 + offset
-                last = len(keys) - 1
-                tickets = [Ticket(k, first + j, batch, first,
-                                  flag | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
-                           for j, k in enumerate(keys)]
-                yield tickets if self.batched else tickets[0]
+                if self.batched:
+                    yield TicketBatch(tuple(keys), first, batch, flag)
+                else:
+                    yield Ticket(keys[0], first, batch, first, flag | FIRST | LAST)
             offset, batch = offset + len(keys), batch + 1
         if after_first_draw is not None:
             after_first_draw()

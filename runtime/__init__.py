@@ -1,10 +1,10 @@
 """Prescient's model runtime: a Llama-family model on a paged KV cache with continuous batching."""
-from runtime.async_engine import AsyncEngine, QueueFullError
+from runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
 from runtime.config import CacheConfig, EngineConfig, ModelSettings, ParallelConfig
 from runtime.engine import Engine
 from runtime.engine_client import EngineClient
 from runtime.outputs import RequestOutput
 from scheduler import SamplingParams
 
-__all__ = ["AsyncEngine", "CacheConfig", "Engine", "EngineClient", "EngineConfig", "ModelSettings", "ParallelConfig",
-           "QueueFullError", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "CacheConfig", "Engine", "EngineClient", "EngineConfig", "EngineDeadError", "ModelSettings",
+           "ParallelConfig", "QueueFullError", "RequestFailedError", "RequestOutput", "SamplingParams"]

@@ -30,6 +30,21 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than the server admits; retry later."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an internal error; nothing more will be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (its step raised); the engine keeps serving the others.
+
+    `output` is the request's final output (what it had produced), `cause` says what failed."""
+
+    def __init__(self, output: RequestOutput):
+        super().__init__(f"request {output.request_id} failed: {output.error}")
+        self.output = output
+        self.cause = output.error
+
+
 @dataclass
 class _Add:
     """One admitted request on its way from the event loop to the engine thread."""
@@ -84,9 +99,9 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     def check_health(self) -> None:
-        """Raise RuntimeError if the engine thread has stopped on an error."""
+        """Raise EngineDeadError if the engine thread has stopped on an error."""
         if self.error is not None:
-            raise RuntimeError(f"engine stopped after an internal error: {self.error!r}")
+            raise EngineDeadError("the engine stopped after an internal error")
 
     @property
     def num_in_flight(self) -> int:
@@ -116,6 +131,8 @@ class AsyncEngine:
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
         with self._lock:
+            if self.error is not None:   # it died since the check above: never queue into a dead engine
+                raise EngineDeadError("the engine stopped after an internal error")
             # Requests in flight that will not be in the running batch: those beyond what runs now, or
             # beyond max_num_seqs (a burst arrives before the engine thread has admitted anyone).
             in_flight = len(self._sinks)
@@ -135,6 +152,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(item)
                 yield item
                 if item.finished:
                     finished = True
@@ -176,6 +196,12 @@ class AsyncEngine:
                                        weight=add.weight, priority=add.priority, arrival_time=add.arrival_time)
                     except ValueError as exc:
                         self._deliver(add.request_id, exc, final=True)
+                    except Exception as exc:   # a bug adding this one request: fail it, not the engine
+                        log.exception("adding request %s failed", add.request_id)
+                        engine.abort_request(add.request_id)
+                        self._deliver(add.request_id, RequestFailedError(RequestOutput(
+                            add.request_id, list(add.prompt_ids), [], "", True, "abort", arrival_time=add.arrival_time,
+                            error=f"{type(exc).__name__} while adding the request")), final=True)
                 for request_id in aborts:
                     engine.abort_request(request_id)
                 outputs = engine.step() if engine.has_unfinished_requests() else []
@@ -186,11 +212,12 @@ class AsyncEngine:
                     self._deliver(out.request_id, out, final=out.finished)
         except BaseException as exc:  # keep serving errors visible instead of hanging clients
             log.exception("engine thread failed")
-            self.error = exc
-            with self._lock:
+            with self._lock:   # with the error set under the lock, no request can slip in after the sweep
+                self.error = exc
                 sinks, self._sinks = self._sinks, {}
+                self._adds.clear()
             for loop, queue in sinks.values():
-                loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
+                loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError("the engine failed"))
 
     def _deliver(self, request_id: str, item, final: bool) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ because they need the detokenizer.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -24,6 +25,8 @@ from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
 from runtime.tokenizer import Tokenizer
 from scheduler import AdmissionRule, InvalidRequestError, Request, SamplingParams, Scheduler
+
+log = logging.getLogger("prescient.engine")
 
 
 @dataclass
@@ -152,7 +155,12 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        sampled = self.runner.execute(plan)
+        try:
+            sampled = self.runner.execute(plan)
+        except Exception as exc:   # the model or the sampler failed: fail this step's requests only
+            log.exception("engine step failed; failing its %d requests: %s", len(plan.scheduled),
+                          ", ".join(r.request_id for r, _ in plan.scheduled))
+            return [self._fail(r.request_id, exc) for r, _ in plan.scheduled]
         now = time.monotonic()
         finished = self.scheduler.update_from_output(plan, sampled)
         done = {r.request_id for r in finished}
@@ -161,7 +169,14 @@ class Engine:
             tracked = self._tracked[request_id]
             tracked.token_times.append(now)
             req = tracked.request
-            if tracked.detokenizer.update(req.output_token_ids, req.is_finished):
+            try:
+                stopped = tracked.detokenizer.update(req.output_token_ids, req.is_finished)
+            except Exception as exc:
+                log.exception("detokenizing request %s failed", request_id)
+                done.discard(request_id)
+                outputs.append(self._fail(request_id, exc))
+                continue
+            if stopped:
                 self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
                 done.add(request_id)
             outputs.append(self._output(tracked))
@@ -169,6 +184,12 @@ class Engine:
             self._tracked.pop(request_id, None)
             self.runner.remove_request(request_id)
         return outputs
+
+    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
+        """Abort a request whose step raised; its output is final and names the cause in `error`."""
+        out = self.abort_request(request_id)
+        out.error = f"{type(exc).__name__} in the engine step"
+        return out
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request

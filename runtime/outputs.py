@@ -25,3 +25,6 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)
     """time.monotonic() when each generated token was produced; same length as token_ids."""
     num_preemptions: int = 0
+    error: str | None = None
+    """Set when the request failed inside the engine (its step raised): what failed, without details.
+    The request is then finished with finish_reason 'abort'; the engine itself keeps serving."""

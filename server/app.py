@@ -4,10 +4,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from aiohttp import web
 
-from runtime import EngineClient
+from runtime import AsyncEngine, Engine, EngineClient
 from server import openai_api, openapi, utility_api
 from server.auth import Tenant
 from server.config import ServerConfig
@@ -34,14 +35,18 @@ async def errors_as_envelopes(request: web.Request, handler):
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
-        log.exception("internal error on %s %s", request.method, request.path)
-        return APIError(500, "Internal server error; it has been logged.").response()
+        error_id = uuid.uuid4().hex
+        log.exception("internal error %s on %s %s", error_id, request.method, request.path)
+        return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response()
 
 
-def build_app(client: EngineClient, *, api_keys: dict[str, Tenant] | None = None,
+def build_app(client: EngineClient | Engine, *, api_keys: dict[str, Tenant] | None = None,
               max_body_bytes: int = ServerConfig.max_body_bytes, served_model_name: str | None = None,
               throughput_log_seconds: float = ServerConfig.throughput_log_seconds) -> web.Application:
-    """The app over an engine client; it starts the client's loop with the app and stops it after."""
+    """The app over an engine client (an Engine is wrapped in AsyncEngine, the in-process client);
+    it starts the client's loop with the app and stops it after."""
+    if isinstance(client, Engine):
+        client = AsyncEngine(client, max_waiting=ServerConfig.max_waiting)
     app = web.Application(middlewares=[errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
     state = ServerState(client, api_keys, served_model_name)

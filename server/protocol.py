@@ -47,10 +47,17 @@ def _kind_names(kinds: tuple) -> str:
 
 def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
     value = _get(body, name, (int, float), default, "a number")
-    if (value <= low if low_open else value < low) or value > high:
+    # `not (inside)` also catches NaN, which compares false with everything
+    if not ((value > low if low_open else value >= low) and value <= high):
         interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
+        raise bad_request(f"'{name}' must be in {interval} (a finite number), got {_show(value)}", name)
     return float(value)
+
+
+def _show(value) -> str:
+    """A client's value for an error message, cut short (an integer may have thousands of digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:20] + "..." + text[-8:]
 
 
 def _sampling(body: dict, default_max_tokens: int | None) -> SamplingParams:
@@ -59,12 +66,12 @@ def _sampling(body: dict, default_max_tokens: int | None) -> SamplingParams:
         max_tokens = _get(body, "max_tokens", (int,), None)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"'{name}' must be at least 1, got {max_tokens}", name)
+        raise bad_request(f"'{name}' must be at least 1, got {_show(max_tokens)}", name)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = _get(body, "top_k", (int,), -1)
     if top_k < -1:
-        raise bad_request(f"'top_k' must be -1 (disabled) or a positive integer, got {top_k}", "top_k")
+        raise bad_request(f"'top_k' must be -1 (disabled) or a positive integer, got {_show(top_k)}", "top_k")
     seed = _get(body, "seed", (int,), None)
     stop = body.get("stop")
     if stop is None:
@@ -81,7 +88,7 @@ def _sampling(body: dict, default_max_tokens: int | None) -> SamplingParams:
     ignore_eos = _get(body, "ignore_eos", (bool,), False)
     n = _get(body, "n", (int,), 1)
     if n != 1:
-        raise bad_request(f"'n' must be 1 (one choice per request), got {n}", "n")
+        raise bad_request(f"'n' must be 1 (one choice per request), got {_show(n)}", "n")
     best_of = _get(body, "best_of", (int,), 1)
     if best_of != 1:
         raise bad_request("'best_of' other than 1 is not supported", "best_of")
@@ -93,10 +100,14 @@ def _sampling(body: dict, default_max_tokens: int | None) -> SamplingParams:
             raise bad_request(f"'{name_}' is not supported by this server", name_)
     if body.get("echo"):
         raise bad_request("'echo' is not supported by this server", "echo")
-    return SamplingParams(max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                          repetition_penalty=repetition_penalty)
+    try:   # SamplingParams holds the rules of the engine itself (e.g. the seed must fit in 64 bits)
+        return SamplingParams(max_tokens=max_tokens or default_max_tokens, temperature=temperature,
+                              top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
+                              ignore_eos=ignore_eos, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
+    except ValueError as exc:
+        field_name = str(exc).split(" ", 1)[0]
+        raise bad_request(f"'{field_name}' {str(exc).split(' ', 1)[1]}", field_name) from exc
 
 
 def _common(body: dict, prompt, default_max_tokens: int | None) -> GenerationRequest:
@@ -149,7 +160,8 @@ def parse_messages(body: dict) -> list[dict]:
             raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+            raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}",
+                              f"{where}.role")
         content = message.get("content")
         if isinstance(content, list):   # content parts: only text is understood by a text model
             texts = []
