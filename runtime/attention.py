@@ -33,6 +33,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] int64: cached tokens each decode attends to
     decode_bias: torch.Tensor | None = None          # [B, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
+    native_decode: bool = False                      # decode runs in the C kernel (chosen once, by the runner)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -49,7 +50,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     if meta.num_decode:
         b = meta.num_decode
-        if native_attention.usable(q, k_cache):
+        if meta.native_decode:
             out[:b] = native_attention.decode_attention(q[:b], k_cache, v_cache, meta.decode_block_tables,
                                                         meta.decode_context_lens, scale)
         else:

@@ -116,7 +116,6 @@ class Engine:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request, admitted=True)   # refuses an id in use
         self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop), [])
-        self.runner.add_request(request)
         return request
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -140,8 +139,7 @@ class Engine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
-        self.scheduler.abort_request(request_id)
-        self.runner.remove_request(request_id)
+        self.scheduler.abort_request(request_id)   # the runner forgets it with the next plan
         tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
         return self._output(tracked)
 
@@ -154,6 +152,7 @@ class Engine:
         """Run one iteration; returns an output for every request that got a token or finished."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            self.runner.update_states(plan)   # still forget what finished
             return []
         try:
             sampled = self.runner.execute(plan)
@@ -182,7 +181,6 @@ class Engine:
             outputs.append(self._output(tracked))
         for request_id in done:
             self._tracked.pop(request_id, None)
-            self.runner.remove_request(request_id)
         return outputs
 
     def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler.admission import InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.fcfs import FCFSPolicy
+from scheduler.plan import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.policy import Policy
 from scheduler.priority import PriorityPolicy
 from scheduler.request import Request, RequestStatus
@@ -31,20 +32,6 @@ from scheduler.vtc import VTCPolicy
 _RUNNING = RequestStatus.RUNNING
 _FLOAT_SLACK = 1e-6
 """Rounding error to ignore before a ceiling: 0.01 * 700 blocks is 7.000000000000001, which is 7."""
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    """(request, tokens to compute) in batch order: request.all_token_ids[num_computed_tokens :
-    num_computed_tokens + n]; num_computed_tokens is advanced only by update_from_output."""
-    preempted: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    """Sum of n over scheduled: tokens computed this step."""
-
-    def __post_init__(self) -> None:
-        if not self.num_batched_tokens:
-            self.num_batched_tokens = sum(n for _, n in self.scheduled)
 
 
 @dataclass
@@ -80,6 +67,9 @@ class Scheduler:
         self.num_computed_tokens = 0   # tokens run through the model (prefill chunks and decodes)
         self.num_generated_tokens = 0  # tokens sampled
         self._tenants: dict[str, _TenantTally] = {}
+        self._blocks_sent: dict[str, int] = {}
+        """Block ids the model runner has been told of, per request it holds (see plan.py)."""
+        self._finished_since_plan: list[str] = []
         self._watermark_blocks = math.ceil(config.watermark * config.num_blocks - _FLOAT_SLACK)
 
     # ---- requests in and out --------------------------------------------------------------------
@@ -116,7 +106,8 @@ class Scheduler:
         else:
             self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
 
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> None:
         """End a request for a reason only the runtime sees (a stop string); no-op if unknown."""
         if not status.finished:
             raise ValueError(f"status: {status} is not a finished status")
@@ -135,6 +126,8 @@ class Scheduler:
             tally.waiting -= 1
         request.status = status
         request.finished_time = time.monotonic()
+        if self._blocks_sent.pop(request.request_id, None) is not None:
+            self._finished_since_plan.append(request.request_id)
         self.block_manager.free(request)
         self.policy.on_finish(request)
         del self.requests[request.request_id]
@@ -187,7 +180,26 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        self._describe_for_runner(out)
         return out
+
+    def _describe_for_runner(self, out: SchedulerOutput) -> None:
+        """Fill the runner's narrow view of the plan: what changed since the last one (plan.py)."""
+        sent = self._blocks_sent
+        for request, n in out.scheduled:
+            rid = request.request_id
+            table = request.block_table
+            known = sent.get(rid)
+            if known is None:
+                out.new_requests.append(NewRequestData(
+                    rid, list(request.prompt_token_ids), list(request.output_token_ids),
+                    request.sampling_params, list(table), request.num_computed_tokens))
+            else:
+                out.cached_requests.append(CachedRequestData(rid, table[known:], request.num_computed_tokens))
+            sent[rid] = len(table)
+            out.num_scheduled_tokens[rid] = n
+        out.preempted_request_ids = [r.request_id for r in out.preempted]
+        out.finished_request_ids, self._finished_since_plan = self._finished_since_plan, []
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -231,6 +243,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, index: int) -> None:
         del self.running[index]
+        self._blocks_sent.pop(request.request_id, None)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
