@@ -43,18 +43,26 @@ class AdmissionRule:
         if p >= limit:
             raise InvalidRequestError("prompt", f"{p} tokens does not fit this model's context of {limit} "
                                       "tokens (and at least one token must be generated)")
+        room = self.room(p)
         if p + m > limit:
             raise InvalidRequestError("max_tokens", f"this model's maximum context length is {limit} tokens, "
-                                      f"but {p} prompt tokens + max_tokens {m} = {p + m}; lower max_tokens "
-                                      f"to at most {limit - p}")
+                                      f"but {p} prompt tokens + max_tokens {m} = {p + m}; "
+                                      f"{self._advice(room)}")
         if p > capacity:
             raise InvalidRequestError("prompt", f"{p} tokens do not fit the KV cache's capacity of "
                                       f"{capacity} tokens; raise kv_cache_bytes or send a shorter prompt")
         if p + m - 1 > capacity:
-            detail = (f"prompt ({p}) + max_tokens ({m}) needs {p + m - 1} tokens of KV cache, more than its "
-                      f"capacity of {capacity} tokens; raise kv_cache_bytes or lower max_tokens to at most "
-                      f"{capacity + 1 - p}")
-            raise InvalidRequestError("max_tokens", detail)
+            raise InvalidRequestError("max_tokens", f"prompt ({p}) + max_tokens ({m}) needs {p + m - 1} "
+                                      f"tokens of KV cache, more than its capacity of {capacity} tokens; "
+                                      f"{self._advice(room)}")
+
+    def _advice(self, room: int) -> str:
+        if room < 1:
+            return (f"the prompt alone fills the KV cache ({self.kv_capacity_tokens} tokens); "
+                    "raise kv_cache_bytes")
+        bound = " (the KV cache's capacity; raise kv_cache_bytes for more)" \
+            if self.kv_capacity_tokens + 1 < self.max_model_len else ""
+        return f"lower max_tokens to at most {room}{bound}"
 
     def admit(self, num_prompt_tokens: int, max_tokens: int | None, *, clamp: bool = False) -> int:
         """The max_tokens to run with, after check(): None asks for all the room there is; with clamp
