@@ -1,10 +1,11 @@
 """Text <-> token ids, built with the `tokenizers` library from a GGUF vocabulary or a tokenizer.json."""
 from __future__ import annotations
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from runtime.chat_template import render_chat
-from runtime.checkpoint import TokenizerSource
+from runtime.checkpoint_types import TokenizerSource
 
 
 class Tokenizer:
