@@ -6,5 +6,6 @@ from runtime.engine_client import EngineClient
 from runtime.outputs import RequestOutput
 from scheduler import SamplingParams
 
-__all__ = ["AsyncEngine", "CacheConfig", "Engine", "EngineClient", "EngineConfig", "EngineDeadError", "ModelSettings",
-           "ParallelConfig", "QueueFullError", "RequestFailedError", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "CacheConfig", "Engine", "EngineClient", "EngineConfig", "EngineDeadError",
+           "ModelSettings", "ParallelConfig", "QueueFullError", "RequestFailedError", "RequestOutput",
+           "SamplingParams"]

@@ -6,7 +6,7 @@ checked against the admission rule) on the caller's side, then queued to the
 engine thread, which steps the engine and hands each output back to the loop
 with call_soon_threadsafe. A consumer that stops iterating (client gone, task
 cancelled) aborts its request at once, which frees its KV blocks. The whole
-hand-off is described in the note "Engine thread <-> event loop" below.
+hand-off is described in Note [Engine thread <-> event loop] below.
 """
 from __future__ import annotations
 
@@ -24,6 +24,61 @@ from runtime.tokenizer import Tokenizer
 from scheduler import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("prescient.engine")
+
+# Note [Engine thread <-> event loop]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Two kinds of actor share an AsyncEngine:
+#
+#   event loop thread   many coroutines (HTTP handlers): generate(), abort(), stats(), check_health()
+#   engine thread       one loop, _run(): owns the Engine (scheduler, runner, KV cache, tensors)
+#
+# Everything they share is guarded by one threading.Lock, `_lock`, held only for list and dict
+# operations, never while the model runs:
+#
+#   _sinks   {request_id: (event loop, asyncio.Queue)}  where a request's outputs go; present
+#            exactly while the request is in flight (num_in_flight = len(_sinks))
+#   _adds    admitted requests (_Add) not yet given to the Engine
+#   _aborts  request ids to remove from the Engine
+#   _stats   the scheduler's stats as of the last step
+#   _stopping, error
+#
+#   event loop                                        engine thread
+#   ----------                                        -------------
+#   generate(): admit (tokenize, AdmissionRule)       wait on _wake until stopping, adds, aborts
+#     on the caller's thread; errors raise here         or unfinished requests
+#   lock: error? -> EngineDeadError                   lock: swap out _adds and _aborts
+#         too many waiting? -> QueueFullError         engine.enqueue(each add)      <- adds first,
+#         register sink, append _Add, notify ------>  engine.abort_request(each)    <- then aborts
+#                                                     outputs = engine.step()        (no lock held)
+#                                                     lock: _stats = engine.stats()
+#   queue.get() <---- call_soon_threadsafe(put) ----  for each output: lock: look up its sink
+#     output -> yield it                                (pop it if the output is final), then
+#     final output -> return                            hand the item to the sink's loop
+#     an exception item -> raise it
+#   leaving early (break, cancel, the client
+#     went away) -> abort(): lock: pop the sink,
+#     append to _aborts, notify ------------------->  (removed at the next iteration)
+#
+# Why it holds:
+# * An asyncio.Queue is not thread-safe, so the engine thread never touches one: it schedules
+#   put_nowait on the queue's own loop with call_soon_threadsafe, which runs callbacks in FIFO
+#   order. A request's outputs therefore arrive in step order, and the final one is the last.
+# * Adds are applied before aborts, so a request added and abandoned within one iteration is
+#   added, then aborted (its blocks freed), never left running with no one to read it.
+# * A sink is removed in exactly one place per request: on its final output (_deliver) or by
+#   abort(). After that nothing is delivered to it, and a late abort() is a no-op.
+# * Admission (tokenizing, the admission rule) runs on the caller's side, so a bad request fails
+#   in its handler without waiting for a step; what is queued can only fail for an engine-internal
+#   reason, which comes back as an exception item (RequestFailedError for one request).
+# * Death: if the engine thread's loop raises, it sets `error`, takes every sink and clears _adds
+#   under the lock, then hands each sink EngineDeadError. generate() registers under the same lock
+#   after checking `error`, so a request either was registered before (and is answered by the
+#   sweep) or sees `error` and raises: none waits forever.
+# * Shutdown: shutdown() sets _stopping and notifies; the thread returns at its next check (after
+#   the step in progress) and the loop awaits the join in an executor. The server drains first
+#   (server/cli.py), so normally nothing is in flight by then.
+# An engine core in its own process would keep this shape: the sinks stay here, adds and aborts
+# become messages to it, and a task on the loop reads its outputs and does what _deliver does.
 
 
 class QueueFullError(RuntimeError):
@@ -183,7 +238,8 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
-                    while not (self._stopping or self._adds or self._aborts or engine.has_unfinished_requests()):
+                    while not (self._stopping or self._adds or self._aborts
+                               or engine.has_unfinished_requests()):
                         self._wake.wait()
                     if self._stopping:
                         return
@@ -193,14 +249,16 @@ class AsyncEngine:
                 for add in adds:
                     try:
                         engine.enqueue(add.request_id, add.prompt_ids, add.params, tenant=add.tenant,
-                                       weight=add.weight, priority=add.priority, arrival_time=add.arrival_time)
+                                       weight=add.weight, priority=add.priority,
+                                       arrival_time=add.arrival_time)
                     except ValueError as exc:
                         self._deliver(add.request_id, exc, final=True)
                     except Exception as exc:   # a bug adding this one request: fail it, not the engine
                         log.exception("adding request %s failed", add.request_id)
                         engine.abort_request(add.request_id)
                         self._deliver(add.request_id, RequestFailedError(RequestOutput(
-                            add.request_id, list(add.prompt_ids), [], "", True, "abort", arrival_time=add.arrival_time,
+                            add.request_id, list(add.prompt_ids), [], "", True, "abort",
+                            arrival_time=add.arrival_time,
                             error=f"{type(exc).__name__} while adding the request")), final=True)
                 for request_id in aborts:
                     engine.abort_request(request_id)

@@ -33,7 +33,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] int64: cached tokens each decode attends to
     decode_bias: torch.Tensor | None = None          # [B, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
-    native_decode: bool = False                      # decode runs in the C kernel (chosen once, by the runner)
+    native_decode: bool = False                      # decode in the C kernel (the runner chose, once)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -46,7 +46,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, D]; k, v: [T, kv_heads, D] for the new tokens (already in the cache). Returns [T, heads, D]."""
+    """q: [T, heads, D]; k, v: [T, kv_heads, D] for the new tokens (already in the cache).
+    Returns [T, heads, D]."""
     out = torch.empty_like(q)
     if meta.num_decode:
         b = meta.num_decode

@@ -19,7 +19,7 @@ import dataclasses
 import inspect
 import textwrap
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from loader.sizes import parse_size
 from scheduler import SchedulerConfig
@@ -45,7 +45,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         size = parse_size(self.kv_cache_bytes, "kv_cache_bytes")
         if size is None or size <= 0:
-            raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, got {self.kv_cache_bytes!r}")
+            raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, "
+                             f"got {self.kv_cache_bytes!r}")
         self.kv_cache_bytes = size
 
 
@@ -97,7 +98,7 @@ def section_of_field() -> dict[str, str]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass (what the CLI shows as help)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))

@@ -47,12 +47,14 @@ class Engine:
         sched = config.scheduler
         num_blocks = sched.num_blocks
         if num_blocks is None:
-            num_blocks = config.cache.kv_cache_bytes // bytes_per_block(model.config, sched.block_size, model.dtype)
+            block_bytes = bytes_per_block(model.config, sched.block_size, model.dtype)
+            num_blocks = config.cache.kv_cache_bytes // block_bytes
         self.model = model
         self.tokenizer = tokenizer
         self.kv = KVCache(model.config, num_blocks, sched.block_size, model.dtype, model.device)
         context = model.config.max_model_len
-        sched = replace(sched, num_blocks=num_blocks, max_model_len=min(sched.max_model_len or context, context))
+        sched = replace(sched, num_blocks=num_blocks,
+                        max_model_len=min(sched.max_model_len or context, context))
         self.config = replace(config, scheduler=sched)
         self.max_model_len = sched.max_model_len
         self.vocab_size = model.config.vocab_size
@@ -84,9 +86,9 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, tenant: str = "default", weight: float = 1.0,
+                    priority: int = 0, arrival_time: float | None = None) -> Request:
         """Admit and queue one request; raises InvalidRequestError (a ValueError) naming the field."""
         ids, params = self.admit(prompt, params or SamplingParams())
         return self.enqueue(request_id, ids, params, tenant=tenant, weight=weight, priority=priority,
@@ -110,8 +112,8 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
-        request = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_token_id, tenant=tenant,
-                          weight=weight, priority=priority)
+        request = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_token_id,
+                          tenant=tenant, weight=weight, priority=priority)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request, admitted=True)   # refuses an id in use
@@ -203,7 +205,8 @@ class Engine:
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion (continuous batching); outputs in the order of the prompts."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
             prompts = [prompts]
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")

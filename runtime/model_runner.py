@@ -155,8 +155,8 @@ class ModelRunner:
         generators = [self._generators.get(w.request_id) for w in rows]
         histories = None
         if any(p.penalized for p in params):
-            histories = [(w.seq.token_ids[:w.seq.num_prompt_tokens], w.seq.token_ids[w.seq.num_prompt_tokens:])
-                         for w in rows]
+            histories = [(w.seq.token_ids[:w.seq.num_prompt_tokens],
+                          w.seq.token_ids[w.seq.num_prompt_tokens:]) for w in rows]
         return params, generators, histories
 
     def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:

@@ -20,7 +20,8 @@ log = logging.getLogger("prescient.server")
 
 @web.middleware
 async def errors_as_envelopes(request: web.Request, handler):
-    """Every error leaves as an OpenAI envelope; an unexpected one is logged here, never sent as a traceback."""
+    """Every error leaves as an OpenAI envelope; an unexpected one is logged here, never sent as a
+    traceback."""
     try:
         return await handler(request)
     except APIError as exc:
@@ -88,5 +89,6 @@ async def _log_throughput(state: ServerState, every: float) -> None:
             generated = now[1] - last[1]
             log.info("throughput: %.1f generated tokens/s, %.1f prompt tokens/s; running %d, waiting %d, "
                      "KV usage %.1f%%", generated / span, (now[2] - last[2] - generated) / span,
-                     stats.get("num_running", 0), stats.get("num_waiting", 0), 100 * stats.get("kv_usage", 0.0))
+                     stats.get("num_running", 0), stats.get("num_waiting", 0),
+                     100 * stats.get("kv_usage", 0.0))
         last = now

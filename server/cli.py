@@ -79,7 +79,8 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("%s", engine.describe())
     client = AsyncEngine(engine, max_waiting=args.max_waiting)
     app = build_app(client, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                    served_model_name=args.served_model_name, throughput_log_seconds=args.throughput_log_seconds)
+                    served_model_name=args.served_model_name,
+                    throughput_log_seconds=args.throughput_log_seconds)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -107,7 +108,8 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(serve(args))
     except ValueError as exc:   # bad model path, bad keys file, bad sizes: say what and exit non-zero

@@ -85,7 +85,8 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
                 delta = out.text[sent:]
                 sent = len(out.text)
                 if delta or out.finished:
-                    await sse.send(stream, _chunk(request_id, created, model, {"content": delta} if chat else delta,
+                    await sse.send(stream, _chunk(request_id, created, model,
+                                                  {"content": delta} if chat else delta,
                                                   out.finish_reason if out.finished else None, chat))
     except QueueFullError as exc:
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly.",

@@ -36,7 +36,8 @@ class ServerState:
 
     def check_accepting(self) -> None:
         if self.draining:
-            raise APIError(503, "The server is shutting down and accepts no new requests; retry on another replica.",
+            raise APIError(503, "The server is shutting down and accepts no new requests; "
+                                "retry on another replica.",
                            code="draining", headers={"Retry-After": "5"})
 
     def record(self, request: web.Request, req, tenant: str, out: RequestOutput | None) -> None:
@@ -58,7 +59,8 @@ async def read_json(request: web.Request) -> dict:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise APIError(413, f"Request body too large: the limit is {request.app['max_body_bytes']} bytes.") from exc
+        raise APIError(413, f"Request body too large: the limit is {request.app['max_body_bytes']} "
+                            "bytes.") from exc
     try:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:

@@ -63,7 +63,8 @@ async def tokenize(request: web.Request) -> web.Response:
         tokens = tok.encode(body["prompt"])
     else:
         raise bad_request("send 'prompt' (a string) or 'messages' (an array of {role, content})", "prompt")
-    return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.client.max_model_len})
+    return web.json_response({"tokens": tokens, "count": len(tokens),
+                              "max_model_len": state.client.max_model_len})
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -72,7 +73,8 @@ async def detokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     tokens = body.get("tokens")
     vocab = state.client.vocab_size
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                               for t in tokens):
         raise bad_request("'tokens' must be an array of token ids", "tokens")
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:

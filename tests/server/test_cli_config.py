@@ -30,15 +30,17 @@ def test_flags_reach_the_nested_config():
                        "--no-prefix-caching", "--dtype", "float32", "--kv-cache-bytes", "256MiB",
                        "--num-threads", "2"])
     config = engine_config(args)
-    assert config.scheduler == dataclasses.replace(SchedulerConfig(), max_num_seqs=8, max_num_batched_tokens=128,
-                                                   policy="fcfs", enable_prefix_caching=False)
+    assert config.scheduler == dataclasses.replace(SchedulerConfig(), max_num_seqs=8,
+                                                   max_num_batched_tokens=128, policy="fcfs",
+                                                   enable_prefix_caching=False)
     assert config.model.dtype == "float32"
     assert config.cache.kv_cache_bytes == 256 << 20
     assert config.parallel.num_threads == 2
 
 
 @pytest.mark.parametrize("text, expected", [("1G", 1 << 30), ("1GiB", 1 << 30), ("1GB", 10**9),
-                                            ("512M", 512 << 20), ("512MB", 512 * 10**6), ("1073741824", 1 << 30)])
+                                            ("512M", 512 << 20), ("512MB", 512 * 10**6),
+                                            ("1073741824", 1 << 30)])
 def test_one_size_reading_everywhere(text, expected):
     assert parse_size(text, "x") == expected                                   # the loader's options
     assert CacheConfig(text).kv_cache_bytes == expected                        # the engine's config
