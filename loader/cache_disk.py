@@ -1,10 +1,10 @@
 """The local-disk tier: one file per sample under a private directory.
 
-The directory is named after the owner's pid; if the owner is killed, the next loader
-to start there removes it (reclaim.py). Files are written to a temporary name and renamed, so a reader sees a whole sample or
-none; a reader also checks the length the table recorded. A failed write (disk full,
-quota, I/O error) turns the tier off with a warning and the loader carries on with RAM
-only: a full disk costs speed, never correctness.
+The directory is named after the owner's pid; if the owner is killed, the next loader to
+start there removes it (reclaim.py). Files are written to a temporary name and renamed,
+so a reader sees a whole sample or none; a reader also checks the length the table
+recorded. A failed write (disk full, quota, I/O error) turns the tier off with a warning
+and the loader carries on with RAM only: a full disk costs speed, never correctness.
 """
 from __future__ import annotations
 

@@ -1,5 +1,59 @@
 """The main-process side of the loader: plan each epoch, run the prefetcher, keep the
-shared state alive as long as the loader, and remember where the epoch is for resume."""
+shared state alive as long as the loader, and remember where the epoch is for resume.
+
+Note [Loader protocol: main <-> workers <-> cache, shutdown and resume]
+=======================================================================
+
+Processes and what they share. The main process owns one shared-memory segment
+(cache_ram.py: header, per-process counters, the sample table, the ready/done rings, RNG
+snapshot slots, the data arena) and, with a cache, the prefetcher (prefetch.py: one
+coordinator thread and reader threads). torch's worker processes get the dataset view
+(view.py), which attaches to the segment by name. Nothing but plain ints and raw sample
+bytes crosses a process boundary outside torch's own queues; no pickle is read from shared
+memory, from a peer or from a checkpoint.
+
+      main process                                   worker w (torch's worker loop)
+      ------------                                   ------------------------------
+      sampler --(first draw)--> plan the epoch
+      PlannedSampler: TicketBatch(indices, first position, batch #, flags)
+             -- torch index queue -->                view.__getitems__(batch):
+      prefetcher (cache configured):                   FIRST: RNG snapshot -> slot batch % ring
+        walks the plan in order, places each            planned position p:
+        sample (RAM / disk / staging), then              wait ready[p % ring] == p + 1
+        ready[p % ring] = p + 1  -------------------->   copy bytes (table: tier, offset, length)
+        done[p % ring] == p + 1  <--------------------   done[p % ring] = p + 1
+        -> release staging, evict (Belady)             not planned / no cache: read storage here
+                                                         (batch_reads.py), then decode in order
+             <-- torch result queue --                 LAST near the epoch's end: RNG snapshot
+      __next__ times the wait (stall)                  -> slot ring + w (else at worker exit)
+
+Positions are global: epoch e's plan starts at e * EPOCH_STRIDE, so a stale ring entry
+never matches a new epoch. header[GEN_BASE] is the oldest position still valid and
+header[MODE] says whether the plan is trusted (PLANNED) or every read is direct (DIRECT):
+the main process sets DIRECT when the sampler departs from the plan, when the prefetcher
+fails, and on close, so a worker never waits on a position that will not come.
+
+Peers (exchange.py): under torch.distributed, each window of plan positions is four gloo
+collectives on the loader's own group (needs, holders, sizes, payload); the payload is raw
+bytes in a uint8 tensor, and a dataset cached with cache_items (pickled items) is refused.
+
+Shutdown. close(), garbage collection (weakref.finalize) and interpreter exit stop the
+prefetcher, set MODE = DIRECT, unlink the segment and remove the disk tier. If the main
+process is SIGKILLed: torch's workers notice the dead parent within its status interval
+(5 s) when idle, and a worker waiting on a ready position checks its parent pid after
+0.5 s and exits; the resource tracker unlinks the segment; segments and disk-tier
+directories carry the owner's pid and the next loader on the node removes those of dead
+owners (reclaim.py). Segments reserve their pages at creation (posix_fallocate), so
+loaders on one node never overcommit /dev/shm: a segment that cannot fit is an error.
+
+Resume. An epoch's order is fixed by the RNG states at its sampler's first draw
+(resume.py). state_dict() holds those states (uint8 tensors), the batches yielded, and for
+each worker the RNG state it must start its next batch with: the snapshot its upcoming
+batch started with, or, if it never starts one (the iterator was dropped, or it has none
+left this epoch), the state after its last batch. A new loader replays the sampler from
+the saved states, skips the yielded batches, rotates torch's round robin so batch b still
+goes to worker b % num_workers, and each worker restores its state before its first batch.
+"""
 from __future__ import annotations
 
 import time
@@ -91,9 +145,9 @@ class Clairvoyant:
         self.batches = 0
         self.peer_group = None
         if options.peer_exchange and self.source is not None and self.source.items:
-            raise ValueError("peer_exchange: a dataset cached with cache_items=True is cached as pickled items, "
-                             "and bytes from another process are never unpickled; implement read(index) -> "
-                             "bytes and decode(raw, index) to exchange raw samples with peers")
+            raise ValueError("peer_exchange: a dataset cached with cache_items=True is cached as pickled "
+                             "items, and bytes from another process are never unpickled; implement "
+                             "read(index) -> bytes and decode(raw, index) to exchange raw samples with peers")
         if options.peer_exchange and self.source is not None:
             import torch.distributed as dist
             if not (dist.is_available() and dist.is_initialized()):
@@ -119,7 +173,8 @@ class Clairvoyant:
             kind = CachedItemsView if callable(getattr(dataset, "__getitems__", None)) else CachedView
             self.view = kind(dataset, self.source, self.shared,
                              self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
-                             max(self.snap_ring, 1), -(-self.options.prefetch_threads // max(1, self.num_workers)))
+                             max(self.snap_ring, 1),
+                             read_threads=-(-self.options.prefetch_threads // max(1, self.num_workers)))
         return self.view
 
     def _start(self, dataset) -> None:

@@ -35,7 +35,7 @@ class EpochStart:
 class ResumePoint:
     start: EpochStart
     batches_done: int                          # batches already yielded in that epoch
-    worker_rng: dict[int, torch.Tensor] = field(default_factory=dict)   # worker id -> RNG state (rng_state.py)
+    worker_rng: dict[int, torch.Tensor] = field(default_factory=dict)   # worker id -> state (rng_state.py)
 
 
 def _base_sampler(index_sampler):
@@ -130,4 +130,5 @@ def from_dict(state: dict, dataset_len: int, num_workers: int) -> tuple[ResumePo
     now = _states(state.get("generators_now"), "generators_now")
     if state.get("epoch_start") is None:
         return None, now
-    return ResumePoint(_states(state["epoch_start"], "epoch_start"), _int(state, "batches_done"), worker_rng), now
+    start = _states(state["epoch_start"], "epoch_start")
+    return ResumePoint(start, _int(state, "batches_done"), worker_rng), now

@@ -10,6 +10,7 @@ restore them and decode with the same random augmentation.
 """
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import time
 
@@ -23,7 +24,8 @@ from loader.cache_ram import (COUNTERS, DIRECT_READS, DISK, GEN_BASE, LENGTH, MO
 from loader.rng_state import capture_rng, restore_rng
 from loader.source import ByteSource
 
-FIRST, LAST, PLANNED_READ = 1, 2, 4   # Ticket.edge bits: first / last of its batch; covered by the plan
+# Ticket.edge bits: first / last of its batch; covered by the plan; among the epoch's last num_workers batches
+FIRST, LAST, PLANNED_READ, NEAR_END = 1, 2, 4, 8
 POLL_SECONDS = 0.0002       # how often a worker looks for a position it waits on
 PARENT_CHECK_SECONDS = 0.5  # after this long waiting, a worker also checks that the main process lives
 
@@ -62,7 +64,8 @@ class TicketBatch:
 
     def tickets(self) -> list[Ticket]:
         first, batch, flags, last = self.first, self.batch, self.flags, len(self.indices) - 1
-        return [Ticket(index, first + j, batch, first, flags | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
+        return [Ticket(index, first + j, batch, first,
+                       flags | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
                 for j, index in enumerate(self.indices)]
 
 
@@ -78,6 +81,8 @@ class CachedView(Dataset):
         self.resume_rng: dict[int, torch.Tensor] | None = None   # worker id -> RNG state to start from
         self._resumed = False
         self._parent = os.getpid()               # the main process: workers are its children
+        self._exit_hook: int | None = None       # pid that registered the exit snapshot
+        self._last_end: int | None = None        # tag of this worker's last finished batch
 
     def __getattr__(self, name: str):
         # worker_init_fn and collate functions reach the dataset through get_worker_info().dataset
@@ -136,8 +141,23 @@ class CachedView(Dataset):
             self.shared.put_snapshot(ticket.batch % self.snap_ring, ticket.first + 1, capture_rng())
 
     def _batch_end(self, ticket: Ticket, worker: int | None) -> None:
-        if worker is not None and ticket.edge & LAST:
+        """The worker's state after its batch, for a resume whose next batch this worker never starts:
+        taken now near the epoch's end (a worker with no batch left), else when the worker exits (the
+        training loop dropped the iterator); a snapshot costs as much as reading a few samples."""
+        if worker is None or not ticket.edge & LAST:
+            return
+        if ticket.edge & NEAR_END:
             self.shared.put_snapshot(self.snap_ring + worker, ticket.first + 1, capture_rng())
+            self._last_end = None                 # the exit must not overwrite it with an older batch's
+            return
+        if self._exit_hook != os.getpid():
+            self._exit_hook = os.getpid()
+            multiprocessing.util.Finalize(None, self._exit_snapshot, args=(worker,), exitpriority=10)
+        self._last_end = ticket.first + 1
+
+    def _exit_snapshot(self, worker: int) -> None:
+        if self._last_end is not None and self.shared is not None and self.shared.snaps is not None:
+            self.shared.put_snapshot(self.snap_ring + worker, self._last_end, capture_rng())
 
     def _row(self) -> tuple[int, int | None]:
         info = get_worker_info()

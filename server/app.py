@@ -41,6 +41,21 @@ async def errors_as_envelopes(request: web.Request, handler):
         return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response()
 
 
+@web.middleware
+async def count_responses(request: web.Request, handler):
+    """prescient:http_responses_total by route pattern (bounded: unknown paths are "unmatched") and status."""
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    metrics = request.app["state"].metrics
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:   # what errors_as_envelopes lets through (redirects)
+        metrics.count_response(route, exc.status)
+        raise
+    metrics.count_response(route, response.status)
+    return response
+
+
 def build_app(client: EngineClient | Engine, *, api_keys: dict[str, Tenant] | None = None,
               max_body_bytes: int = ServerConfig.max_body_bytes, served_model_name: str | None = None,
               throughput_log_seconds: float = ServerConfig.throughput_log_seconds) -> web.Application:
@@ -48,7 +63,8 @@ def build_app(client: EngineClient | Engine, *, api_keys: dict[str, Tenant] | No
     it starts the client's loop with the app and stops it after."""
     if isinstance(client, Engine):
         client = AsyncEngine(client, max_waiting=ServerConfig.max_waiting)
-    app = web.Application(middlewares=[errors_as_envelopes], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[count_responses, errors_as_envelopes],
+                          client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
     state = ServerState(client, api_keys, served_model_name)
     app["state"] = state

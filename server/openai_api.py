@@ -89,6 +89,7 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
                                                   {"content": delta} if chat else delta,
                                                   out.finish_reason if out.finished else None, chat))
     except QueueFullError as exc:
+        state.metrics.count_rejected("queue_full")
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly.",
                        code="queue_full", headers={"Retry-After": "1"}) from exc
     except InvalidRequestError as exc:

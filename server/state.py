@@ -36,6 +36,7 @@ class ServerState:
 
     def check_accepting(self) -> None:
         if self.draining:
+            self.metrics.count_rejected("draining")
             raise APIError(503, "The server is shutting down and accepts no new requests; "
                                 "retry on another replica.",
                            code="draining", headers={"Retry-After": "5"})

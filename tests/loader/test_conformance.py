@@ -107,7 +107,7 @@ def test_same_batches_and_rng_as_torch(files, case, workers, tmp_path):
     if cache:
         assert stats["direct_reads"] == 0, "every sample should have come through the plan"
     else:
-        assert stats["direct_reads"] == stats["storage_reads"] == delivered, "each sample read once, by a worker"
+        assert stats["direct_reads"] == stats["storage_reads"] == delivered, "one read a sample, by a worker"
 
 
 @pytest.mark.parametrize("workers", list(WORKERS))
@@ -156,3 +156,13 @@ def test_spawned_workers_attach_to_shared_memory(files):
     ours = run(DataLoader, files, "random_generator", workers, cache_ram=20 * 64)
     stats = assert_equal_runs(theirs, ours)
     assert stats["direct_reads"] == 0 and stats["ram_hits"] > 0
+
+
+def test_generic_subscript_like_torch():
+    """`DataLoader[T]` (as in typed training code) is a usable class, as torch's is."""
+    outs = []
+    for cls in (tud.DataLoader, DataLoader):
+        typed = cls[torch.Tensor]
+        outs.append(list(typed(list(range(6)), batch_size=4)))
+        assert isinstance(typed(list(range(6))), cls)
+    assert same(outs[0], outs[1])
