@@ -24,7 +24,7 @@ from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
 from runtime.tokenizer import Tokenizer
-from scheduler import AdmissionRule, InvalidRequestError, Request, SamplingParams, Scheduler
+from scheduler import InvalidRequestError, Request, SamplingParams, Scheduler
 
 log = logging.getLogger("prescient.engine")
 
@@ -58,7 +58,7 @@ class Engine:
         self.config = replace(config, scheduler=sched)
         self.max_model_len = sched.max_model_len
         self.vocab_size = model.config.vocab_size
-        self.admission = AdmissionRule(self.max_model_len, num_blocks * sched.block_size)
+        self.admission = sched.admission   # the one rule, over this pool and context
         self.scheduler = Scheduler(sched)
         self.runner = ModelRunner(model, self.kv)
         self.model_name = model_name or model.config.name
