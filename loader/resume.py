@@ -10,6 +10,7 @@ augmentation of the remaining batches identical too.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -125,8 +126,12 @@ def from_dict(state: dict, dataset_len: int, num_workers: int) -> tuple[ResumePo
         raise ValueError("load_state_dict: worker_rng must be a dict from worker id (int) to a uint8 tensor")
     worker_rng = {worker: check_rng(rng, f"worker_rng[{worker}]") for worker, rng in worker_rng.items()}
     if worker_rng and _int(state, "num_workers") != num_workers:
-        raise ValueError(f"load_state_dict: the checkpoint used num_workers={state['num_workers']}, this "
-                         f"loader has {num_workers}; the workers' RNG streams only match with the same number")
+        # Every remaining sample still comes exactly once, in the same batches; only the workers' random
+        # augmentation differs, as it does whenever torch's num_workers changes.
+        warnings.warn(f"load_state_dict: the checkpoint used num_workers={state['num_workers']}, this loader "
+                      f"has {num_workers}: the rest of the epoch has the same samples and batches, but the "
+                      "workers' random augmentation follows new RNG streams", RuntimeWarning, stacklevel=3)
+        worker_rng = {}
     now = _states(state.get("generators_now"), "generators_now")
     if state.get("epoch_start") is None:
         return None, now

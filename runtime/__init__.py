@@ -1,5 +1,6 @@
 """Prescient's model runtime: a Llama-family model on a paged KV cache with continuous batching."""
-from runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
+from runtime.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestAbortedError,
+                                  RequestFailedError)
 from runtime.config import CacheConfig, EngineConfig, ModelSettings, ParallelConfig
 from runtime.engine import Engine
 from runtime.engine_client import EngineClient
@@ -7,5 +8,5 @@ from runtime.outputs import RequestOutput
 from scheduler import SamplingParams
 
 __all__ = ["AsyncEngine", "CacheConfig", "Engine", "EngineClient", "EngineConfig", "EngineDeadError",
-           "ModelSettings", "ParallelConfig", "QueueFullError", "RequestFailedError", "RequestOutput",
-           "SamplingParams"]
+           "ModelSettings", "ParallelConfig", "QueueFullError", "RequestAbortedError", "RequestFailedError",
+           "RequestOutput", "SamplingParams"]

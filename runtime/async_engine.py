@@ -89,6 +89,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error; nothing more will be served."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The server aborted this request (abort_all: shutdown after the drain timeout)."""
+
+
 class RequestFailedError(RuntimeError):
     """This request failed inside the engine (its step raised); the engine keeps serving the others.
 
@@ -110,6 +114,7 @@ class _Add:
     weight: float
     priority: int
     arrival_time: float
+    cache_salt: str | None
 
 
 class AsyncEngine:
@@ -171,12 +176,14 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                       clamp_max_tokens: bool = False) -> AsyncIterator[RequestOutput]:
+                       clamp_max_tokens: bool = False,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield snapshots of the request's output as tokens arrive; the last one has finished=True.
 
         The request is admitted here, before anything is queued: InvalidRequestError (naming the
         field) if it can never run, QueueFullError if too many wait. params.max_tokens None asks
-        for all the room there is; clamp_max_tokens: max_tokens is a default, lowered to what fits."""
+        for all the room there is; clamp_max_tokens: max_tokens is a default, lowered to what fits;
+        cache_salt: the prefix-cache namespace (default: the tenant's own)."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -198,7 +205,7 @@ class AsyncEngine:
             if request_id in self._sinks:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             self._sinks[request_id] = (loop, queue)
-            self._adds.append(_Add(request_id, ids, params, tenant, weight, priority, arrival))
+            self._adds.append(_Add(request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
             self._wake.notify()
         finished = False
         try:
@@ -224,12 +231,24 @@ class AsyncEngine:
                 self._aborts.append(request_id)
                 self._wake.notify()
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight now: each consumer gets RequestAbortedError(reason) and the
+        engine frees their blocks. Returns how many there were."""
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            self._aborts.extend(sinks)
+            self._wake.notify()
+        for loop, queue in sinks.values():
+            loop.call_soon_threadsafe(queue.put_nowait, RequestAbortedError(reason))
+        return len(sinks)
+
     async def shutdown(self) -> None:
         with self._lock:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.abort_all("the engine has shut down")   # nobody may wait on a stopped engine
 
     # ---- engine thread --------------------------------------------------------------------------
 
@@ -250,7 +269,7 @@ class AsyncEngine:
                     try:
                         engine.enqueue(add.request_id, add.prompt_ids, add.params, tenant=add.tenant,
                                        weight=add.weight, priority=add.priority,
-                                       arrival_time=add.arrival_time)
+                                       arrival_time=add.arrival_time, cache_salt=add.cache_salt)
                     except ValueError as exc:
                         self._deliver(add.request_id, exc, final=True)
                     except Exception as exc:   # a bug adding this one request: fail it, not the engine

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from loader.sizes import parse_size
+from runtime.quantization import QUANTIZATIONS
 from scheduler import SchedulerConfig
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -35,6 +36,9 @@ class ModelSettings:
     """Weights and activations: 'auto' is bfloat16 where the hardware computes in it, else float32."""
     device: str | None = None
     """cpu or cuda (None: cuda if available)."""
+    quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
+    """auto: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast (bfloat16 on CPU); none:
+    dequantize; gguf: always packed; int8 / int4: quantize a float checkpoint on load."""
 
 
 @dataclass

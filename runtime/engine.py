@@ -23,6 +23,7 @@ from runtime.kv_cache import KVCache, bytes_per_block
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
+from runtime.quantization import resolve_quantization
 from runtime.tokenizer import Tokenizer
 from scheduler import InvalidRequestError, Request, SamplingParams, Scheduler
 
@@ -76,11 +77,12 @@ class Engine:
         config = (config or EngineConfig()).replace(model=model, **settings)
         torch_device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, torch_device)
+        quantization = resolve_quantization(config.model.quantization, dtype, torch_device)
         if config.parallel.num_threads:
             torch.set_num_threads(config.parallel.num_threads)
         ckpt = load_checkpoint(config.model.model)
         tokenizer = Tokenizer(ckpt.tokenizer)
-        net = LlamaModel(ckpt.config, ckpt.weights, dtype, torch_device)
+        net = LlamaModel(ckpt.config, ckpt.weights, dtype, torch_device, quantization)
         del ckpt
         return cls(net, tokenizer, config)
 
@@ -88,11 +90,13 @@ class Engine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, *, tenant: str = "default", weight: float = 1.0,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Admit and queue one request; raises InvalidRequestError (a ValueError) naming the field."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Admit and queue one request; raises InvalidRequestError (a ValueError) naming the field.
+        cache_salt: the prefix-cache namespace (default: the tenant's own, see Request.cache_salt)."""
         ids, params = self.admit(prompt, params or SamplingParams())
         return self.enqueue(request_id, ids, params, tenant=tenant, weight=weight, priority=priority,
-                            arrival_time=arrival_time)
+                            arrival_time=arrival_time, cache_salt=cache_salt)
 
     def admit(self, prompt: str | list[int], params: SamplingParams, *,
               clamp_max_tokens: bool = False) -> tuple[list[int], SamplingParams]:
@@ -107,13 +111,13 @@ class Engine:
 
     def enqueue(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams, *,
                 tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                arrival_time: float | None = None) -> Request:
+                arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Queue a request that admit() accepted (an engine client admits on its caller's thread)."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
         request = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_token_id,
-                          tenant=tenant, weight=weight, priority=priority)
+                          tenant=tenant, weight=weight, priority=priority, cache_salt=cache_salt)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request, admitted=True)   # refuses an id in use

@@ -48,6 +48,9 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks (no-op if unknown or finished)."""
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight (each consumer gets RequestAbortedError); returns how many."""
+
     def stats(self) -> dict:
         """Scheduler gauges and counters as of the engine's last step (see Scheduler.stats)."""
 

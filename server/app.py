@@ -58,15 +58,21 @@ async def count_responses(request: web.Request, handler):
 
 def build_app(client: EngineClient | Engine, *, api_keys: dict[str, Tenant] | None = None,
               max_body_bytes: int = ServerConfig.max_body_bytes, served_model_name: str | None = None,
-              throughput_log_seconds: float = ServerConfig.throughput_log_seconds) -> web.Application:
+              throughput_log_seconds: float = ServerConfig.throughput_log_seconds,
+              metrics_auth: bool = ServerConfig.metrics_auth,
+              tenant_metrics: bool = ServerConfig.tenant_metrics) -> web.Application:
     """The app over an engine client (an Engine is wrapped in AsyncEngine, the in-process client);
-    it starts the client's loop with the app and stops it after."""
+    it starts the client's loop with the app and stops it after. metrics_auth: /metrics answers only
+    with one of api_keys; tenant_metrics: export per-tenant series."""
+    if metrics_auth and not api_keys:
+        raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
     if isinstance(client, Engine):
         client = AsyncEngine(client, max_waiting=ServerConfig.max_waiting)
     app = web.Application(middlewares=[count_responses, errors_as_envelopes],
                           client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
-    state = ServerState(client, api_keys, served_model_name)
+    state = ServerState(client, api_keys, served_model_name, tenant_metrics=tenant_metrics)
+    state.metrics_auth = metrics_auth
     app["state"] = state
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)

@@ -16,6 +16,10 @@ from runtime.config import EngineConfig, field_docs, section_of_field
 from server.config import ServerConfig
 
 log = logging.getLogger("prescient.server")
+ABORT_GRACE = 3.0
+"""Seconds after the drain timeout for aborted requests' handlers to send their last event."""
+SHUTDOWN_GRACE = 3.0
+"""Seconds aiohttp waits for connections to close at the very end."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,13 +79,18 @@ async def serve(args: argparse.Namespace) -> int:
     from server.auth import load_api_keys
 
     keys = load_api_keys(args.api_keys) if args.api_keys else None
+    if args.metrics_auth and not keys:   # say so before minutes of model loading
+        raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
     engine = Engine.from_pretrained(config=engine_config(args))
     log.info("%s", engine.describe())
     client = AsyncEngine(engine, max_waiting=args.max_waiting)
     app = build_app(client, api_keys=keys, max_body_bytes=args.max_body_bytes,
                     served_model_name=args.served_model_name,
-                    throughput_log_seconds=args.throughput_log_seconds)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+                    throughput_log_seconds=args.throughput_log_seconds,
+                    metrics_auth=args.metrics_auth, tenant_metrics=args.tenant_metrics)
+    # Shutdown = drain (--drain-timeout) + ABORT_GRACE for aborted streams to end + SHUTDOWN_GRACE for
+    # aiohttp to close connections: keep it inside the deployment's terminationGracePeriodSeconds.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -100,7 +109,11 @@ async def serve(args: argparse.Namespace) -> int:
     while state.in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     if state.in_flight:
-        log.warning("drain timeout: aborting %d requests", state.in_flight)
+        aborted = state.client.abort_all("the server is shutting down and the drain timeout passed")
+        log.warning("drain timeout: aborted %d requests", aborted)
+        deadline = loop.time() + ABORT_GRACE   # their handlers end the streams with an error event + [DONE]
+        while state.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
     await runner.cleanup()
     log.info("stopped")
     return 0

@@ -18,6 +18,10 @@ class ServerConfig:
     """Model id reported by /v1/models (default: the checkpoint's name)."""
     api_keys: str | None = None
     """A JSON file {"KEY": {"tenant": "...", "weight": 1}}; without it no key is needed."""
+    metrics_auth: bool = False
+    """/metrics asks for one of the --api-keys (Prometheus: authorization.credentials)."""
+    tenant_metrics: bool = True
+    """Export per-tenant series (they name tenants and show their load); --no-tenant-metrics: none."""
     max_waiting: int = 256
     """Waiting requests beyond this get 429 with Retry-After."""
     max_body_bytes: int = field(default=4 << 20, metadata={"size": True})

@@ -7,6 +7,7 @@ engine at once, which frees its KV blocks.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -14,10 +15,10 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from runtime import EngineDeadError, QueueFullError, RequestFailedError, RequestOutput
+from runtime import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError, RequestOutput
 from scheduler import InvalidRequestError
 from server import sse
-from server.auth import authenticate
+from server.auth import Tenant, authenticate, check_key
 from server.errors import APIError, bad_request
 from server.protocol import GenerationRequest, parse_chat, parse_completion
 from server.state import ServerState, read_json
@@ -28,22 +29,35 @@ log = logging.getLogger("prescient.server")
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     state.check_accepting()
+    keyed = check_key(state.api_keys, request.headers.get("Authorization"))   # before any work on the body
     body = await read_json(request)
     req = parse_completion(body)
-    return await _generate(request, state, req, chat=False)
+    return await _generate(request, state, req, keyed, None)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     state.check_accepting()
+    keyed = check_key(state.api_keys, request.headers.get("Authorization"))
     body = await read_json(request)
     req, messages = parse_chat(body)
-    try:
-        req.prompt = state.client.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                 tokenize=True)
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from exc
-    return await _generate(request, state, req, chat=True)
+    return await _generate(request, state, req, keyed, messages)
+
+
+OFF_LOOP_CHARS = 16_384
+"""Prompts longer than this (characters of text) are rendered and tokenized on a worker thread, so a big
+body never stalls the event loop (other streams, /health) while it is tokenized."""
+
+
+def _prompt_ids(state: ServerState, req: GenerationRequest, messages: list[dict] | None) -> list[int]:
+    """Render (chat) and tokenize the prompt; whether it fits is the engine client's admission rule."""
+    tokenizer = state.client.tokenizer
+    if messages is not None:
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except ValueError as exc:
+            raise InvalidRequestError("messages", str(exc)) from exc
+    return tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -54,12 +68,28 @@ def _usage(out: RequestOutput) -> dict:
     return usage
 
 
-async def _generate(request: web.Request, state: ServerState, req: GenerationRequest, chat: bool):
-    tenant = authenticate(state.api_keys, request.headers.get("Authorization"), req.user)
+async def _generate(request: web.Request, state: ServerState, req: GenerationRequest, keyed: Tenant | None,
+                    messages: list[dict] | None):
+    chat = messages is not None
+    tenant = keyed or authenticate(None, None, req.user)
     if req.model is not None and req.model not in state.model_names:
         raise APIError(400, f"The model '{req.model}' does not exist; this server serves "
                             f"{', '.join(repr(n) for n in sorted(state.model_names))} (see GET /v1/models).",
                        param="model", code="model_not_found")
+    low, high = tenant.priority_range
+    if not low <= req.priority <= high:
+        raise bad_request(f"'priority' must be in [{low}, {high}] for this caller (lower runs first; a client "
+                          f"may only make its own requests less urgent unless its key grants more)", "priority")
+    size = sum(len(m["content"]) for m in messages) if chat else \
+        (len(req.prompt) if isinstance(req.prompt, str) else 0)
+    try:
+        if size > OFF_LOOP_CHARS:
+            ids = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, state, req, messages)
+        else:
+            ids = _prompt_ids(state, req, messages)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+
     kind = "chat.completion" if chat else "text_completion"
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
@@ -70,9 +100,10 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     try:
         # The engine client admits the request (one rule: InvalidRequestError names the field); a
         # max_tokens the client did not send is a default, lowered to what fits rather than refused.
-        async with aclosing(state.client.generate(req.prompt, req.params, request_id, tenant=tenant.name,
+        async with aclosing(state.client.generate(ids, req.params, request_id, tenant=tenant.name,
                                                   weight=tenant.weight, priority=req.priority,
-                                                  clamp_max_tokens=not req.max_tokens_given)) as outputs:
+                                                  clamp_max_tokens=not req.max_tokens_given,
+                                                  cache_salt=tenant.cache_salt)) as outputs:
             async for out in outputs:
                 last = out
                 if not req.stream:
@@ -106,6 +137,10 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
             error = APIError(500, f"The engine failed while generating this request ({exc.cause}); other "
                                   f"requests are unaffected, retry it. Request id {request_id}.",
                              code="engine_error")
+        elif isinstance(exc, RequestAbortedError):
+            log.warning("request %s aborted: %s", request_id, exc)
+            error = APIError(503, f"The server aborted this request: {exc}; retry on another replica. "
+                                  f"Request id {request_id}.", code="shutdown", headers={"Retry-After": "1"})
         elif isinstance(exc, EngineDeadError):
             log.error("request %s: the engine has stopped", request_id)
             error = APIError(500, "The engine has stopped after an internal error; retry on another "

@@ -18,14 +18,17 @@ log = logging.getLogger("prescient.server")
 
 class ServerState:
     def __init__(self, client: EngineClient, api_keys: dict[str, Tenant] | None = None,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, tenant_metrics: bool = True):
         self.client = client
         """The one way to the engine (runtime/engine_client.py)."""
         self.api_keys = api_keys
         self.model_name = served_model_name or client.model_name
         self.model_names = {self.model_name, client.model_name}
         self.metrics = ServerMetrics(self.model_name, client.max_model_len, client.stats,
-                                     {t.name for t in (api_keys or {}).values()})
+                                     {t.name for t in (api_keys or {}).values()},
+                                     tenant_metrics=tenant_metrics)
+        self.metrics_auth = False
+        """/metrics asks for an API key (the per-tenant series name tenants and their load)."""
         self.draining = False
         self.started = time.time()
 

@@ -27,7 +27,8 @@ def lines(fig) -> dict[str, tuple[list, list]]:
 
 def test_serve_plot_shows_throughput_and_ttft_against_concurrency():
     drawn = lines(plots.serve(SERVE))
-    assert drawn["Throughput|server (HTTP)"] == ([1, 32], [20.0, 160.0])   # Poisson and offline rows are not points
+    # the Poisson and offline rows are not points on the concurrency axis
+    assert drawn["Throughput|server (HTTP)"] == ([1, 32], [20.0, 160.0])
     assert drawn["Time to first token|p50"] == ([1, 32], [0.27, 2.1])
     assert drawn["Time to first token|p99"] == ([1, 32], [0.4, 3.9])
     assert drawn["Throughput|offline engine, 32 at once"][1] == [150.0, 150.0]

@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def machine() -> str:
@@ -26,7 +27,8 @@ def machine() -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+            model = names[0] if names else model
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores"
@@ -45,7 +47,8 @@ def serve(result: dict) -> Figure | None:
     throughput.plot(concurrency, [r["output tok/s"] for r in rows], marker="o", label="server (HTTP)")
     offline = [r for r in result["rows"] if str(r.get("workload", "")).startswith("offline engine")]
     if offline:
-        throughput.axhline(offline[0]["output tok/s"], linestyle="--", color="gray", label=offline[0]["workload"])
+        throughput.axhline(offline[0]["output tok/s"], linestyle="--", color="gray",
+                           label=offline[0]["workload"])
     throughput.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title="Throughput")
     ttft.plot(concurrency, [r["TTFT p50 ms"] / 1000 for r in rows], marker="o", label="p50")
     ttft.plot(concurrency, [r["TTFT p99 ms"] / 1000 for r in rows], marker="s", label="p99")
@@ -95,14 +98,19 @@ def loader(result: dict) -> Figure | None:
     if not rows:
         return None
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 4), sharey=True, squeeze=False)
-    for ax, config in zip(axes[0], configs):
+    columns = min(2, len(configs))
+    lines = -(-len(configs) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(5 * columns, 3.6 * lines), sharey=True, squeeze=False)
+    for ax in axes.flat[len(configs):]:
+        ax.set_visible(False)
+    for ax, config in zip(axes.flat, configs):
         for label in ("torch", "loader"):
             mine = [r for r in rows if r["config"] == config and r["loader"] == label]
             if mine:
                 ax.plot([r["epoch"] for r in mine], [r["utilization"] for r in mine], marker="o",
                         label="torch DataLoader" if label == "torch" else "loader.DataLoader")
         ax.set(title=config, xlabel="epoch", ylabel="accelerator utilization", ylim=(0, 1.05))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     _title(fig, result)

@@ -1,4 +1,5 @@
-"""deploy/ stays consistent without Docker: files parse, paths exist, names and ports agree, promtool accepts the config.
+"""deploy/ stays consistent without Docker: files parse, paths exist, names and ports agree, promtool accepts
+the config.
 
 (Kubernetes: test_kubernetes.py; the Dockerfile against `make serve`: test_dockerfile.py.)
 
@@ -70,7 +71,8 @@ def test_compose_mounts_exist_and_prometheus_scrapes_the_server():
 def test_promtool_accepts_the_prometheus_config():
     promtool = shutil.which("promtool")
     assert promtool, "promtool comes with Debian's prometheus package (`make test` installs it)"
-    result = subprocess.run([promtool, "check", "config", os.path.join(DEPLOY, "prometheus", "prometheus.yml")],
+    config = os.path.join(DEPLOY, "prometheus", "prometheus.yml")
+    result = subprocess.run([promtool, "check", "config", config],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -91,10 +93,12 @@ def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
         uids.add(dashboard["uid"])
         for panel in dashboard["panels"]:
             assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
-            assert panel["targets"] and all(t["expr"] and t["refId"] for t in panel["targets"]), panel["title"]
+            assert panel["targets"], panel["title"]
+            assert all(t["expr"] and t["refId"] for t in panel["targets"]), panel["title"]
             assert all("[$__rate_interval]" in t["expr"] for t in panel["targets"] if "rate(" in t["expr"])
         variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-        assert "instance" in variables and all(v["datasource"]["uid"] == datasource["uid"] for v in variables.values())
+        assert "instance" in variables
+        assert all(v["datasource"]["uid"] == datasource["uid"] for v in variables.values())
         for panel in dashboard["panels"]:   # every query honours every variable of its dashboard
             for target in panel["targets"]:
                 used = {name for name in variables if f"${name}" in target["expr"]}

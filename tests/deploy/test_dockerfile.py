@@ -59,10 +59,13 @@ def test_the_image_installs_what_make_serve_installs():
 
 def test_the_image_runs_what_make_serve_runs():
     serve = makefile_recipe("serve").strip()
-    make_argv = shlex.split(serve.replace("$(PY)", "python").replace("$(HOST)", "0.0.0.0").replace("$(PORT)", "8000"))
+    for variable, value in (("$(PY)", "python"), ("$(HOST)", "0.0.0.0"), ("$(PORT)", "8000")):
+        serve = serve.replace(variable, value)
+    make_argv = shlex.split(serve)
     entry = json.loads(next(x for x in dockerfile() if x.startswith("ENTRYPOINT"))[len("ENTRYPOINT"):])
     assert entry == make_argv
-    assert parse_args(entry[3:]).port == int(next(x for x in dockerfile() if x.startswith("EXPOSE")).split()[1])
+    exposed = next(x for x in dockerfile() if x.startswith("EXPOSE"))
+    assert parse_args(entry[3:]).port == int(exposed.split()[1])
 
 
 def test_final_stage_is_non_root_without_a_compiler_and_checks_health_after_a_start_period():

@@ -1,7 +1,7 @@
 """The Kubernetes manifests: schema-valid for a pinned Kubernetes, and consistent with the server they run.
 
 Built-in kinds are validated with kubernetes-validate (strict: unknown fields fail). HTTPRoute,
-ServiceMonitor and PrometheusRule are validated under Node.js against the schemas that npm's
+ServiceMonitor, PodMonitor and PrometheusRule are validated under Node.js against the schemas that npm's
 @kubernetes-models packages generate from their CRDs (types and patterns; unknown fields pass, as on an
 API server that prunes them). No package on PyPI or npm ships the Inference Extension's CRDs, so the
 InferencePool is checked for what it must agree on: names, labels, ports, flags and metric names.
@@ -32,7 +32,7 @@ KUBERNETES = "1.33.0"
 DEPLOY = os.path.join(ROOT, "deploy")
 MANIFESTS = sorted(glob.glob(os.path.join(DEPLOY, "k8s", "*.yaml"))
                    + glob.glob(os.path.join(DEPLOY, "examples", "*", "*.yaml")))
-CUSTOM = {"ServiceMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
+CUSTOM = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
 
 
 def documents(path: str) -> list[dict]:
@@ -45,7 +45,7 @@ def by_kind(name: str) -> dict[tuple[str, str], dict]:
 
 
 def server_metric_names() -> set[str]:
-    """Series the server's /metrics exposes (its real registry; engine stats as an idle engine reports them)."""
+    """Series the server's /metrics exposes (its real registry, fed the stats of an idle engine)."""
     stats = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "tenants": {"default": {}}}
     text = generate_latest(ServerMetrics("m", 2048, lambda: stats).registry).decode()
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
@@ -56,8 +56,8 @@ def selects(selector: dict, labels: dict) -> bool:
 
 
 def test_custom_resources_match_their_published_schemas():
-    """HTTPRoute, ServiceMonitor and PrometheusRule against the npm packages' CRD schemas (`make test` installs
-    them); the InferencePool has none published, see the next tests."""
+    """HTTPRoute, ServiceMonitor and PrometheusRule against the npm packages' CRD schemas (`make test`
+    installs them); the InferencePool has none published, see below."""
     node, modules = shutil.which("node"), os.path.join(ROOT, ".venv", "node", "node_modules")
     assert node and os.path.isdir(modules), "run `make crd-schemas` (make test does): Node.js and the schemas"
     docs = [d for path in MANIFESTS for d in documents(path) if d["kind"] in CUSTOM]
@@ -65,7 +65,9 @@ def test_custom_resources_match_their_published_schemas():
                             input=json.dumps(docs), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     checked = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
-    assert checked == {"HTTPRoute/prescient", "ServiceMonitor/prescient", "PrometheusRule/prescient"}, result.stdout
+    expected = {"HTTPRoute/prescient", "ServiceMonitor/prescient", "PrometheusRule/prescient",
+                "PodMonitor/prescient-train"}
+    assert checked == expected, result.stdout
     broken = copy.deepcopy(next(d for d in docs if d["kind"] == "PrometheusRule"))
     broken["spec"]["groups"][1]["rules"][0]["for"] = "ten minutes"
     result = subprocess.run([node, os.path.join(ROOT, "tests", "deploy", "crd_schemas.mjs"), modules],
@@ -102,14 +104,14 @@ def test_deployment_probes_security_resources_and_secret():
     live = container["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] > pod["spec"]["terminationGracePeriodSeconds"]
     start = container["startupProbe"]
-    assert start["periodSeconds"] * start["failureThreshold"] >= 120, "model load needs minutes on a cold node"
+    assert start["periodSeconds"] * start["failureThreshold"] >= 120, "model load: minutes when cold"
 
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["securityContext"]["runAsUser"] != 0
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"]["drop"] == ["ALL"]
-    assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}, "a writable /tmp on a read-only root"
+    assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}, "writable /tmp, read-only root"
     assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
 
     # a locally built image: no registry host, a version tag, and never pulled when present
@@ -135,10 +137,11 @@ def test_service_pdb_and_hpa_select_the_deployment():
     assert service["spec"]["ports"][0]["targetPort"] in ports
     pdb = docs[("PodDisruptionBudget", "prescient")]
     assert selects(pdb["spec"]["selector"]["matchLabels"], labels)
-    assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"], "a drain must be able to evict one pod"
+    assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"], "a node drain can evict a pod"
 
     hpa = docs[("HorizontalPodAutoscaler", "prescient")]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "prescient"}
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "prescient"}
+    assert hpa["spec"]["scaleTargetRef"] == target
     assert hpa["spec"]["minReplicas"] >= pdb["spec"]["minAvailable"] + 1
     # the adapter rule turns a series the server exports into the metric the HPA asks for
     rule = yaml.safe_load(docs[("ConfigMap", "prescient-adapter-rules")]["data"]["config.yaml"])["rules"][0]
@@ -160,6 +163,10 @@ def test_service_monitor_and_prometheus_rule_match_the_service_and_the_rules_fil
     with open(os.path.join(DEPLOY, "prometheus", "rules.yml")) as f:
         rules = yaml.safe_load(f)
     assert monitoring[("PrometheusRule", "prescient")]["spec"]["groups"] == rules["groups"]
+    target_down = next(r for g in rules["groups"] for r in g["rules"]
+                       if r.get("alert") == "PrescientTargetDown")
+    job_pattern = re.search(r'job=~"([^"]+)"', target_down["expr"]).group(1)
+    assert re.fullmatch(job_pattern, service["metadata"]["name"]), "a job is named after its Service"
 
 
 def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metrics():
@@ -170,7 +177,8 @@ def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metri
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     assert selects(pool["spec"]["selector"]["matchLabels"], server["metadata"]["labels"])
     container = server["spec"]["containers"][0]
-    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [p["containerPort"] for p in container["ports"]]
+    container_ports = [p["containerPort"] for p in container["ports"]]
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == container_ports
 
     picker = docs[("Deployment", pool["spec"]["endpointPickerRef"]["name"])]["spec"]["template"]
     picker_service = docs[("Service", pool["spec"]["endpointPickerRef"]["name"])]
@@ -200,7 +208,8 @@ def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metri
 
 
 def test_training_job_runs_the_example_on_every_pod_with_a_reachable_rendezvous():
-    spec = importlib.util.spec_from_file_location("train", os.path.join(DEPLOY, "examples", "train", "train.py"))
+    script = os.path.join(DEPLOY, "examples", "train", "train.py")
+    spec = importlib.util.spec_from_file_location("train", script)
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
     docs = {(d["kind"], d["metadata"]["name"]): d
@@ -227,5 +236,13 @@ def test_training_job_runs_the_example_on_every_pod_with_a_reachable_rendezvous(
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes[mounts[os.path.dirname(script)]]["configMap"]["name"]
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    monitor = docs[("PodMonitor", "prescient-train")]
+    assert selects(monitor["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
+    job_name = pod["metadata"]["labels"][monitor["spec"]["jobLabel"]]
+    with open(os.path.join(DEPLOY, "prometheus", "rules.yml")) as f:
+        target_down = next(r for g in yaml.safe_load(f)["groups"] for r in g["rules"]
+                           if r.get("alert") == "PrescientTargetDown")
+    assert re.fullmatch(re.search(r'job=~"([^"]+)"', target_down["expr"]).group(1), job_name)
     assert container["image"] == by_kind("prescient.yaml")[("Deployment", "prescient")]["spec"]["template"][
         "spec"]["containers"][0]["image"]

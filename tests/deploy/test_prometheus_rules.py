@@ -1,4 +1,5 @@
-"""promtool checks the recording rules and alerts and runs their unit tests (deploy/prometheus/rules.test.yml).
+"""promtool checks the recording rules and alerts and runs their unit tests
+(deploy/prometheus/rules.test.yml).
 
 The rules' queries also run against a real server's metrics in tests/server/test_prometheus.py.
 """

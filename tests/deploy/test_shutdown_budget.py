@@ -56,8 +56,6 @@ def measured_cleanup_seconds(drain: float, limit: float) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="the server does not abort in-flight work when --drain-timeout runs out (h10 fixes it)",
-                   strict=False)
 def test_prestop_drain_and_cleanup_fit_the_grace_period():
     with open(os.path.join(DEPLOY, "k8s", "prescient.yaml")) as f:
         deployment = next(d for d in yaml.safe_load_all(f) if d["kind"] == "Deployment")
@@ -71,5 +69,6 @@ def test_prestop_drain_and_cleanup_fit_the_grace_period():
 
     cleanup = measured_cleanup_seconds(drain=1.0, limit=grace - prestop - drain)
     assert prestop + drain + cleanup <= grace, (
-        f"preStop {prestop} s + drain {drain} s + cleanup {cleanup:.1f} s > terminationGracePeriodSeconds {grace}")
+        f"preStop {prestop} s + drain {drain} s + cleanup {cleanup:.1f} s"
+        f" > terminationGracePeriodSeconds {grace}")
     assert drain + cleanup <= int(re.fullmatch(r"(\d+)s", compose_grace).group(1))

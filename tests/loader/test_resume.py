@@ -153,3 +153,30 @@ def test_weights_only_checkpoint_resumes_and_never_runs_code(files, tmp_path):
     for key, bad in [("batches_done", "5"), ("dataset_len", 45.0), ("epoch_start", {"x": 1})]:
         with pytest.raises(ValueError, match=key):
             DataLoader(FileDataset(files), num_workers=2).load_state_dict(dict(loaded, **{key: bad}))
+
+
+def plain_decode(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw[:8]), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("resumed_workers", [0, 3])
+def test_resume_with_other_num_workers_yields_the_rest_once(files, resumed_workers):
+    """A checkpoint from 2 workers resumes with another number: the same remaining batches (the
+    workers' augmentation streams differ, as in torch when num_workers changes), with a warning."""
+    def make(workers):
+        return DataLoader(FileDataset(files, decode=plain_decode), batch_size=4, shuffle=True,
+                          generator=torch.Generator().manual_seed(5), num_workers=workers)
+    expected = list(tud.DataLoader(FileDataset(files, decode=plain_decode), batch_size=4, shuffle=True,
+                                   generator=torch.Generator().manual_seed(5)))
+    dl = make(2)
+    for step, _ in enumerate(dl):
+        if step + 1 == STOP:
+            break
+    state = dl.state_dict()
+    dl.close()
+    dl = make(resumed_workers)
+    with pytest.warns(RuntimeWarning, match="num_workers=2, this loader has"):
+        dl.load_state_dict(state)
+    rest = list(dl)
+    dl.close()
+    assert same(rest, expected[STOP:])

@@ -1,4 +1,5 @@
-"""A real Prometheus scrapes the server and a training loader; the dashboards' queries and the rules run on it."""
+"""A real Prometheus scrapes the server and a training loader; the dashboards' queries and the rules run
+on what it stored."""
 from __future__ import annotations
 
 import importlib.util
@@ -75,7 +76,8 @@ def prometheus(server, training_loader, tmp_path_factory):
         f"rule_files: [{RULES}]\n"
         "scrape_configs:\n"
         f"  - job_name: prescient\n    static_configs: [{{targets: ['127.0.0.1:{server.port}']}}]\n"
-        f"  - job_name: prescient-train\n    static_configs: [{{targets: ['127.0.0.1:{training_loader}']}}]\n")
+        "  - job_name: prescient-train\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{training_loader}']}}]\n")
     port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
@@ -155,8 +157,9 @@ def test_rules_evaluate_on_real_metrics(server, client, prometheus):
     while True:
         groups = api(prometheus, "/api/v1/rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        if rules and all(r.get("lastEvaluation", "").startswith("2") and r["health"] != "unknown" for r in rules) \
-                or time.time() > deadline:
+        evaluated = rules and all(r.get("lastEvaluation", "").startswith("2") and r["health"] != "unknown"
+                                  for r in rules)
+        if evaluated or time.time() > deadline:
             break
         time.sleep(0.5)
     assert len(rules) >= 15

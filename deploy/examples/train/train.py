@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     if distributed:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    if rank == 0:
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:   # once per node: pods do not share a disk
         make_dataset(args.data, args.samples, args.seed)
     if distributed:
         dist.barrier()
