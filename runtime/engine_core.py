@@ -48,6 +48,9 @@ IDLE_POLL_SECONDS = 1.0
 class CoreInfo:
     """What the server process needs to know about the loaded engine (sent once, with "ready")."""
     tokenizer: Tokenizer
+    admission: object
+    """The engine's AdmissionRule: the client admits requests with it on the server's side."""
+    description: str
     model_name: str
     max_model_len: int
     kv_capacity_tokens: int
@@ -96,7 +99,8 @@ def run_engine_core(requests: Connection, outputs: Connection, settings: dict, p
         return
     config = engine.scheduler.config
     outputs.send(("ready", CoreInfo(
-        tokenizer=engine.tokenizer, model_name=engine.model_name, max_model_len=engine.max_model_len,
+        tokenizer=engine.tokenizer, admission=engine.admission, description=engine.describe(),
+        model_name=engine.model_name, max_model_len=engine.max_model_len,
         kv_capacity_tokens=engine.kv_capacity_tokens, vocab_size=engine.model.config.vocab_size,
         max_num_seqs=config.max_num_seqs, num_blocks=engine.kv.num_blocks, block_size=engine.kv.block_size,
         dtype=str(engine.model.dtype).removeprefix("torch."), device=str(engine.model.device),
@@ -150,7 +154,7 @@ class _CoreLoop:
             return
         _, request_id, ids, params, options = message
         try:
-            self.engine.add_request(request_id, ids, params, **options)
+            self.engine.enqueue(request_id, ids, params, **options)
         except ValueError as exc:
             deltas.append(Delta(request_id, [], "", None, True, "abort", error=str(exc), rejected=True))
             return

@@ -29,7 +29,7 @@ from dataclasses import replace
 from runtime.async_engine import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError
 from runtime.engine_core import CoreInfo, Delta, run_engine_core
 from runtime.outputs import RequestOutput
-from scheduler import SamplingParams
+from scheduler import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("prescient.engine")
 
@@ -113,31 +113,30 @@ class EngineCoreClient:
 
     # ---- what the server asks of the engine ---------------------------------------------------
 
-    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, or ValueError naming the field if the request can never run."""
+    def admit(self, prompt: str | list[int], params: SamplingParams, *,
+              clamp_max_tokens: bool = False) -> tuple[list[int], SamplingParams]:
+        """The prompt's ids and params with max_tokens resolved, or InvalidRequestError naming the field
+        (the engine's own rule, Engine.admit, run here on the server's side)."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             for i, t in enumerate(ids):
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise ValueError(f"prompt: token {i} is {t!r}, not a token id in [0, {self.vocab_size})")
+                    raise InvalidRequestError("prompt", f"token {i} is {t!r}, not a token id in "
+                                                        f"[0, {self.vocab_size})")
         else:
-            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        p, m, limit, capacity = len(ids), params.max_tokens, self.max_model_len, self.kv_capacity_tokens
-        if p >= limit:
-            raise ValueError(f"prompt: {p} tokens does not fit this model's context of {limit} tokens "
-                             f"(and at least one token must be generated)")
-        if p + m > limit:
-            raise ValueError(f"max_tokens: this model's maximum context length is {limit} tokens, but "
-                             f"{p} prompt tokens + max_tokens {m} = {p + m}; lower max_tokens to at most "
-                             f"{limit - p}")
-        if p + m > capacity:
-            raise ValueError(f"max_tokens: prompt ({p}) + max_tokens ({m}) exceeds the KV cache's capacity "
-                             f"of {capacity} tokens; raise kv_cache_bytes or lower max_tokens")
-        return ids
+            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got "
+                                                f"{type(prompt).__name__}")
+        max_tokens = self.info.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
+        if max_tokens != params.max_tokens:
+            params = replace(params, max_tokens=max_tokens)
+        return ids, params
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the core has died."""
+        if self.error is not None:
+            raise EngineDeadError("the engine stopped after an internal error")
 
     # ---- the AsyncEngine interface ---------------------------------------------------------------
 
@@ -164,20 +163,21 @@ class EngineCoreClient:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                       **options) -> AsyncIterator[RequestOutput]:
+                       clamp_max_tokens: bool = False, **options) -> AsyncIterator[RequestOutput]:
         """Yield the request's output as tokens arrive (each a snapshot); the last one has finished=True."""
-        if self.error is not None:
-            raise EngineDeadError("the engine stopped after an internal error")
+        self.check_health()
         request_id = request_id or uuid.uuid4().hex
         arrival = time.monotonic()
-        ids = self.check_request(prompt, params)
+        ids, params = self.admit(prompt, params, clamp_max_tokens=clamp_max_tokens)
+        if not weight > 0:
+            raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
         in_flight = len(self._streams)
         running = max(self._stats.get("num_running", 0), min(in_flight, self.info.max_num_seqs))
         waiting = in_flight - running
         if self.max_waiting is not None and waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         stream = _Stream(RequestOutput(request_id, ids, [], "", arrival_time=arrival))
         self._streams[request_id] = stream
         options.update(tenant=tenant, weight=weight, priority=priority, arrival_time=arrival)

@@ -61,7 +61,7 @@ def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
 
 
 def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
-    with running_server() as server:
+    with running_server("--engine-process") as server:
         core = _core_pid(server)
         status, body = _post(server.url, {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
@@ -87,14 +87,14 @@ def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
         except urllib.error.HTTPError as exc:
             assert exc.code == 500
 
-    with running_server() as server:
+    with running_server("--engine-process") as server:
         core = _core_pid(server)
         assert server.stop(signal.SIGTERM) == 0
         assert _wait_gone(core, 10), "the engine core outlived the server's SIGTERM"
 
 
 def test_a_killed_server_takes_its_core_with_it():
-    with running_server() as server:
+    with running_server("--engine-process") as server:
         core = _core_pid(server)
         server.proc.kill()
         server.proc.wait()
@@ -103,6 +103,6 @@ def test_a_killed_server_takes_its_core_with_it():
 
 def test_a_core_that_cannot_load_is_a_startup_error():
     proc = subprocess.run([sys.executable, "-m", "server", "--model", "/nonexistent/model.gguf",
-                           "--port", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--port", "1", "--engine-process"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "model" in proc.stderr and "Traceback" not in proc.stderr
