@@ -36,6 +36,7 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from runtime.engine import Engine
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("prescient.engine_core")
@@ -90,8 +91,6 @@ def run_engine_core(requests: Connection, outputs: Connection, settings: dict, p
     _die_with_parent()
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
-    from runtime.engine import Engine   # imported here: torch starts in the core, not in its spawner's import
-
     try:
         engine = Engine.from_pretrained(**settings)
     except BaseException as exc:   # report why, so the server can exit with the message instead of hanging

@@ -103,6 +103,7 @@ def test_a_killed_server_takes_its_core_with_it():
 
 def test_a_core_that_cannot_load_is_a_startup_error():
     proc = subprocess.run([sys.executable, "-m", "server", "--model", "/nonexistent/model.gguf",
-                           "--port", "1", "--engine-process"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--port", "1", "--engine-process"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "model" in proc.stderr and "Traceback" not in proc.stderr
