@@ -100,7 +100,7 @@ def run_engine_core(requests: Connection, outputs: Connection, settings: dict, p
     outputs.send(("ready", CoreInfo(
         tokenizer=engine.tokenizer, admission=engine.admission, description=engine.describe(),
         model_name=engine.model_name, max_model_len=engine.max_model_len,
-        kv_capacity_tokens=engine.kv_capacity_tokens, vocab_size=engine.model.config.vocab_size,
+        kv_capacity_tokens=engine.admission.kv_capacity_tokens, vocab_size=engine.model.config.vocab_size,
         max_num_seqs=config.max_num_seqs, num_blocks=engine.kv.num_blocks, block_size=engine.kv.block_size,
         dtype=str(engine.model.dtype).removeprefix("torch."), device=str(engine.model.device),
         stats=engine.stats())))
