@@ -51,7 +51,7 @@ test: $(STAMP) prometheus $(CRD_SCHEMAS)
 BENCH_STAMP := $(VENV)/.prescient-bench-extra
 
 $(BENCH_STAMP): pyproject.toml $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]' || echo "llama-cpp-python did not build: the llama.cpp column is skipped"
+	$(PY) -m pip install -q -e '.[bench]' || echo "llama-cpp-python did not build: no llama.cpp column"
 	touch $(BENCH_STAMP)
 
 bench: $(STAMP) $(BENCH_STAMP)

@@ -1,9 +1,12 @@
-"""The engine on its own thread, fed and read from an asyncio event loop.
+"""AsyncEngine: the in-process EngineClient. The engine runs on its own thread, fed and read from
+an asyncio event loop.
 
-The event loop never runs the model: requests and aborts are queued to the
-engine thread, which steps the engine and hands each output back to the
-loop with call_soon_threadsafe. A consumer that stops iterating (client gone,
-task cancelled) aborts its request at once, which frees its KV blocks.
+The event loop never runs the model. A request is admitted (tokenized and
+checked against the admission rule) on the caller's side, then queued to the
+engine thread, which steps the engine and hands each output back to the loop
+with call_soon_threadsafe. A consumer that stops iterating (client gone, task
+cancelled) aborts its request at once, which frees its KV blocks. The whole
+hand-off is described in Note [Engine thread <-> event loop] below.
 """
 from __future__ import annotations
 
@@ -13,12 +16,70 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from runtime.engine import Engine
 from runtime.outputs import RequestOutput
-from scheduler import SamplingParams
+from runtime.tokenizer import Tokenizer
+from scheduler import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("prescient.engine")
+
+# Note [Engine thread <-> event loop]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Two kinds of actor share an AsyncEngine:
+#
+#   event loop thread   many coroutines (HTTP handlers): generate(), abort(), stats(), check_health()
+#   engine thread       one loop, _run(): owns the Engine (scheduler, runner, KV cache, tensors)
+#
+# Everything they share is guarded by one threading.Lock, `_lock`, held only for list and dict
+# operations, never while the model runs:
+#
+#   _sinks   {request_id: _Sink}  where a request's outputs go (one slot: the latest); present
+#            exactly while the request is in flight (num_in_flight = len(_sinks))
+#   _adds    admitted requests (_Add) not yet given to the Engine
+#   _aborts  request ids to remove from the Engine
+#   _stats   the scheduler's stats as of the last step
+#   _stopping, error
+#
+#   event loop                                        engine thread
+#   ----------                                        -------------
+#   generate(): admit (tokenize, AdmissionRule)       wait on _wake until stopping, adds, aborts
+#     on the caller's thread; errors raise here         or unfinished requests
+#   lock: error? -> EngineDeadError                   lock: swap out _adds and _aborts
+#         too many waiting? -> QueueFullError         engine.enqueue(each add)      <- adds first,
+#         register sink, append _Add, notify ------>  engine.abort_request(each)    <- then aborts
+#                                                     outputs = engine.step()        (no lock held)
+#                                                     lock: _stats = engine.stats()
+#   sink.pending <---- lock: sink.put(item) --------  for each output: lock: look up its sink
+#     output -> yield it                                (pop it if the output is final), then
+#     final output -> return                            hand the item to the sink's loop
+#     an exception item -> raise it
+#   leaving early (break, cancel, the client
+#     went away) -> abort(): lock: pop the sink,
+#     append to _aborts, notify ------------------->  (removed at the next iteration)
+#
+# Why it holds:
+# * A sink holds only the latest item (each output holds everything before it), replaced under the
+#   lock; the engine thread wakes the consumer with call_soon_threadsafe(event.set) on its loop, so
+#   the asyncio.Event is only touched there. A slow reader gets outputs coalesced; the final one
+#   (or an exception) is always the last it sees, since nothing is put after it.
+# * Adds are applied before aborts, so a request added and abandoned within one iteration is
+#   added, then aborted (its blocks freed), never left running with no one to read it.
+# * A sink is removed in exactly one place per request: on its final output (_deliver) or by
+#   abort(). After that nothing is delivered to it, and a late abort() is a no-op.
+# * Admission (tokenizing, the admission rule) runs on the caller's side, so a bad request fails
+#   in its handler without waiting for a step; what is queued can only fail for an engine-internal
+#   reason, which comes back as an exception item (RequestFailedError for one request).
+# * Death: if the engine thread's loop raises, it sets `error`, takes every sink and clears _adds
+#   under the lock, then hands each sink EngineDeadError. generate() registers under the same lock
+#   after checking `error`, so a request either was registered before (and is answered by the
+#   sweep) or sees `error` and raises: none waits forever.
+# * Shutdown: shutdown() sets _stopping and notifies; the thread returns at its next check (after
+#   the step in progress) and the loop awaits the join in an executor. The server drains first
+#   (server/cli.py), so normally nothing is in flight by then.
+# An engine core in its own process would keep this shape: the sinks stay here, adds and aborts
+# become messages to it, and a task on the loop reads its outputs and does what _deliver does.
 
 
 class QueueFullError(RuntimeError):
@@ -65,14 +126,29 @@ class _Sink:
             self.loop.call_soon_threadsafe(self.event.set)
 
 
+@dataclass
+class _Add:
+    """One admitted request on its way from the event loop to the engine thread."""
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    weight: float
+    priority: int
+    arrival_time: float
+    cache_salt: str | None
+
+
 class AsyncEngine:
+    """The EngineClient (runtime/engine_client.py) over an Engine in this process."""
+
     def __init__(self, engine: Engine, max_waiting: int | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
-        self._max_num_seqs = engine.scheduler.config.max_num_seqs
+        self._max_num_seqs = engine.config.scheduler.max_num_seqs
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._adds: list[tuple] = []
+        self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._sinks: dict[str, _Sink] = {}
         self._stats: dict = engine.stats()
@@ -84,6 +160,30 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="prescient-engine", daemon=True)
             self._thread.start()
+
+    # ---- what the server may read: fixed when the engine was built ----------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """For chat templates, /tokenize and /detokenize; encode/decode are safe from any thread."""
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine thread has stopped on an error."""
+        if self.error is not None:
+            raise EngineDeadError("the engine stopped after an internal error")
 
     @property
     def num_in_flight(self) -> int:
@@ -98,16 +198,22 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
+                       clamp_max_tokens: bool = False,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield snapshots of the request's output as tokens arrive; the last one has finished=True."""
-        if self.error is not None:
-            raise EngineDeadError("the engine stopped after an internal error")
+        """Yield snapshots of the request's output as tokens arrive; the last one has finished=True.
+
+        The request is admitted here, before anything is queued: InvalidRequestError (naming the
+        field) if it can never run, QueueFullError if too many wait. params.max_tokens None asks
+        for all the room there is; clamp_max_tokens: max_tokens is a default, lowered to what fits;
+        cache_salt: the prefix-cache namespace (default: the tenant's own)."""
+        self.check_health()
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         sink = _Sink(loop)
         arrival = time.monotonic()
-        # Validate on the caller's side so bad input fails before anything is queued.
-        ids = self.engine.check_request(prompt, params)
+        ids, params = self.engine.admit(prompt, params, clamp_max_tokens=clamp_max_tokens)
+        if not weight > 0:
+            raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
         with self._lock:
             if self.error is not None:   # it died since the check above: never queue into a dead engine
                 raise EngineDeadError("the engine stopped after an internal error")
@@ -119,9 +225,9 @@ class AsyncEngine:
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
             if request_id in self._sinks:
-                raise ValueError(f"request_id: {request_id!r} is already in use")
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             self._sinks[request_id] = sink
-            self._adds.append((request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
+            self._adds.append(_Add(request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
             self._wake.notify()
         finished = False
         try:
@@ -179,24 +285,27 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
-                    while not (self._stopping or self._adds or self._aborts or engine.has_unfinished_requests()):
+                    while not (self._stopping or self._adds or self._aborts
+                               or engine.has_unfinished_requests()):
                         self._wake.wait()
                     if self._stopping:
                         return
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 # Adds first: a request added and abandoned during the same step must be added, then aborted.
-                for request_id, ids, params, tenant, weight, priority, arrival, salt in adds:
+                for add in adds:
                     try:
-                        engine.add_request(request_id, ids, params, tenant=tenant, weight=weight,
-                                           priority=priority, arrival_time=arrival, cache_salt=salt)
+                        engine.enqueue(add.request_id, add.prompt_ids, add.params, tenant=add.tenant,
+                                       weight=add.weight, priority=add.priority,
+                                       arrival_time=add.arrival_time, cache_salt=add.cache_salt)
                     except ValueError as exc:
-                        self._deliver(request_id, exc, final=True)
+                        self._deliver(add.request_id, exc, final=True)
                     except Exception as exc:   # a bug adding this one request: fail it, not the engine
-                        log.exception("adding request %s failed", request_id)
-                        engine.abort_request(request_id)
-                        self._deliver(request_id, RequestFailedError(RequestOutput(
-                            request_id, list(ids), [], "", True, "abort", arrival_time=arrival,
+                        log.exception("adding request %s failed", add.request_id)
+                        engine.abort_request(add.request_id)
+                        self._deliver(add.request_id, RequestFailedError(RequestOutput(
+                            add.request_id, list(add.prompt_ids), [], "", True, "abort",
+                            arrival_time=add.arrival_time,
                             error=f"{type(exc).__name__} while adding the request")), final=True)
                 for request_id in aborts:
                     engine.abort_request(request_id)

@@ -33,6 +33,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] int64: cached tokens each decode attends to
     decode_bias: torch.Tensor | None = None          # [B, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
+    native_decode: bool | None = None                # decode in the C kernel: the runner's choice, made
+                                                     # once; None (a caller that did not choose): if usable
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -45,11 +47,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, D]; k, v: [T, kv_heads, D] for the new tokens (already in the cache). Returns [T, heads, D]."""
+    """q: [T, heads, D]; k, v: [T, kv_heads, D] for the new tokens (already in the cache).
+    Returns [T, heads, D]."""
     out = torch.empty_like(q)
     if meta.num_decode:
         b = meta.num_decode
-        if native_attention.usable(q, k_cache):
+        native = meta.native_decode
+        if native is None:
+            native = native_attention.usable(q, k_cache)
+        if native:
             out[:b] = native_attention.decode_attention(q[:b], k_cache, v_cache, meta.decode_block_tables,
                                                         meta.decode_context_lens, scale)
         else:

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from runtime.tokenizer import Tokenizer
 
+RESCAN_CHARS = 8
+"""Characters before the held-back tail that are searched again for a stop string: decoding more
+tokens can change the end of the text (an incomplete UTF-8 character, up to 4 bytes of U+FFFD,
+becomes one character), so a stop string may now end there."""
+
 
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: list[str]):
@@ -37,7 +42,7 @@ class Detokenizer:
         self._decode_new(token_ids, finished)
         full = self._decoded
         if self.stop:
-            start = max(0, len(self.text) - self._hold - 8)
+            start = max(0, len(self.text) - self._hold - RESCAN_CHARS)
             hits = [(full.find(s, start), s) for s in self.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:

@@ -113,8 +113,8 @@ def fastest_cpu_dtype(measure: Callable[[torch.dtype], float] = time_matmul) -> 
     log.info("dtype auto: %s (matmul seconds %s)", chosen, {str(k): round(v, 6) for k, v in medians.items()})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"dtype": str(chosen).removeprefix("torch."),
-                                    "seconds": {str(k).removeprefix("torch."): v for k, v in medians.items()}}))
+        seconds = {str(k).removeprefix("torch."): v for k, v in medians.items()}
+        path.write_text(json.dumps({"dtype": str(chosen).removeprefix("torch."), "seconds": seconds}))
     except OSError:
         pass
     return chosen

@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from runtime.attention import AttentionMetadata, PrefillChunk
 from runtime.checkpoint import load_checkpoint
+from runtime.config import EngineConfig
 from runtime.detokenizer import Detokenizer
 from runtime.device import resolve_device, resolve_dtype
 from runtime.kv_cache import KVCache, bytes_per_block
@@ -24,9 +25,8 @@ from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
 from runtime.quantization import resolve_quantization
 from runtime.tokenizer import Tokenizer
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import InvalidRequestError, Request, SamplingParams, Scheduler
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 log = logging.getLogger("prescient.engine")
 
 
@@ -38,121 +38,106 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, *, num_blocks: int,
-                 block_size: int = SchedulerConfig.block_size,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, policy: str = "vtc",
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 model_name: str | None = None):
-        """An engine over an already loaded model; from_pretrained is the usual way in."""
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig | None = None, *,
+                 model_name: str | None = None, **settings):
+        """An engine over an already loaded model; from_pretrained is the usual way in.
+
+        settings: EngineConfig fields by name (e.g. num_blocks=256, max_num_seqs=8), over `config`.
+        Without num_blocks, the KV pool takes cache.kv_cache_bytes."""
+        config = (config or EngineConfig()).replace(**settings)
+        sched = config.scheduler
+        num_blocks = sched.num_blocks
+        if num_blocks is None:
+            block_bytes = bytes_per_block(model.config, sched.block_size, model.dtype)
+            num_blocks = config.cache.kv_cache_bytes // block_bytes
         self.model = model
         self.tokenizer = tokenizer
-        self.kv = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
-        self.max_model_len = min(max_model_len or model.config.max_model_len, model.config.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len, policy=policy,
-            enable_prefix_caching=enable_prefix_caching))
+        self.kv = KVCache(model.config, num_blocks, sched.block_size, model.dtype, model.device)
+        context = model.config.max_model_len
+        sched = replace(sched, num_blocks=num_blocks,
+                        max_model_len=min(sched.max_model_len or context, context))
+        self.config = replace(config, scheduler=sched)
+        self.max_model_len = sched.max_model_len
+        self.vocab_size = model.config.vocab_size
+        self.admission = sched.admission   # the one rule, over this pool and context
+        self.scheduler = Scheduler(sched)
         self.runner = ModelRunner(model, self.kv)
         self.model_name = model_name or model.config.name
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype | None = None,
-                        device: str | None = None, kv_cache_bytes: int | None = None,
-                        max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                        policy: str = "vtc", block_size: int = SchedulerConfig.block_size,
-                        max_model_len: int | None = None,
-                        enable_prefix_caching: bool = True, num_threads: int | None = None,
-                        quantization: str | None = None) -> "Engine":
-        """model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
-        dtype: 'auto' (CUDA: bfloat16; CPU: the dtype that measured fastest here), 'bfloat16' or 'float32'.
-        kv_cache_bytes: the KV pool's size in bytes (default 1 GiB).
-        quantization: 'auto' (default: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast, i.e.
-        bfloat16 on CPU), 'none' (dequantize), 'gguf' (always packed), 'int8' / 'int4' (quantize on load)."""
-        torch_device = resolve_device(device)
-        dtype = resolve_dtype(dtype, torch_device)
-        quantization = resolve_quantization(quantization, dtype, torch_device)
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if kv_cache_bytes is None:
-            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
-        if not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, got {kv_cache_bytes!r}")
-        budget = 512 if max_num_batched_tokens is None else max_num_batched_tokens
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-            raise ValueError(f"max_num_batched_tokens: must be a positive integer, got {budget!r}")
+    def from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None,
+                        **settings) -> Engine:
+        """Load a checkpoint and build an engine over it.
 
-        ckpt = load_checkpoint(model)
-        config = ckpt.config
+        model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
+        config: an EngineConfig (default EngineConfig()); settings: any of its fields by name over it,
+        e.g. dtype="float32", kv_cache_bytes="256MiB", max_num_seqs=8 (see runtime/config.py)."""
+        config = (config or EngineConfig()).replace(model=model, **settings)
+        torch_device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, torch_device)
+        quantization = resolve_quantization(config.model.quantization, dtype, torch_device)
+        if config.parallel.num_threads:
+            torch.set_num_threads(config.parallel.num_threads)
+        ckpt = load_checkpoint(config.model.model)
         tokenizer = Tokenizer(ckpt.tokenizer)
-        net = LlamaModel(config, ckpt.weights, dtype, torch_device, quantization)
+        net = LlamaModel(ckpt.config, ckpt.weights, dtype, torch_device, quantization)
         del ckpt
-        return cls(net, tokenizer, num_blocks=kv_cache_bytes // bytes_per_block(config, block_size, dtype),
-                   block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                   policy=policy, max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching)
+        return cls(net, tokenizer, config)
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
-        """Validate and queue one request; raises ValueError naming the offending field.
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, tenant: str = "default", weight: float = 1.0,
+                    priority: int = 0, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Admit and queue one request; raises InvalidRequestError (a ValueError) naming the field.
         cache_salt: the prefix-cache namespace (default: the tenant's own, see Request.cache_salt)."""
-        params = params or SamplingParams()
+        ids, params = self.admit(prompt, params or SamplingParams())
+        return self.enqueue(request_id, ids, params, tenant=tenant, weight=weight, priority=priority,
+                            arrival_time=arrival_time, cache_salt=cache_salt)
+
+    def admit(self, prompt: str | list[int], params: SamplingParams, *,
+              clamp_max_tokens: bool = False) -> tuple[list[int], SamplingParams]:
+        """The admission rule, where a request enters: its prompt ids and its params with max_tokens
+        resolved (None: as many as fit; clamp_max_tokens: a default lowered to what fits), or
+        InvalidRequestError naming the field. Reads only what never changes: safe from any thread."""
+        ids = self._prompt_ids(prompt)
+        max_tokens = self.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
+        if max_tokens != params.max_tokens:
+            params = replace(params, max_tokens=max_tokens)
+        return ids, params
+
+    def enqueue(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams, *,
+                tenant: str = "default", weight: float = 1.0, priority: int = 0,
+                arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        """Queue a request that admit() accepted (an engine client admits on its caller's thread)."""
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._tracked:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        ids = self.check_request(prompt, params)
         if not weight > 0:
-            raise ValueError(f"weight: must be positive, got {weight!r}")
-        request = Request(request_id, ids, params, eos_token_id=self.tokenizer.eos_token_id, tenant=tenant,
-                          weight=weight, priority=priority, cache_salt=cache_salt)
+            raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
+        request = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_token_id,
+                          tenant=tenant, weight=weight, priority=priority, cache_salt=cache_salt)
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        self.scheduler.add_request(request, admitted=True)   # refuses an id in use
         self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop), [])
-        self.runner.add_request(request)
-        self.scheduler.add_request(request)
         return request
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """Tokens the whole KV cache holds: the longest sequence it can run, whatever the context length."""
-        return self.kv.num_blocks * self.kv.block_size
-
-    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, or ValueError if the request can never run. Safe from any thread."""
-        ids = self._prompt_ids(prompt)
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt: {len(ids)} tokens does not fit this model's context of {limit} tokens "
-                             f"(and at least one token must be generated)")
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(f"max_tokens: this model's maximum context length is {limit} tokens, but "
-                             f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = "
-                             f"{len(ids) + params.max_tokens}; lower max_tokens to at most {limit - len(ids)}")
-        capacity = self.kv_capacity_tokens
-        if len(ids) + params.max_tokens > capacity:
-            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"KV cache's capacity of {capacity} tokens; raise kv_cache_bytes or lower max_tokens")
-        return ids
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
-            vocab = self.model.config.vocab_size
+            vocab = self.vocab_size
             for i, t in enumerate(ids):
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt: token {i} is {t!r}, not a token id in [0, {vocab})")
+                    raise InvalidRequestError("prompt", f"token {i} is {t!r}, not a token id in [0, {vocab})")
         else:
-            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got "
+                                                f"{type(prompt).__name__}")
         if not ids:
-            raise ValueError("prompt: must not be empty")
+            raise InvalidRequestError("prompt", "must not be empty")
         return ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -160,8 +145,7 @@ class Engine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
-        self.scheduler.abort_request(request_id)
-        self.runner.remove_request(request_id)
+        self.scheduler.abort_request(request_id)   # the runner forgets it with the next plan
         tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
         return self._output(tracked)
 
@@ -174,6 +158,7 @@ class Engine:
         """Run one iteration; returns an output for every request that got a token or finished."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            self.runner.update_states(plan)   # still forget what finished
             return []
         try:
             sampled = self.runner.execute(plan)
@@ -197,17 +182,11 @@ class Engine:
                 outputs.append(self._fail(request_id, exc))
                 continue
             if stopped:
-                if not req.is_finished:
-                    self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
-                                                  tracked.detokenizer.stop_reason)
-                else:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = tracked.detokenizer.stop_reason
+                self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
                 done.add(request_id)
             outputs.append(self._output(tracked))
         for request_id in done:
             self._tracked.pop(request_id, None)
-            self.runner.remove_request(request_id)
         return outputs
 
     def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
@@ -230,7 +209,8 @@ class Engine:
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion (continuous batching); outputs in the order of the prompts."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
             prompts = [prompts]
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -262,6 +242,12 @@ class Engine:
         hidden = self.model.forward(torch.tensor(ids, device=device), torch.arange(len(ids), device=device),
                                     meta, scratch)
         return self.model.logits(hidden)
+
+    def describe(self) -> str:
+        """One line for the log: model, dtype, device, KV pool, context, policy."""
+        sched = self.config.scheduler
+        return (f"model {self.model_name} ({self.model.dtype}, {self.model.device}): {self.kv.num_blocks} KV "
+                f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}")
 
     def stats(self) -> dict:
         return self.scheduler.stats()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.checkpoint import Checkpoint, TokenizerSource
+from runtime.checkpoint_types import DEFAULT_CONTEXT_LENGTH, DEFAULT_ROPE_THETA, Checkpoint, TokenizerSource
 from runtime.model_config import ModelConfig
 from runtime.progress import Progress
 from runtime.quantization import GGUFBlocks
@@ -22,6 +22,8 @@ PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+GGUF_RMS_NORM_EPS = 1e-5
+"""RMSNorm epsilon when the GGUF header does not say (llama.cpp's default)."""
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -65,9 +67,9 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=float(meta("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_model_len=int(meta("llama.context_length", 2048)),
+        rope_theta=float(meta("llama.rope.freq_base", DEFAULT_ROPE_THETA)),
+        rms_norm_eps=float(meta("llama.attention.layer_norm_rms_epsilon", GGUF_RMS_NORM_EPS)),
+        max_model_len=int(meta("llama.context_length", DEFAULT_CONTEXT_LENGTH)),
         tie_word_embeddings="output.weight" not in tensors,
     )
 
@@ -105,7 +107,8 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
     types = list(meta("tokenizer.ggml.token_type", []))
     model_kind = meta("tokenizer.ggml.model")
     if model_kind != "gpt2":
-        raise ValueError(f"model: GGUF tokenizer {model_kind!r} is not supported (only byte-level BPE, 'gpt2')")
+        raise ValueError(f"model: GGUF tokenizer {model_kind!r} is not supported "
+                         "(only byte-level BPE, 'gpt2')")
     source = TokenizerSource(
         tokens=tokens,
         merges=[str(m) for m in meta("tokenizer.ggml.merges", [])],

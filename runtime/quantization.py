@@ -184,7 +184,8 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
 def check_quantization(quantization: str | None, device: torch.device) -> str:
     q = quantization or "auto"
     if q not in QUANTIZATIONS:
-        raise ValueError(f"quantization: {quantization!r} is not supported; choose one of {list(QUANTIZATIONS)}")
+        raise ValueError(f"quantization: {quantization!r} is not supported; "
+                         f"choose one of {list(QUANTIZATIONS)}")
     if q not in ("auto", "none") and device.type != "cpu":
         raise ValueError(f"quantization: {q!r} runs on CPU only (torch's weight-only kernels); "
                          f"use 'none' or 'auto' on {device.type}")
@@ -200,7 +201,8 @@ def resolve_quantization(quantization: str | None, dtype: torch.dtype, device: t
     return q
 
 
-def make_linear(source, quantization: str, dtype: torch.dtype, device: torch.device) -> "torch.Tensor | Int4Linear":
+def make_linear(source, quantization: str, dtype: torch.dtype,
+                device: torch.device) -> "torch.Tensor | Int4Linear":
     """A projection weight [N, K] from a numpy array or GGUFBlocks, packed or dense as `quantization` says
     (already resolved: 'gguf' keeps blocks, 'none' dequantizes, 'int8' / 'int4' re-quantize)."""
     if isinstance(source, GGUFBlocks) and quantization == "gguf" and source.shape[1] % GROUP == 0:

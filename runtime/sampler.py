@@ -65,7 +65,8 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _sample_cut(logits: torch.Tensor, top_k: list[int], top_p: list[float], uniform: torch.Tensor) -> torch.Tensor:
+def _sample_cut(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                uniform: torch.Tensor) -> torch.Tensor:
     """Rows with a top-k and/or top-p cut (top_k = vocab: none): draw among the largest logits only.
     top-p applies to the distribution left after top-k, as it did with a full sort."""
     vocab = logits.shape[-1]
@@ -107,7 +108,10 @@ def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
     flat = torch.tensor([t for o in outputs for t in o], dtype=torch.int64, device=device)
     counts = torch.zeros(len(rows), vocab, dtype=sub.dtype, device=device)
     counts.index_put_((row_of, flat), torch.ones_like(flat, dtype=sub.dtype), accumulate=True)
-    rep = torch.tensor([params[i].repetition_penalty for i in rows], dtype=sub.dtype, device=device).unsqueeze(1)
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=sub.dtype, device=device).unsqueeze(1)
+
+    rep = column([params[i].repetition_penalty for i in rows])
     if (rep != 1).any():
         prompts = [histories[i][0] for i in rows]
         prow = torch.repeat_interleave(torch.arange(len(rows), device=device),
@@ -116,7 +120,7 @@ def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
         seen[prow, torch.tensor([t for x in prompts for t in x], dtype=torch.int64, device=device)] = True
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalized, sub)
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=sub.dtype, device=device).unsqueeze(1)
-    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=sub.dtype, device=device).unsqueeze(1)
+    freq = column([params[i].frequency_penalty for i in rows])
+    pres = column([params[i].presence_penalty for i in rows])
     sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
     logits[rows] = sub

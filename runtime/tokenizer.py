@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import uuid
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from runtime.chat_template import render_chat
-from runtime.checkpoint import TokenizerSource
+from runtime.checkpoint_types import TokenizerSource
 
 
 class Tokenizer:

@@ -1,13 +1,16 @@
 """Pure scheduling logic over integers: requests, KV blocks, admission policies. No tensors, no I/O."""
+from scheduler.admission import AdmissionRule, InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.config import POLICIES, SchedulerConfig
 from scheduler.fcfs import FCFSPolicy
+from scheduler.plan import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.policy import Policy
 from scheduler.priority import PriorityPolicy
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.scheduler import Scheduler
 from scheduler.vtc import VTCPolicy
 
-__all__ = ["BlockManager", "FCFSPolicy", "POLICIES", "Policy", "PriorityPolicy", "Request", "RequestStatus",
+__all__ = ["AdmissionRule", "BlockManager", "CachedRequestData", "FCFSPolicy", "InvalidRequestError",
+           "NewRequestData", "POLICIES", "Policy", "PriorityPolicy", "Request", "RequestStatus",
            "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "VTCPolicy"]

@@ -1,24 +1,37 @@
-"""Scheduler limits and policy choice, in tokens, blocks and sequences."""
+"""Scheduler limits and policy choice, in tokens, blocks and sequences.
+
+These are also the engine's scheduling defaults: `runtime.EngineConfig` nests
+this dataclass, and the CLI builds its flags from it, so each default is
+written here and nowhere else.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+
+from scheduler.admission import AdmissionRule
 
 POLICIES = ("vtc", "fcfs", "priority")
 
 
 @dataclass
 class SchedulerConfig:
-    num_blocks: int
+    num_blocks: int | None = None
+    """KV blocks in the pool. The engine sizes it from the cache's bytes when left None;
+    a Scheduler needs it set."""
     block_size: int = 8
+    """Tokens per KV cache block."""
     max_num_seqs: int = 64
     """Most requests running at once."""
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     """Most tokens computed in one step (prefill chunks + one per decode)."""
-    max_model_len: int = 8192
-    """Longest token stream (prompt + output) a request may reach; it stops there."""
-    policy: str = "vtc"
+    max_model_len: int | None = None
+    """Longest token stream (prompt + output) a request may reach; it stops there. None: no limit
+    of its own (the engine caps it at the model's context length)."""
+    policy: str = field(default="vtc", metadata={"choices": POLICIES})
     """Admission order and preemption choice: one of POLICIES."""
     enable_prefix_caching: bool = True
+    """Share the KV blocks of equal prompt prefixes between requests."""
     prompt_token_weight: float = 1.0
     """VTC's w_p: service charged per prompt token."""
     output_token_weight: float = 2.0
@@ -36,6 +49,8 @@ class SchedulerConfig:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "max_idle_tenants"):
             value = getattr(self, name)
+            if value is None and name in ("num_blocks", "max_model_len"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         for name in ("prompt_token_weight", "output_token_weight"):
@@ -47,14 +62,19 @@ class SchedulerConfig:
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the whole KV pool holds: the longest request that can ever run."""
+        if self.num_blocks is None:
+            raise ValueError("num_blocks: not set; the KV pool's size is unknown")
         return self.num_blocks * self.block_size
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError (naming max_tokens) if the request could outgrow the whole KV pool even
-        when running alone: then no schedule can finish it, so it must be refused upfront."""
-        # The last token sampled is never fed back, so at most (final length - 1) tokens hold KV.
-        final_len = min(num_prompt_tokens + max_tokens, max(self.max_model_len, num_prompt_tokens + 1))
-        if final_len - 1 > self.kv_capacity_tokens:
-            raise ValueError(f"max_tokens: the request needs up to {num_prompt_tokens} prompt + {max_tokens} "
-                             f"output tokens of KV cache, more than the {self.kv_capacity_tokens} tokens "
-                             f"({self.num_blocks} blocks of {self.block_size}) the cache holds")
+    @property
+    def admission(self) -> AdmissionRule:
+        """The admission rule over this pool; without max_model_len, only the pool limits a request."""
+        return AdmissionRule(self.max_model_len or sys.maxsize, self.kv_capacity_tokens)
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise InvalidRequestError unless the request can finish in this pool when running alone.
+        A standalone scheduler stops a request at max_model_len (finish reason 'length') rather than
+        refusing it, so max_tokens counts only up to there."""
+        if self.max_model_len is not None and num_prompt_tokens < self.max_model_len:
+            max_tokens = min(max_tokens or sys.maxsize, self.max_model_len - num_prompt_tokens)
+        self.admission.admit(num_prompt_tokens, max_tokens)

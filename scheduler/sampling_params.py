@@ -23,8 +23,8 @@ SEED_RANGE = (-(1 << 63), 1 << 64)
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
-    """Most tokens to generate (>= 1)."""
+    max_tokens: int | None = 16
+    """Most tokens to generate (>= 1); None: as many as the context and the KV cache leave room for."""
     temperature: float = 1.0
     """0 (or anything below GREEDY_TEMPERATURE) means greedy; otherwise logits are divided by it."""
     top_p: float = 1.0
@@ -52,9 +52,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

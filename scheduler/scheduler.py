@@ -14,33 +14,25 @@ the tokens it already generated (the prefix cache may serve part of that).
 """
 from __future__ import annotations
 
+import math
+import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from scheduler.admission import InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.fcfs import FCFSPolicy
+from scheduler.plan import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.policy import Policy
 from scheduler.priority import PriorityPolicy
 from scheduler.request import Request, RequestStatus
 from scheduler.vtc import VTCPolicy
 
 _RUNNING = RequestStatus.RUNNING
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    """(request, tokens to compute) in batch order: request.all_token_ids[num_computed_tokens :
-    num_computed_tokens + n]; num_computed_tokens is advanced only by update_from_output."""
-    preempted: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    """Sum of n over scheduled: tokens computed this step."""
-
-    def __post_init__(self) -> None:
-        if not self.num_batched_tokens:
-            self.num_batched_tokens = sum(n for _, n in self.scheduled)
+_FLOAT_SLACK = 1e-6
+"""Rounding error to ignore before a ceiling: 0.01 * 700 blocks is 7.000000000000001, which is 7."""
 
 
 @dataclass
@@ -61,6 +53,8 @@ def make_policy(config: SchedulerConfig) -> Policy:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, policy: Policy | None = None):
+        if config.num_blocks is None:
+            raise ValueError("num_blocks: a Scheduler needs the KV pool's size in blocks")
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = policy or make_policy(config)
@@ -78,15 +72,20 @@ class Scheduler:
         """Tenants in _tenants without a waiting or running request, longest idle first."""
         self.retired_service_tokens = 0
         """Service of the tenants forgotten after being idle longest (still part of the total)."""
-        self._watermark_blocks = int(config.watermark * config.num_blocks + 0.999999)
+        self._blocks_sent: dict[str, int] = {}
+        """Block ids the model runner has been told of, per request it holds (see plan.py)."""
+        self._finished_since_plan: list[str] = []
+        self._watermark_blocks = math.ceil(config.watermark * config.num_blocks - _FLOAT_SLACK)
 
     # ---- requests in and out --------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a new request; ValueError if its id is in use or it could never fit in the KV pool."""
+    def add_request(self, request: Request, *, admitted: bool = False) -> None:
+        """Queue a new request. InvalidRequestError if its id is in use or, unless `admitted` (the
+        engine ran the admission rule where the request entered), if it could never fit the KV pool."""
         if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
-        self.config.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        if not admitted:
+            self.config.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         tally = self._tenants.get(request.tenant)
@@ -104,7 +103,17 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+    def stop_request(self, request: Request, stop_reason: str) -> None:
+        """End a request on a stop string (only the runtime's detokenizer sees text). A request this
+        step already finished (its last token was also eos or its length limit) ends as stopped too."""
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop_reason
+        else:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> None:
         """End a request for a reason only the runtime sees (a stop string); no-op if unknown."""
         if not status.finished:
             raise ValueError(f"status: {status} is not a finished status")
@@ -123,6 +132,8 @@ class Scheduler:
             tally.waiting -= 1
         request.status = status
         request.finished_time = time.monotonic()
+        if self._blocks_sent.pop(request.request_id, None) is not None:
+            self._finished_since_plan.append(request.request_id)
         self.block_manager.free(request)
         self.policy.on_finish(request)
         del self.requests[request.request_id]
@@ -183,7 +194,26 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        self._describe_for_runner(out)
         return out
+
+    def _describe_for_runner(self, out: SchedulerOutput) -> None:
+        """Fill the runner's narrow view of the plan: what changed since the last one (plan.py)."""
+        sent = self._blocks_sent
+        for request, n in out.scheduled:
+            rid = request.request_id
+            table = request.block_table
+            known = sent.get(rid)
+            if known is None:
+                out.new_requests.append(NewRequestData(
+                    rid, list(request.prompt_token_ids), list(request.output_token_ids),
+                    request.sampling_params, list(table), request.num_computed_tokens))
+            else:
+                out.cached_requests.append(CachedRequestData(rid, table[known:], request.num_computed_tokens))
+            sent[rid] = len(table)
+            out.num_scheduled_tokens[rid] = n
+        out.preempted_request_ids = [r.request_id for r in out.preempted]
+        out.finished_request_ids, self._finished_since_plan = self._finished_since_plan, []
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -227,6 +257,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, index: int) -> None:
         del self.running[index]
+        self._blocks_sent.pop(request.request_id, None)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -254,7 +285,7 @@ class Scheduler:
                     request.num_computed_tokens -= 1
         finished = []
         now = time.monotonic()
-        max_len = self.config.max_model_len
+        max_len = self.config.max_model_len or sys.maxsize
         for request_id, token in sampled.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not _RUNNING \
@@ -273,7 +304,8 @@ class Scheduler:
             elif params.stop_token_ids and token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
-            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
+            elif request.num_tokens >= max_len or (params.max_tokens is not None
+                                                   and request.num_output_tokens >= params.max_tokens):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self._finish(request, status)

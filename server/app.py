@@ -8,9 +8,10 @@ import uuid
 
 from aiohttp import web
 
-from runtime import AsyncEngine, Engine
+from runtime import AsyncEngine, Engine, EngineClient
 from server import openai_api, openapi, utility_api
 from server.auth import Tenant
+from server.config import ServerConfig
 from server.errors import APIError
 from server.state import ServerState
 
@@ -19,7 +20,8 @@ log = logging.getLogger("prescient.server")
 
 @web.middleware
 async def errors_as_envelopes(request: web.Request, handler):
-    """Every error leaves as an OpenAI envelope; an unexpected one is logged here, never sent as a traceback."""
+    """Every error leaves as an OpenAI envelope; an unexpected one is logged here, never sent as a
+    traceback."""
     try:
         return await handler(request)
     except APIError as exc:
@@ -54,17 +56,22 @@ async def count_responses(request: web.Request, handler):
     return response
 
 
-def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_waiting: int | None = 256,
-              max_body_bytes: int = 4 << 20, served_model_name: str | None = None,
-              throughput_log_seconds: float = 5.0, metrics_auth: bool = False,
-              tenant_metrics: bool = True) -> web.Application:
-    """metrics_auth: /metrics answers only with one of api_keys; tenant_metrics: export per-tenant series."""
+def build_app(client: EngineClient | Engine, *, api_keys: dict[str, Tenant] | None = None,
+              max_body_bytes: int = ServerConfig.max_body_bytes, served_model_name: str | None = None,
+              throughput_log_seconds: float = ServerConfig.throughput_log_seconds,
+              metrics_auth: bool = ServerConfig.metrics_auth,
+              tenant_metrics: bool = ServerConfig.tenant_metrics) -> web.Application:
+    """The app over an engine client (an Engine is wrapped in AsyncEngine, the in-process client);
+    it starts the client's loop with the app and stops it after. metrics_auth: /metrics answers only
+    with one of api_keys; tenant_metrics: export per-tenant series."""
     if metrics_auth and not api_keys:
         raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
-    app = web.Application(middlewares=[count_responses, errors_as_envelopes], client_max_size=max_body_bytes)
+    if isinstance(client, Engine):
+        client = AsyncEngine(client, max_waiting=ServerConfig.max_waiting)
+    app = web.Application(middlewares=[count_responses, errors_as_envelopes],
+                          client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-    state = ServerState(engine, async_engine, api_keys, served_model_name, tenant_metrics=tenant_metrics)
+    state = ServerState(client, api_keys, served_model_name, tenant_metrics=tenant_metrics)
     state.metrics_auth = metrics_auth
     app["state"] = state
     app.router.add_post("/v1/completions", openai_api.completions)
@@ -78,11 +85,11 @@ def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_
     app.router.add_get("/openapi.json", openapi.openapi)
 
     async def lifetime(app: web.Application):
-        async_engine.start()
+        client.start()
         logger = asyncio.create_task(_log_throughput(state, throughput_log_seconds))
         yield
         logger.cancel()
-        await async_engine.shutdown()
+        await client.shutdown()
 
     app.cleanup_ctx.append(lifetime)
     return app
@@ -91,7 +98,7 @@ def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_
 async def _log_throughput(state: ServerState, every: float) -> None:
     """A line every few seconds while there is work: tokens/s, batch, queue, KV usage."""
     def snapshot():
-        stats = state.async_engine.stats()
+        stats = state.client.stats()
         return time.monotonic(), stats.get("generated_tokens", 0), stats.get("computed_tokens", 0), stats
 
     last = snapshot()
@@ -104,5 +111,6 @@ async def _log_throughput(state: ServerState, every: float) -> None:
             generated = now[1] - last[1]
             log.info("throughput: %.1f generated tokens/s, %.1f prompt tokens/s; running %d, waiting %d, "
                      "KV usage %.1f%%", generated / span, (now[2] - last[2] - generated) / span,
-                     stats.get("num_running", 0), stats.get("num_waiting", 0), 100 * stats.get("kv_usage", 0.0))
+                     stats.get("num_running", 0), stats.get("num_waiting", 0),
+                     100 * stats.get("kv_usage", 0.0))
         last = now

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
+import typing
 
 from aiohttp import web
 
-from scheduler import POLICIES, SchedulerConfig
+from loader.sizes import parse_size
+from runtime.config import EngineConfig, field_docs, section_of_field
+from server.config import ServerConfig
 
 log = logging.getLogger("prescient.server")
 ABORT_GRACE = 3.0
@@ -18,72 +22,77 @@ SHUTDOWN_GRACE = 3.0
 """Seconds aiohttp waits for connections to close at the very end."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from runtime.quantization import QUANTIZATIONS
-
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per field of ServerConfig and of every EngineConfig section, defaults taken from them."""
     p = argparse.ArgumentParser(prog="python -m server", description="Prescient OpenAI-compatible LLM server")
-    p.add_argument("--model", default=None,
-                   help="a .gguf file or a Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                   help="auto: run a GGUF's 4/8-bit blocks packed where that is fast (bfloat16 on CPU); "
-                        "int8/int4: quantize float weights on load; none: dequantize")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--kv-cache-bytes", type=_bytes, default=None, help="KV cache size, e.g. 1GiB (default 1 GiB)")
-    p.add_argument("--block-size", type=int, default=SchedulerConfig.block_size,
-                   help=f"tokens per KV cache block (default {SchedulerConfig.block_size})")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--policy", choices=POLICIES, default="vtc", help="admission policy (default vtc: fair)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--api-keys", default=None, help='JSON file {"KEY": {"tenant": "...", "weight": 1}}')
-    p.add_argument("--metrics-auth", action="store_true",
-                   help="/metrics asks for one of the --api-keys (Prometheus: authorization.credentials)")
-    p.add_argument("--no-tenant-metrics", action="store_true",
-                   help="export no per-tenant series (they name tenants and show their load)")
-    p.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond this get 429")
-    p.add_argument("--max-body-bytes", type=_bytes, default=4 << 20)
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
-    p.add_argument("--throughput-log-seconds", type=float, default=5.0,
-                   help="log a throughput line this often while there is work")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    _add_flags(p.add_argument_group("server"), ServerConfig, ServerConfig())
+    engine = EngineConfig()
+    for section in dataclasses.fields(EngineConfig):
+        _add_flags(p.add_argument_group(section.name), section.default_factory, getattr(engine, section.name))
+    # The older spelling of --no-enable-prefix-caching.
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)
+    return p
 
 
-def _bytes(text: str) -> int:
-    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
-             "g": 10**9, "gb": 10**9, "gib": 1 << 30}
-    number = text.strip().lower().rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text.strip().lower()[len(number):]
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags describe."""
+    return EngineConfig().replace(**{name: getattr(args, name) for name in section_of_field()})
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+
+
+def _add_flags(group, cls: type, defaults) -> None:
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        help_text = docs.get(f.name, "") + ("" if default is None else f" (default: {default})")
+        kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None)]
+        if kinds == [bool]:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+            continue
+        convert = _size if f.metadata.get("size") else kinds[0]
+        group.add_argument(flag, dest=f.name, type=convert, default=default, help=help_text,
+                           choices=f.metadata.get("choices"))
+
+
+def _size(text: str) -> int:
+    """A byte size as the whole project reads it (loader.sizes): 1G = 1GiB = 2^30, 1GB = 10^9."""
     try:
-        return int(float(number) * units[unit])
-    except (ValueError, KeyError):
+        return parse_size(text, "size")
+    except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 1GiB)") from None
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from runtime import Engine
+    from runtime import AsyncEngine, Engine, EngineCoreClient
     from server.app import build_app
     from server.auth import load_api_keys
 
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     if args.metrics_auth and not keys:   # say so before minutes of model loading
         raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
-    engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        policy=args.policy, max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
-    log.info("model %s (%s, %s): %d KV blocks of %d tokens, context %d, policy %s", engine.model_name,
-             engine.model.dtype, engine.model.device, engine.kv.num_blocks, engine.kv.block_size,
-             engine.max_model_len, args.policy)
-    app = build_app(engine, api_keys=keys, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                    served_model_name=args.served_model_name, throughput_log_seconds=args.throughput_log_seconds,
-                    metrics_auth=args.metrics_auth, tenant_metrics=not args.no_tenant_metrics)
+    if args.engine_process:
+        client = EngineCoreClient.launch({"config": engine_config(args)}, max_waiting=args.max_waiting,
+                                         log_level=args.log_level)
+        log.info("engine core process %d: %s", client.pid, client.info.description)
+    else:
+        engine = Engine.from_pretrained(config=engine_config(args))
+        log.info("%s", engine.describe())
+        client = AsyncEngine(engine, max_waiting=args.max_waiting)
+    app = build_app(client, api_keys=keys, max_body_bytes=args.max_body_bytes,
+                    served_model_name=args.served_model_name,
+                    throughput_log_seconds=args.throughput_log_seconds,
+                    metrics_auth=args.metrics_auth, tenant_metrics=args.tenant_metrics)
     # Shutdown = drain (--drain-timeout) + ABORT_GRACE for aborted streams to end + SHUTDOWN_GRACE for
     # aiohttp to close connections: keep it inside the deployment's terminationGracePeriodSeconds.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
@@ -105,7 +114,7 @@ async def serve(args: argparse.Namespace) -> int:
     while state.in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     if state.in_flight:
-        aborted = state.async_engine.abort_all("the server is shutting down and the drain timeout passed")
+        aborted = state.client.abort_all("the server is shutting down and the drain timeout passed")
         log.warning("drain timeout: aborted %d requests", aborted)
         deadline = loop.time() + ABORT_GRACE   # their handlers end the streams with an error event + [DONE]
         while state.in_flight and loop.time() < deadline:
@@ -117,7 +126,8 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(serve(args))
     except ValueError as exc:   # bad model path, bad keys file, bad sizes: say what and exit non-zero

@@ -12,11 +12,11 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import replace
 
 from aiohttp import web
 
 from runtime import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError, RequestOutput
+from scheduler import InvalidRequestError
 from server import sse
 from server.auth import Tenant, authenticate, check_key
 from server.errors import APIError, bad_request
@@ -50,16 +50,14 @@ body never stalls the event loop (other streams, /health) while it is tokenized.
 
 
 def _prompt_ids(state: ServerState, req: GenerationRequest, messages: list[dict] | None) -> list[int]:
-    """Render (chat) and tokenize the prompt, check it fits, settle max_tokens; ValueError names the field."""
-    engine = state.engine
+    """Render (chat) and tokenize the prompt; whether it fits is the engine client's admission rule."""
+    tokenizer = state.client.tokenizer
     if messages is not None:
-        req.prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if req.max_tokens_given:
-        return engine.check_request(req.prompt, req.params)
-    ids = engine.check_request(req.prompt, _with_max_tokens(req, 1))
-    room = min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids)   # what can run, not 400
-    req.params.max_tokens = room if messages is not None else min(16, room)
-    return ids
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except ValueError as exc:
+            raise InvalidRequestError("messages", str(exc)) from exc
+    return tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -89,9 +87,8 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
             ids = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, state, req, messages)
         else:
             ids = _prompt_ids(state, req, messages)
-    except ValueError as exc:
-        field = str(exc).split(":", 1)[0]
-        raise bad_request(str(exc), field if field in ("prompt", "max_tokens", "messages") else None) from exc
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.param) from exc
 
     kind = "chat.completion" if chat else "text_completion"
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -100,11 +97,13 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     stream = None
     last: RequestOutput | None = None
     sent = 0
-    state.in_flight += 1
     try:
-        async with aclosing(state.async_engine.generate(ids, req.params, request_id, tenant=tenant.name,
-                                                        weight=tenant.weight, priority=req.priority,
-                                                        cache_salt=tenant.cache_salt)) as outputs:
+        # The engine client admits the request (one rule: InvalidRequestError names the field); a
+        # max_tokens the client did not send is a default, lowered to what fits rather than refused.
+        async with aclosing(state.client.generate(ids, req.params, request_id, tenant=tenant.name,
+                                                  weight=tenant.weight, priority=req.priority,
+                                                  clamp_max_tokens=not req.max_tokens_given,
+                                                  cache_salt=tenant.cache_salt)) as outputs:
             async for out in outputs:
                 last = out
                 if not req.stream:
@@ -117,12 +116,15 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
                 delta = out.text[sent:]
                 sent = len(out.text)
                 if delta or out.finished:
-                    await sse.send(stream, _chunk(request_id, created, model, {"content": delta} if chat else delta,
+                    await sse.send(stream, _chunk(request_id, created, model,
+                                                  {"content": delta} if chat else delta,
                                                   out.finish_reason if out.finished else None, chat))
     except QueueFullError as exc:
         state.metrics.count_rejected("queue_full")
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly.",
                        code="queue_full", headers={"Retry-After": "1"}) from exc
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.param) from exc
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     except ConnectionError:
@@ -152,7 +154,6 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
         await sse.send_done(stream)
         return stream
     finally:
-        state.in_flight -= 1
         state.record(request, req, tenant.name, last)
 
     if req.stream:
@@ -168,10 +169,6 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
         choice["stop_reason"] = last.stop_reason
     return web.json_response({"id": request_id, "object": kind, "created": created, "model": model,
                               "choices": [choice], "usage": _usage(last)})
-
-
-def _with_max_tokens(req: GenerationRequest, n: int):
-    return replace(req.params, max_tokens=n)
 
 
 def _chunk(request_id: str, created: int, model: str, delta, finish_reason, chat: bool) -> dict:

@@ -24,7 +24,8 @@ class GenerationRequest:
     priority: int
     model: str | None
     max_tokens_given: bool
-    """False: generate up to the rest of the context (chat) or 16 tokens (completions), as OpenAI does."""
+    """False: generate up to the rest of the context (chat: max_tokens None) or 16 tokens (completions),
+    as OpenAI does, lowered to what fits."""
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None, what: str | None = None):
@@ -59,7 +60,7 @@ def _show(value) -> str:
     return text if len(text) <= 40 else text[:20] + "..." + text[-8:]
 
 
-def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
+def _sampling(body: dict, default_max_tokens: int | None) -> SamplingParams:
     max_tokens = _get(body, "max_completion_tokens", (int,), None) if "max_completion_tokens" in body else None
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,), None)
@@ -109,7 +110,7 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
         raise bad_request(f"'{field_name}' {str(exc).split(' ', 1)[1]}", field_name) from exc
 
 
-def _common(body: dict, prompt, default_max_tokens: int) -> GenerationRequest:
+def _common(body: dict, prompt, default_max_tokens: int | None) -> GenerationRequest:
     stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,), {})
     include_usage = _get(options, "include_usage", (bool,), False) if options else False
@@ -181,4 +182,4 @@ def parse_messages(body: dict) -> list[dict]:
 def parse_chat(body: dict) -> tuple[GenerationRequest, list[dict]]:
     """POST /v1/chat/completions; the prompt is rendered from the messages by the caller."""
     messages = parse_messages(body)
-    return _common(body, "", 16), messages
+    return _common(body, "", None), messages

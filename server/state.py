@@ -1,4 +1,4 @@
-"""What the request handlers share: the engine, keys, metrics, drain state, and request logging."""
+"""What the request handlers share: the engine client, keys, metrics, drain state, and request logging."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import time
 
 from aiohttp import web
 
-from runtime import AsyncEngine, Engine, RequestOutput
+from runtime import EngineClient, RequestOutput
 from server.auth import Tenant
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
@@ -17,25 +17,31 @@ log = logging.getLogger("prescient.server")
 
 
 class ServerState:
-    def __init__(self, engine: Engine, async_engine: AsyncEngine, api_keys: dict[str, Tenant] | None = None,
+    def __init__(self, client: EngineClient, api_keys: dict[str, Tenant] | None = None,
                  served_model_name: str | None = None, tenant_metrics: bool = True):
-        self.engine = engine
-        self.async_engine = async_engine
+        self.client = client
+        """The one way to the engine (runtime/engine_client.py)."""
         self.api_keys = api_keys
-        self.model_name = served_model_name or engine.model_name
-        self.model_names = {self.model_name, engine.model_name}
-        self.metrics = ServerMetrics(self.model_name, engine.max_model_len, async_engine.stats,
-                                     {t.name for t in (api_keys or {}).values()}, tenant_metrics=tenant_metrics)
+        self.model_name = served_model_name or client.model_name
+        self.model_names = {self.model_name, client.model_name}
+        self.metrics = ServerMetrics(self.model_name, client.max_model_len, client.stats,
+                                     {t.name for t in (api_keys or {}).values()},
+                                     tenant_metrics=tenant_metrics)
         self.metrics_auth = False
         """/metrics asks for an API key (the per-tenant series name tenants and their load)."""
         self.draining = False
-        self.in_flight = 0
         self.started = time.time()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine has not yet finished."""
+        return self.client.num_in_flight
 
     def check_accepting(self) -> None:
         if self.draining:
             self.metrics.count_rejected("draining")
-            raise APIError(503, "The server is shutting down and accepts no new requests; retry on another replica.",
+            raise APIError(503, "The server is shutting down and accepts no new requests; "
+                                "retry on another replica.",
                            code="draining", headers={"Retry-After": "5"})
 
     def record(self, request: web.Request, req, tenant: str, out: RequestOutput | None) -> None:
@@ -57,7 +63,8 @@ async def read_json(request: web.Request) -> dict:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise APIError(413, f"Request body too large: the limit is {request.app['max_body_bytes']} bytes.") from exc
+        raise APIError(413, f"Request body too large: the limit is {request.app['max_body_bytes']} "
+                            "bytes.") from exc
     try:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:

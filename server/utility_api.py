@@ -16,7 +16,7 @@ from server.state import ServerState, read_json
 
 def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "prescient",
-            "max_model_len": state.engine.max_model_len}
+            "max_model_len": state.client.max_model_len}
 
 
 async def models(request: web.Request) -> web.Response:
@@ -37,7 +37,9 @@ async def model(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    if state.async_engine.error is not None:   # the cause is in the server log, not for every caller to read
+    try:
+        state.client.check_health()
+    except Exception:   # the cause is in the server log, not for every caller to read
         return web.json_response({"status": "unhealthy"}, status=500)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
@@ -57,7 +59,7 @@ async def tokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
     body = await read_json(request)
-    tok = state.engine.tokenizer
+    tok = state.client.tokenizer
     if "messages" in body:
         add = body.get("add_generation_prompt", True)
         if not isinstance(add, bool):
@@ -73,7 +75,8 @@ async def tokenize(request: web.Request) -> web.Response:
             if (request.content_length or 0) > OFF_LOOP_CHARS else work()
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
-    return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len})
+    return web.json_response({"tokens": tokens, "count": len(tokens),
+                              "max_model_len": state.client.max_model_len})
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -81,10 +84,11 @@ async def detokenize(request: web.Request) -> web.Response:
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
     body = await read_json(request)
     tokens = body.get("tokens")
-    vocab = state.engine.model.config.vocab_size
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    vocab = state.client.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                               for t in tokens):
         raise bad_request("'tokens' must be an array of token ids", "tokens")
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"'tokens' contains ids outside [0, {vocab}): {bad[:5]}", "tokens")
-    return web.json_response({"prompt": state.engine.tokenizer.decode(tokens)})
+    return web.json_response({"prompt": state.client.tokenizer.decode(tokens)})

@@ -145,14 +145,17 @@ def run() -> dict:
              f"threads: {torch.get_num_threads()}"]
     cpp = llama_cpp_rates()
     if cpp is None:
-        notes.append("llama.cpp column skipped: llama-cpp-python is not installed (pip install -e '.[bench]')")
+        notes.append("llama.cpp column skipped: llama-cpp-python is not installed "
+                     "(pip install -e '.[bench]')")
     else:
-        notes.append(f"llama.cpp (same GGUF, same threads): prefill 512 {cpp['prefill']:.0f} tok/s, decode x1 "
+        notes.append(f"llama.cpp (same GGUF, same threads): prefill 512 {cpp['prefill']:.0f} tok/s, "
+                     f"decode x1 "
                      f"{cpp['decode']:.1f} tok/s, perplexity {cpp['perplexity']:.3f}")
     fp32_ppl = None
     for dtype, quantization in CONFIGS:
         flops = matmul_flops(getattr(torch, dtype))
-        engine = Engine.from_pretrained(dtype=dtype, device="cpu", kv_cache_bytes=1 << 30, quantization=quantization,
+        engine = Engine.from_pretrained(dtype=dtype, device="cpu", kv_cache_bytes=1 << 30,
+                                        quantization=quantization,
                                         max_num_seqs=64, max_num_batched_tokens=512)
         label = dtype if quantization == "none" else f"{dtype}+{quantization}"
         weight_bytes = engine.model.weight_bytes
@@ -172,10 +175,12 @@ def run() -> dict:
         for batch in BATCHES:
             rate, fill = decode_rate(engine, batch)
             # a step reads every weight once (bandwidth-bound) and does 2 FLOP per parameter per token
-            ceiling = min(batch * decode_ceiling, flops / (2 * (params_per_token + engine.model.lm_head_parameters)))
+            ceiling = min(batch * decode_ceiling,
+                          flops / (2 * (params_per_token + engine.model.lm_head_parameters)))
             rows.append({"dtype": label, "what": f"decode x{batch}", "tokens/s": rate,
                          "ceiling": ceiling, "of ceiling": rate / ceiling,
-                         "transformers": hf.get(batch), "vs transformers": rate / hf[batch] if batch in hf else None,
+                         "transformers": hf.get(batch),
+                         "vs transformers": rate / hf[batch] if batch in hf else None,
                          "vs llama.cpp": rate / cpp["decode"] if cpp and batch == 1 else None,
                          "KV live fill": fill})
             if batch == 32:

@@ -4,7 +4,10 @@ Baselines measured in the same run, because this machine is shared and noisy:
 - the offline engine on the concurrency-32 workload (same prompts, at most 32
   sequences at once, no HTTP): what the server would reach with zero overhead;
 - concurrency 1: one request at a time, the way a single-stream server serves;
-- for the shared-prefix workload, the same server started with --no-prefix-caching.
+- for the shared-prefix workload, the same server started with --no-prefix-caching;
+- for "server vs offline" (temperature 0.8, 128 tokens, 1 and 32 streams): the offline
+  engine on the same prompts and sampling, run right after each HTTP run, and the
+  compute roofline (the faster dtype's matmul FLOP/s over 2 x parameters).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import os
 import time
 
 from tests.bench.load_generator import RequestSpec, random_prompts, run_load, summarize
+from tests.bench.roofline import matmul_flops
 from tests.server.conftest import MODEL, running_server
 
 INPUT_LEN, OUTPUT_LEN = 128, 128
@@ -45,21 +49,84 @@ def _offline_engine(concurrency: int) -> tuple[dict, str]:
             "total tok/s": (tokens + INPUT_LEN * len(prompts)) / wall}, dtype
 
 
+SAMPLED_TEMPERATURE, SAMPLED_LEN, SHORT_PROMPT = 0.8, 128, 16
+
+
+def _server_vs_offline(url: str) -> tuple[list[dict], dict]:
+    """HTTP at 1 and 32 streams against the offline engine on the same prompts and sampling, the TTFT of 32
+    short prompts arriving at once, and the 32-stream rate against the compute roofline."""
+    import torch
+
+    from runtime import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(dtype="auto", kv_cache_bytes=1 << 30, max_num_seqs=32)
+    engine.generate(random_prompts(32, 32, seed=99), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    params = SamplingParams(max_tokens=SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE, ignore_eos=True)
+    rows, ratios = [], {}
+    for streams, count in ((1, 2), (32, 32)):
+        prompts = random_prompts(count, INPUT_LEN, seed=100 + streams)
+        specs = [RequestSpec(p, SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE) for p in prompts]
+        results, wall = asyncio.run(run_load(url, MODEL, specs, concurrency=streams))
+        http = summarize(results, wall)
+        start = time.perf_counter()
+        if streams == 1:
+            outs = [engine.generate(p, params)[0] for p in prompts]
+        else:
+            outs = engine.generate(prompts, params)
+        offline = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+        ratios[streams] = http["output tok/s"] / offline
+        rows.append({"workload": f"server vs offline, {streams} stream(s), T={SAMPLED_TEMPERATURE}",
+                     "requests": count, **http, "offline tok/s": offline, "x offline": ratios[streams]})
+    short = [RequestSpec(p, SHORT_PROMPT, temperature=SAMPLED_TEMPERATURE)
+             for p in random_prompts(32, SHORT_PROMPT, seed=17)]
+    results, wall = asyncio.run(run_load(url, MODEL, short, concurrency=32))
+    ttft = summarize(results, wall)
+    rows.append({"workload": f"32 short prompts ({SHORT_PROMPT} tokens) at once", "requests": 32, **ttft})
+    dtype, config = engine.model.dtype, engine.model.config
+    del engine
+    gc.collect()
+    flops = max(matmul_flops(torch.float32), matmul_flops(torch.bfloat16))
+    ceiling = flops / (2 * _matmul_parameters(config))
+    return rows, {"x offline 1": ratios[1], "x offline 32": ratios[32],
+                  "TTFT p50 32 short ms": ttft["TTFT p50 ms"],
+                  "roofline tok/s": ceiling, "x roofline 32": rows[1]["output tok/s"] / ceiling,
+                  "dtype": str(dtype).removeprefix("torch.")}
+
+
+def _matmul_parameters(config) -> int:
+    """Weights a decode step multiplies per token: the projections of every layer and the LM head."""
+    h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    return config.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + config.vocab_size * h
+
+
 def _cpu_seconds(pid: int) -> tuple[float, float]:
-    """(CPU seconds of the process's main thread, which runs the event loop; of all its threads)."""
+    """(CPU seconds of the server's main thread, which runs the event loop; of all its threads and of its
+    child processes' threads: the engine core runs in one)."""
     tick = os.sysconf("SC_CLK_TCK")
     loop = total = 0.0
+    for process in [pid] + _children(pid):
+        for tid in os.listdir(f"/proc/{process}/task"):
+            try:
+                with open(f"/proc/{process}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue   # a thread that just ended
+            seconds = (int(fields[11]) + int(fields[12])) / tick   # utime + stime
+            total += seconds
+            if int(tid) == pid:
+                loop = seconds
+    return loop, total
+
+
+def _children(pid: int) -> list[int]:
+    out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
         except OSError:
-            continue   # a thread that just ended
-        seconds = (int(fields[11]) + int(fields[12])) / tick   # utime + stime
-        total += seconds
-        if int(tid) == pid:
-            loop = seconds
-    return loop, total
+            continue
+    return out
 
 
 def _closed_loop(url: str, concurrency: int, seed: int) -> dict:
@@ -108,11 +175,13 @@ def run() -> dict:
         results, wall = asyncio.run(run_load(server.url, MODEL, specs, rate=rate, seed=7))
         rows.append({"workload": f"Poisson {rate:.2f} req/s", "requests": len(specs), **summarize(results, wall)})
         cached = _shared_prefix(server.url, seed=11)
+        versus_rows, versus = _server_vs_offline(server.url)
     with running_server("--no-prefix-caching", dtype="auto", kv_cache="1GiB") as server:
         uncached = _shared_prefix(server.url, seed=11)
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache on", "requests": 8, **cached})
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache off", "requests": 8, **uncached})
     rows.append(offline)
+    rows += versus_rows
     ratio = uncached["TTFT p50 ms"] / cached["TTFT p50 ms"]
     notes.append(f"prompts {INPUT_LEN} random tokens, outputs {OUTPUT_LEN} tokens (ignore_eos), greedy, streamed; "
                  f"model {MODEL}; dtype auto = {dtype} on this CPU (flags: {_cpu_flags()})")
@@ -120,10 +189,17 @@ def run() -> dict:
                  f"one-at-a-time serving, {c32['output tok/s'] / offline['output tok/s']:.0%} of the offline "
                  f"engine's {offline['output tok/s']:.0f} tok/s on the same prompts; TTFT p50 {c32['TTFT p50 ms']:.0f} ms")
     notes.append(f"server CPU at concurrency 32: the event-loop thread (HTTP, JSON, SSE) used {loop_cpu:.1f} s of "
-                 f"the process's {all_cpu:.1f} CPU s ({loop_cpu / all_cpu:.1%}); the rest is the engine and its "
-                 f"torch threads. This measure of the server's own overhead does not depend on other load.")
+                 f"the server's {all_cpu:.1f} CPU s ({loop_cpu / all_cpu:.1%}); the rest is the engine (its own "
+                 f"process by default) and its torch threads. This measure of the server's own overhead does not depend on other load.")
     notes.append(f"shared-prefix TTFT p50: {uncached['TTFT p50 ms']:.0f} ms without the prefix cache vs "
                  f"{cached['TTFT p50 ms']:.0f} ms with it: {ratio:.1f}x lower")
+    notes.append(f"server vs offline engine, same prompts, temperature {SAMPLED_TEMPERATURE}, "
+                 f"{SAMPLED_LEN} tokens: 1 stream {versus['x offline 1']:.2f}x, 32 streams "
+                 f"{versus['x offline 32']:.2f}x (target >= 0.9x); 32 streams at {versus['x roofline 32']:.2f} "
+                 f"of the compute roofline ({versus['roofline tok/s']:.0f} tok/s: the faster dtype's matmul "
+                 f"FLOP/s over 2 x parameters; target >= 0.5); TTFT p50 of 32 short prompts at once "
+                 f"{versus['TTFT p50 32 short ms']:.0f} ms (target < 500)")
     return {"title": "Serving: OpenAI API over loopback (vLLM bench-serve metrics)", "rows": rows, "notes": notes,
             "prefix_ttft_ratio": ratio,
-            "event_loop_cpu_share_c32": loop_cpu / all_cpu, "server_vs_offline_c32": c32["output tok/s"] / offline["output tok/s"]}
+            "event_loop_cpu_share_c32": loop_cpu / all_cpu, "server_vs_offline_c32": c32["output tok/s"] / offline["output tok/s"],
+            "server_vs_offline": versus}

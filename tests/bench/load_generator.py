@@ -25,6 +25,7 @@ class RequestSpec:
     api_key: str | None = None
     tag: str = ""
     """Free label (e.g. the tenant) for grouping results."""
+    temperature: float = 0.0
 
 
 @dataclass
@@ -61,7 +62,8 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: str
                             result: Result, t0: float) -> None:
     """One streamed completion, filling `result` as it goes (a cancelled request keeps what it received).
     Times are seconds since t0; result.start must already be set."""
-    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
+            "temperature": spec.temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     try:

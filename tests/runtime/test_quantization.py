@@ -24,7 +24,8 @@ def _check_packed(blocks: GGUFBlocks, reference: np.ndarray) -> None:
     x = torch.randn(3, reference.shape[1])
     expected = x @ torch.from_numpy(reference).T
     got = pack_gguf(blocks, torch.float32)(x)
-    assert (got - expected).abs().max().item() <= 2e-6 * expected.abs().max().item() * reference.shape[1] ** 0.5
+    bound = 2e-6 * expected.abs().max().item() * reference.shape[1] ** 0.5  # float32 rounding over K terms
+    assert (got - expected).abs().max().item() <= bound
 
 
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"])

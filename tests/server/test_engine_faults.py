@@ -77,7 +77,7 @@ async def test_failing_step_is_a_500_for_its_request_and_the_engine_keeps_servin
             assert all(json.loads(b)["usage"]["completion_tokens"] == 4 for _, b in results)
             async with session.get(url + "/health") as resp:
                 assert resp.status == 200
-            stats = server.app["state"].async_engine.stats()
+            stats = server.app["state"].client.stats()
             assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_usage"] == 0.0
     finally:
         await server.close()

@@ -1,0 +1,116 @@
+"""EngineConfig: every setting of the engine, and the one place where their defaults live.
+
+It nests four plain dataclasses, by what each setting governs:
+
+    model      which checkpoint, on which device, in which dtype
+    cache      how many bytes the paged KV pool takes
+    scheduler  scheduler.SchedulerConfig: blocks, batch limits, policy, context length
+    parallel   CPU threads
+
+`Engine.from_pretrained` and the server's CLI (`server/cli.py` builds one flag
+per field) both read it; neither restates a default. Each field's docstring
+is its help text. Flat keyword names (`max_num_seqs=8`) address a nested field
+through `EngineConfig.replace`, so every field name is unique across sections.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from functools import cache, lru_cache
+
+from loader.sizes import parse_size
+from runtime.quantization import QUANTIZATIONS
+from scheduler import SchedulerConfig
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelSettings:
+    model: str | None = None
+    """A .gguf file or a Hugging Face Llama checkpoint directory (None: SmolLM2-135M-Instruct)."""
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
+    """Weights and activations: 'auto' is bfloat16 where the hardware computes in it, else float32."""
+    device: str | None = None
+    """cpu or cuda (None: cuda if available)."""
+    quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
+    """auto: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast (bfloat16 on CPU); none:
+    dequantize; gguf: always packed; int8 / int4: quantize a float checkpoint on load."""
+
+
+@dataclass
+class CacheConfig:
+    kv_cache_bytes: int | str = field(default=1 << 30, metadata={"size": True})
+    """KV cache size in bytes, or a size such as 512MiB, 1GiB, 1G (= 1GiB) or 1GB (= 10^9 bytes)."""
+
+    def __post_init__(self) -> None:
+        size = parse_size(self.kv_cache_bytes, "kv_cache_bytes")
+        if size is None or size <= 0:
+            raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, "
+                             f"got {self.kv_cache_bytes!r}")
+        self.kv_cache_bytes = size
+
+
+@dataclass
+class ParallelConfig:
+    num_threads: int | None = None
+    """CPU threads for torch (None: torch's default)."""
+
+    def __post_init__(self) -> None:
+        value = self.num_threads
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"num_threads: must be a positive integer, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def replace(self, **settings) -> EngineConfig:
+        """A copy with settings changed by their field names (`max_num_seqs=8`, `dtype="float32"`);
+        None leaves a setting as it is. Raises ValueError naming an unknown field."""
+        changes: dict[str, dict] = {}
+        sections = section_of_field()
+        for name, value in settings.items():
+            if name not in sections:
+                raise ValueError(f"{name}: not an engine setting; known: {', '.join(sorted(sections))}")
+            if value is not None:
+                changes.setdefault(sections[name], {})[name] = value
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **values)
+                                            for section, values in changes.items()})
+
+    def settings(self) -> dict[str, object]:
+        """Every setting by its field name, flattened over the sections."""
+        return {name: getattr(getattr(self, section), name) for name, section in section_of_field().items()}
+
+
+@lru_cache(maxsize=1)
+def section_of_field() -> dict[str, str]:
+    """{field name: the EngineConfig section holding it}."""
+    out: dict[str, str] = {}
+    for section in dataclasses.fields(EngineConfig):
+        for f in dataclasses.fields(section.default_factory):
+            if f.name in out:
+                raise AssertionError(f"{f.name}: in both {out[f.name]} and {section.name}")
+            out[f.name] = section.name
+    return out
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (what the CLI shows as help)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) \
+                and isinstance(following.value.value, str):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs

@@ -1,0 +1,67 @@
+"""SchedulerOutput: one step's plan, and the narrow view of it the model runner reads.
+
+The runner never touches a scheduler Request. It keeps its own state per
+sequence (token ids, block table, sampling params) and updates it from the
+plan alone:
+
+    new_requests      a request the runner has not seen, or one resumed after a preemption
+                      (the runner dropped it then): all its tokens so far and all its blocks
+    cached_requests   a request the runner holds: only the blocks added since the last plan
+    num_scheduled_tokens[request_id]
+                      tokens to compute this step, from num_computed_tokens on
+    preempted_request_ids, finished_request_ids
+                      requests whose state the runner drops (finished: since the last plan,
+                      aborted included); a finished one also loses its sampling generator
+
+The tokens the runner samples it appends to its own copy; the scheduler books
+the same tokens in update_from_output, so both agree without sharing a list.
+`scheduled` and `preempted` (scheduler Requests) are the scheduler's own
+bookkeeping for update_from_output, not for the runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens generated before a preemption ([] for a request never run)."""
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens whose K/V these blocks already hold (a prefix-cache hit)."""
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    """Blocks appended to its block table since the last plan."""
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    """(request, tokens to compute) in batch order: request.all_token_ids[num_computed_tokens :
+    num_computed_tokens + n]; num_computed_tokens is advanced only by update_from_output."""
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    """Sum of n over scheduled: tokens computed this step."""
+
+    # ---- what the model runner reads ----
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_batched_tokens:
+            self.num_batched_tokens = sum(n for _, n in self.scheduled)

@@ -1,0 +1,37 @@
+"""ServerConfig: the HTTP server's own settings (the engine's are runtime.EngineConfig).
+
+Like EngineConfig, this is the one place where these defaults live: the CLI
+builds a flag from each field, with the field's docstring as its help.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """TCP port to listen on."""
+    served_model_name: str | None = None
+    """Model id reported by /v1/models (default: the checkpoint's name)."""
+    api_keys: str | None = None
+    """A JSON file {"KEY": {"tenant": "...", "weight": 1}}; without it no key is needed."""
+    metrics_auth: bool = False
+    """/metrics asks for one of the --api-keys (Prometheus: authorization.credentials)."""
+    tenant_metrics: bool = True
+    """Export per-tenant series (they name tenants and show their load); --no-tenant-metrics: none."""
+    engine_process: bool = False
+    """Run the engine's step loop as the main thread of a process of its own (runtime/engine_core.py)
+    instead of a thread of the server's process."""
+    max_waiting: int = 256
+    """Waiting requests beyond this get 429 with Retry-After."""
+    max_body_bytes: int = field(default=4 << 20, metadata={"size": True})
+    """Largest request body accepted (bytes, or a size such as 4MiB); larger gets 413."""
+    drain_timeout: float = 30.0
+    """Seconds to finish in-flight work on SIGTERM before aborting it."""
+    throughput_log_seconds: float = 5.0
+    """Log a throughput line this often while there is work."""
+    log_level: str = "INFO"
+    """Python logging level."""
