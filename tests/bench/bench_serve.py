@@ -52,7 +52,7 @@ def _offline_engine(concurrency: int) -> tuple[dict, str]:
 SAMPLED_TEMPERATURE, SAMPLED_LEN, SHORT_PROMPT = 0.8, 128, 16
 
 
-def _server_vs_offline(url: str) -> tuple[list[dict], dict]:
+def _server_vs_offline(url: str, engine_in: str) -> tuple[list[dict], dict]:
     """HTTP at 1 and 32 streams against the offline engine on the same prompts and sampling, the TTFT of 32
     short prompts arriving at once, and the 32-stream rate against the compute roofline."""
     import torch
@@ -75,13 +75,15 @@ def _server_vs_offline(url: str) -> tuple[list[dict], dict]:
             outs = engine.generate(prompts, params)
         offline = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
         ratios[streams] = http["output tok/s"] / offline
-        rows.append({"workload": f"server vs offline, {streams} stream(s), T={SAMPLED_TEMPERATURE}",
+        workload = f"server ({engine_in}) vs offline, {streams} stream(s), T={SAMPLED_TEMPERATURE}"
+        rows.append({"workload": workload,
                      "requests": count, **http, "offline tok/s": offline, "x offline": ratios[streams]})
     short = [RequestSpec(p, SHORT_PROMPT, temperature=SAMPLED_TEMPERATURE)
              for p in random_prompts(32, SHORT_PROMPT, seed=17)]
     results, wall = asyncio.run(run_load(url, MODEL, short, concurrency=32))
     ttft = summarize(results, wall)
-    rows.append({"workload": f"32 short prompts ({SHORT_PROMPT} tokens) at once", "requests": 32, **ttft})
+    rows.append({"workload": f"server ({engine_in}), 32 short prompts ({SHORT_PROMPT} tokens) at once",
+                 "requests": 32, **ttft})
     dtype, config = engine.model.dtype, engine.model.config
     del engine
     gc.collect()
@@ -175,13 +177,15 @@ def run() -> dict:
         results, wall = asyncio.run(run_load(server.url, MODEL, specs, rate=rate, seed=7))
         rows.append({"workload": f"Poisson {rate:.2f} req/s", "requests": len(specs), **summarize(results, wall)})
         cached = _shared_prefix(server.url, seed=11)
-        versus_rows, versus = _server_vs_offline(server.url)
+        versus_rows, versus = _server_vs_offline(server.url, "engine thread")
     with running_server("--no-prefix-caching", dtype="auto", kv_cache="1GiB") as server:
         uncached = _shared_prefix(server.url, seed=11)
+    with running_server("--engine-process", "--max-num-seqs", "64", dtype="auto", kv_cache="1GiB") as server:
+        process_rows, process = _server_vs_offline(server.url, "engine core process")
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache on", "requests": 8, **cached})
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache off", "requests": 8, **uncached})
     rows.append(offline)
-    rows += versus_rows
+    rows += versus_rows + process_rows
     ratio = uncached["TTFT p50 ms"] / cached["TTFT p50 ms"]
     notes.append(f"prompts {INPUT_LEN} random tokens, outputs {OUTPUT_LEN} tokens (ignore_eos), greedy, streamed; "
                  f"model {MODEL}; dtype auto = {dtype} on this CPU (flags: {_cpu_flags()})")
@@ -190,7 +194,7 @@ def run() -> dict:
                  f"engine's {offline['output tok/s']:.0f} tok/s on the same prompts; TTFT p50 {c32['TTFT p50 ms']:.0f} ms")
     notes.append(f"server CPU at concurrency 32: the event-loop thread (HTTP, JSON, SSE) used {loop_cpu:.1f} s of "
                  f"the server's {all_cpu:.1f} CPU s ({loop_cpu / all_cpu:.1%}); the rest is the engine (its own "
-                 f"process by default) and its torch threads. This measure of the server's own overhead does not depend on other load.")
+                 f"process with --engine-process) and its torch threads. This measure of the server's own overhead does not depend on other load.")
     notes.append(f"shared-prefix TTFT p50: {uncached['TTFT p50 ms']:.0f} ms without the prefix cache vs "
                  f"{cached['TTFT p50 ms']:.0f} ms with it: {ratio:.1f}x lower")
     notes.append(f"server vs offline engine, same prompts, temperature {SAMPLED_TEMPERATURE}, "
@@ -198,8 +202,11 @@ def run() -> dict:
                  f"{versus['x offline 32']:.2f}x (target >= 0.9x); 32 streams at {versus['x roofline 32']:.2f} "
                  f"of the compute roofline ({versus['roofline tok/s']:.0f} tok/s: the faster dtype's matmul "
                  f"FLOP/s over 2 x parameters; target >= 0.5); TTFT p50 of 32 short prompts at once "
-                 f"{versus['TTFT p50 32 short ms']:.0f} ms (target < 500)")
+                 f"{versus['TTFT p50 32 short ms']:.0f} ms (target < 500); the same with --engine-process: "
+                 f"{process['x offline 1']:.2f}x, {process['x offline 32']:.2f}x, "
+                 f"{process['x roofline 32']:.2f} of the roofline, "
+                 f"TTFT p50 {process['TTFT p50 32 short ms']:.0f} ms")
     return {"title": "Serving: OpenAI API over loopback (vLLM bench-serve metrics)", "rows": rows, "notes": notes,
             "prefix_ttft_ratio": ratio,
             "event_loop_cpu_share_c32": loop_cpu / all_cpu, "server_vs_offline_c32": c32["output tok/s"] / offline["output tok/s"],
-            "server_vs_offline": versus}
+            "server_vs_offline": versus, "server_vs_offline_engine_process": process}
