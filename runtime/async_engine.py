@@ -36,6 +36,8 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats: dict = engine.stats()
+        self._unfinished: dict[str, int] = {}
+        """Engine thread only: request id -> how many of its n sequences have not finished."""
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -59,7 +61,9 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        *, tenant: str = "default", weight: float = 1.0,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield snapshots of the request's output as tokens arrive; the last one has finished=True."""
+        """Yield snapshots of the request's output as tokens arrive; the last one has finished=True.
+        With params.n > 1 the snapshots of its n sequences interleave (RequestOutput.index tells which),
+        and the stream ends when all n have finished."""
         if self.error is not None:
             raise RuntimeError(f"engine stopped after an internal error: {self.error!r}")
         request_id = request_id or uuid.uuid4().hex
@@ -82,15 +86,17 @@ class AsyncEngine:
             self._adds.append((request_id, ids, params, tenant, weight, priority, arrival))
             self._wake.notify()
         finished = False
+        remaining = params.n   # sequences still running; the last one to finish ends the stream
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                remaining -= item.finished
+                finished = remaining == 0
                 yield item
-                if item.finished:
-                    finished = True
+                if finished:
                     return
         finally:
             if not finished:
@@ -124,19 +130,29 @@ class AsyncEngine:
                     aborts, self._aborts = self._aborts, []
                 # Adds first: a request added and abandoned during the same step must be added, then aborted.
                 for request_id, ids, params, tenant, weight, priority, arrival in adds:
+                    self._unfinished[request_id] = params.n
                     try:
                         engine.add_request(request_id, ids, params, tenant=tenant, weight=weight,
                                            priority=priority, arrival_time=arrival)
                     except ValueError as exc:
+                        self._unfinished.pop(request_id, None)
                         self._deliver(request_id, exc, final=True)
                 for request_id in aborts:
                     engine.abort_request(request_id)
+                    self._unfinished.pop(request_id, None)
                 outputs = engine.step() if engine.has_unfinished_requests() else []
                 stats = engine.stats()
                 with self._lock:
                     self._stats = stats
                 for out in outputs:
-                    self._deliver(out.request_id, out, final=out.finished)
+                    final = False
+                    if out.finished:   # the last of a request's n sequences to finish ends its stream
+                        left = self._unfinished.get(out.request_id, 1) - 1
+                        self._unfinished[out.request_id] = left
+                        final = left <= 0
+                        if final:
+                            self._unfinished.pop(out.request_id, None)
+                    self._deliver(out.request_id, out, final=final)
         except BaseException as exc:  # keep serving errors visible instead of hanging clients
             log.exception("engine thread failed")
             self.error = exc

@@ -6,14 +6,28 @@ each prefill chunk. Only the rows whose sequence reaches its end this step
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from runtime import native_attention
 from runtime.attention import AttentionMetadata, PrefillChunk
 from runtime.kv_cache import KVCache
+from runtime.logits_processors import apply_logits_processors
+from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.model import LlamaModel
 from runtime.sampler import sample
 from scheduler import Request, SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    """request id -> the token sampled for it, for sequences that reached their end this step."""
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    """request id -> the sampled token's logprob, for requests that asked (SamplingParams.logprobs)."""
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    """request id -> (prompt position, its token's logprob) for the prompt tokens this step computed."""
 
 
 class ModelRunner:
@@ -34,8 +48,10 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns {request_id: sampled token} for sequences that reached their end."""
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the sampled tokens of sequences that reached their end, and logprobs asked for."""
+        if plan.block_copies:
+            self.kv.copy_blocks(plan.block_copies)
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
         for req, n in plan.scheduled:
@@ -54,6 +70,7 @@ class ModelRunner:
             sample_rows.append(len(ids) - 1)
             sample_reqs.append(req)
         chunks: list[PrefillChunk] = []
+        scored: list[tuple[Request, int, int, int]] = []   # (request, first row, first position, rows)
         for req, n in prefills:
             start = req.num_computed_tokens
             row = len(ids)
@@ -67,6 +84,9 @@ class ModelRunner:
             if context == req.num_tokens:
                 sample_rows.append(row + n - 1)
                 sample_reqs.append(req)
+            last_prompt_row = min(n, req.num_prompt_tokens - 1 - start)   # rows whose next token is prompt
+            if req.sampling_params.prompt_logprobs is not None and last_prompt_row > 0:
+                scored.append((req, row, start, last_prompt_row))
 
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device),
                                  num_decode=len(decodes), prefills=chunks)
@@ -84,11 +104,43 @@ class ModelRunner:
 
         hidden = self.model.forward(torch.tensor(ids, device=self.device),
                                     torch.tensor(positions, device=self.device), meta, self.kv)
+        out = ModelRunnerOutput()
+        if scored:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, scored)
         if not sample_reqs:
-            return {}
+            return out
+        # sequences forked from a request whose prompt ends now draw their first token from its row
         logits = self.model.logits(hidden[sample_rows])
+        source = [k for k, req in enumerate(sample_reqs) for _ in req.forks]
+        if source:
+            sample_reqs = sample_reqs + [child for req in sample_reqs for child in req.forks]
+            logits = torch.cat([logits, logits[source]])
         params = [r.sampling_params for r in sample_reqs]
+        raw = [i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "raw"]
+        raw_logits = logits[raw].clone() if raw else None
+        apply_logits_processors(logits, sample_reqs)
         histories = [(r.prompt_token_ids, r.output_token_ids) for r in sample_reqs] \
             if any(p.penalized for p in params) else None
         tokens = sample(logits, params, [self.generators.get(r.request_id) for r in sample_reqs], histories)
-        return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        out.sampled = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        if raw:
+            scores = token_logprobs(raw_logits, [tokens[i] for i in raw], [params[i].logprobs for i in raw])
+            out.logprobs.update((sample_reqs[i].request_id, s) for i, s in zip(raw, scores))
+        processed = [i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "processed"]
+        if processed:
+            # sample() applied the penalties to `logits` in place; temperature divides what it drew from
+            scale = torch.tensor([params[i].temperature or 1.0 for i in processed], device=logits.device)
+            scores = token_logprobs(logits[processed] / scale.unsqueeze(1), [tokens[i] for i in processed],
+                                    [params[i].logprobs for i in processed])
+            out.logprobs.update((sample_reqs[i].request_id, s) for i, s in zip(processed, scores))
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scored: list[tuple[Request, int, int, int]]) -> dict:
+        """Logprobs of prompt tokens from the rows before them (raw logits: nothing edits a prompt)."""
+        out = {}
+        for req, row, start, n in scored:
+            logits = self.model.logits(hidden[row:row + n])
+            targets = req.prompt_token_ids[start + 1:start + 1 + n]
+            scores = token_logprobs(logits, targets, [req.sampling_params.prompt_logprobs] * n)
+            out[req.request_id] = [(start + 1 + i, s) for i, s in enumerate(scores)]
+        return out

@@ -36,6 +36,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
     """Sum of n over scheduled: tokens computed this step."""
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks to copy before this step runs (copy on write of a forked block)."""
 
     def __post_init__(self) -> None:
         if not self.num_batched_tokens:
@@ -82,6 +84,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.config.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        if 1 + len(request.forks) > self.config.max_num_seqs:
+            raise ValueError(f"n: {1 + len(request.forks)} sequences can never run at once; this engine runs "
+                             f"at most max_num_seqs={self.config.max_num_seqs}")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         tally = self._tenants.get(request.tenant)
@@ -169,6 +174,7 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        out.block_copies, bm.copies = bm.copies, []
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
@@ -180,11 +186,13 @@ class Scheduler:
         for r in running:
             reserved += max(bm.blocks_needed(r.num_tokens) - len(r.block_table), 0)
         max_num_seqs = self.config.max_num_seqs
-        while budget > 0 and len(running) < max_num_seqs:
+        seqs = len(running) + sum(len(r.forks) for r in running)   # with forks due when their prompt ends
+        while budget > 0 and seqs < max_num_seqs:
             request = self.policy.peek()
-            if request is None:
+            if request is None or seqs + 1 + len(request.forks) > max_num_seqs:
                 break
-            cached = bm.find_cached_prefix(request)
+            # prompt logprobs need every prompt position's logits, which cached blocks do not keep
+            cached = bm.find_cached_prefix(request) if request.sampling_params.prompt_logprobs is None else []
             hit = len(cached) * bm.block_size
             need = bm.num_blocks_to_allocate(request, request.num_tokens, cached)
             if need + reserved + (self._watermark_blocks if running else 0) > bm.num_free_blocks:
@@ -208,8 +216,25 @@ class Scheduler:
             self.policy.charge_admission(request)
             request.status = _RUNNING
             running.append(request)
+            seqs += 1 + len(request.forks)
             out.scheduled.append((request, n))
             budget -= n
+
+    def _fork(self, parent: Request) -> None:
+        """Start the parent's sibling sequences on its computed prompt: they share its KV blocks, are
+        charged to its tenant for their own tokens (the prompt, computed once, was charged once), and
+        from here on run, finish and are preempted as requests of their own."""
+        tally = self._tenants[parent.tenant]
+        for child in parent.forks:
+            self.block_manager.fork(parent, child)
+            child.status = _RUNNING
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            tally.running += 1
+            self.policy.charge_fork(parent, child)
+        parent.forks = []
 
     def _preempt(self, request: Request, index: int) -> None:
         del self.running[index]
@@ -238,6 +263,8 @@ class Scheduler:
                 bm.cache_full_blocks(request, before)
                 if request.num_computed_tokens == request.num_tokens and request.request_id not in sampled:
                     request.num_computed_tokens -= 1
+                elif request.forks and request.num_computed_tokens == request.num_tokens:
+                    self._fork(request)
         finished = []
         now = time.monotonic()
         max_len = self.config.max_model_len
@@ -277,6 +304,9 @@ class Scheduler:
         bm = self.block_manager
         bs = bm.block_size
         live = sum(r.num_computed_tokens for r in self.running) - bm.num_shared_refs * bs
+        partial = {r.block_table[-1]: r.num_computed_tokens % bs for r in self.running
+                   if r.num_computed_tokens % bs and bm.ref_counts[r.block_table[-1]] > 1}
+        live += sum((bm.ref_counts[b] - 1) * (bs - filled) for b, filled in partial.items())   # forked, not full
         counters = self.policy.counters()
         tenants = {t: {"counter": counters.get(t, 0.0), "service_tokens": tally.service_tokens,
                        "waiting": tally.waiting, "running": tally.running}
