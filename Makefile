@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.prescient-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve test bench prometheus clean
+.PHONY: install serve test bench prometheus crd-schemas clean
 
 install: $(STAMP)
 
@@ -27,10 +27,23 @@ prometheus:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
+# Schemas for the custom resources in deploy/ (HTTPRoute, ServiceMonitor, PrometheusRule): npm packages
+# generated from those projects' CRDs, read by tests/deploy/crd_schemas.mjs under Node.js.
+CRD_SCHEMAS := $(VENV)/node/node_modules/@kubernetes-models/.installed
+crd-schemas: $(CRD_SCHEMAS)
+$(CRD_SCHEMAS):
+	@command -v npm >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null; }
+	npm install --prefix $(VENV)/node --no-save --no-audit --no-fund --loglevel=error \
+	  @kubernetes-models/gateway-api@2.0.0 @kubernetes-models/prometheus-operator@6.0.0
+	touch $@
+
 serve: $(STAMP)
 	$(PY) -m server --host $(HOST) --port $(PORT)
 
-test: $(STAMP) prometheus
+test: $(STAMP) prometheus $(CRD_SCHEMAS)
 	$(PY) -m pytest -q tests --ignore=tests/bench
 
 bench: $(STAMP)

@@ -1,9 +1,10 @@
 """The local-disk tier: one file per sample under a private directory.
 
-Files are written to a temporary name and renamed, so a reader sees a whole sample or
-none; a reader also checks the length the table recorded. A failed write (disk full,
-quota, I/O error) turns the tier off with a warning and the loader carries on with RAM
-only: a full disk costs speed, never correctness.
+The directory is named after the owner's pid; if the owner is killed, the next loader to
+start there removes it (reclaim.py). Files are written to a temporary name and renamed,
+so a reader sees a whole sample or none; a reader also checks the length the table
+recorded. A failed write (disk full, quota, I/O error) turns the tier off with a warning
+and the loader carries on with RAM only: a full disk costs speed, never correctness.
 """
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import shutil
 import tempfile
 import warnings
 
+from loader.reclaim import reclaim_directories
+
+PREFIX = "prescient-"
 
 class DiskTier:
     def __init__(self, root: str, budget: int):
         os.makedirs(root, exist_ok=True)
+        reclaim_directories(root, PREFIX)         # left by loaders that were killed
         self.budget = budget                      # bytes the tier may hold
-        self.dir = tempfile.mkdtemp(prefix="prescient-", dir=root)
+        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
         self.enabled = True
 
     def path(self, index: int) -> str:

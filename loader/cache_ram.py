@@ -11,7 +11,9 @@ Layout, all int64 unless noted:
   data     [arena]       uint8: sample bytes (cached and staged)
 
 The segment is created with multiprocessing's SharedMemory, so the resource tracker
-unlinks it even if the main process is killed; workers started with spawn attach by path
+unlinks it even if the main process is killed (and the next loader reclaims it if the tracker
+died too, see reclaim.py); its pages are reserved up front, so several loaders on a node
+never overcommit /dev/shm; workers started with spawn attach by path
 without registering, so their exit never unlinks what the main process still uses.
 """
 from __future__ import annotations
@@ -23,6 +25,10 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import numpy as np
+import torch
+
+from loader.reclaim import reclaim_shared_memory
+from loader.rng_state import RNG_STATE_BYTES
 
 PREFIX = "prescient_"
 
@@ -36,7 +42,19 @@ ABSENT, RAM, DISK, FAILED = 0, 1, 2, 3
 (SAMPLES, STORAGE_READS, STORAGE_BYTES, RAM_HITS, DISK_HITS, PEER_READS, STALL_NS,
  WAIT_NS, DIRECT_READS, BATCHES) = range(10)
 COUNTERS = 16
-SNAP_BYTES = 16 << 10
+SNAP_BYTES = 16 + RNG_STATE_BYTES
+
+
+class SharedMemoryFull(MemoryError):
+    """/dev/shm has no room for the loader's segment."""
+
+
+def shm_free_bytes() -> int | None:
+    try:
+        fs = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return fs.f_bavail * fs.f_frsize
 
 
 def _aligned(n: int) -> int:
@@ -74,8 +92,10 @@ class SharedState:
         self.layout = layout
         self._owner = name is None
         if self._owner:
+            reclaim_shared_memory(PREFIX)          # segments of loaders that were killed
             self.name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
             self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=layout.total)
+            self._reserve(layout.total)
             self._buffer = self._shm.buf
         else:
             self.name = name
@@ -89,6 +109,24 @@ class SharedState:
         self._views()
         if self._owner:
             self.header[ALIVE] = 1
+
+    def _reserve(self, size: int) -> None:
+        """Allocate every page now. A tmpfs segment is sparse: a write to a page /dev/shm has no room
+        for is a SIGBUS in whichever process touches it. Reserved, the segment either fits or fails
+        here with an error, and the next loader on the node sees the space as taken."""
+        fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as error:
+            self._shm.close()
+            self._shm.unlink()
+            free = shm_free_bytes()
+            raise SharedMemoryFull(
+                f"shared memory: cannot reserve {size:,} bytes in /dev/shm ({error.strerror}; {free:,} bytes "
+                "free, the rest held by other loaders or processes on this node). Lower cache_ram or "
+                "prefetch_bytes, or enlarge /dev/shm (docker run --shm-size=...).") from None
+        finally:
+            os.close(fd)
 
     def _views(self) -> None:
         sec = self.layout.sections()
@@ -132,23 +170,22 @@ class SharedState:
         return bytes(self.data[offset: offset + length])
 
     # --- snapshots -------------------------------------------------------------------------
-    def put_snapshot(self, slot: int, tag: int, payload: bytes) -> None:
-        if len(payload) > SNAP_BYTES - 16:
-            return
+    def put_snapshot(self, slot: int, tag: int, state: torch.Tensor) -> None:
+        """Store a worker's RNG state (uint8, see rng_state.py) under `tag`."""
         row = self.snaps[slot]
         head = row[:16].view(np.int64)
         head[0] = 0
-        row[16: 16 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-        head[1] = len(payload)
+        row[16: 16 + RNG_STATE_BYTES] = state.numpy()
+        head[1] = RNG_STATE_BYTES
         head[0] = tag
 
-    def get_snapshot(self, slot: int, tag: int) -> bytes | None:
+    def get_snapshot(self, slot: int, tag: int) -> torch.Tensor | None:
         row = self.snaps[slot]
         head = row[:16].view(np.int64)
         if head[0] != tag:
             return None
-        payload = row[16: 16 + int(head[1])].tobytes()
-        return payload if head[0] == tag else None
+        state = torch.from_numpy(row[16: 16 + RNG_STATE_BYTES].copy())
+        return state if head[0] == tag else None
 
     # --- lifetime --------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,8 +1,61 @@
 """The main-process side of the loader: plan each epoch, run the prefetcher, keep the
-shared state alive as long as the loader, and remember where the epoch is for resume."""
+shared state alive as long as the loader, and remember where the epoch is for resume.
+
+Note [Loader protocol: main <-> workers <-> cache, shutdown and resume]
+=======================================================================
+
+Processes and what they share. The main process owns one shared-memory segment
+(cache_ram.py: header, per-process counters, the sample table, the ready/done rings, RNG
+snapshot slots, the data arena) and, with a cache, the prefetcher (prefetch.py: one
+coordinator thread and reader threads). torch's worker processes get the dataset view
+(view.py), which attaches to the segment by name. Nothing but plain ints and raw sample
+bytes crosses a process boundary outside torch's own queues; no pickle is read from shared
+memory, from a peer or from a checkpoint.
+
+      main process                                   worker w (torch's worker loop)
+      ------------                                   ------------------------------
+      sampler --(first draw)--> plan the epoch
+      PlannedSampler: TicketBatch(indices, first position, batch #, flags)
+             -- torch index queue -->                view.__getitems__(batch):
+      prefetcher (cache configured):                   FIRST: RNG snapshot -> slot batch % ring
+        walks the plan in order, places each            planned position p:
+        sample (RAM / disk / staging), then              wait ready[p % ring] == p + 1
+        ready[p % ring] = p + 1  -------------------->   copy bytes (table: tier, offset, length)
+        done[p % ring] == p + 1  <--------------------   done[p % ring] = p + 1
+        -> release staging, evict (Belady)             not planned / no cache: read storage here
+                                                         (batch_reads.py), then decode in order
+             <-- torch result queue --                 LAST near the epoch's end: RNG snapshot
+      __next__ times the wait (stall)                  -> slot ring + w (else at worker exit)
+
+Positions are global: epoch e's plan starts at e * EPOCH_STRIDE, so a stale ring entry
+never matches a new epoch. header[GEN_BASE] is the oldest position still valid and
+header[MODE] says whether the plan is trusted (PLANNED) or every read is direct (DIRECT):
+the main process sets DIRECT when the sampler departs from the plan, when the prefetcher
+fails, and on close, so a worker never waits on a position that will not come.
+
+Peers (exchange.py): under torch.distributed, each window of plan positions is four gloo
+collectives on the loader's own group (needs, holders, sizes, payload); the payload is raw
+bytes in a uint8 tensor, and a dataset cached with cache_items (pickled items) is refused.
+
+Shutdown. close(), garbage collection (weakref.finalize) and interpreter exit stop the
+prefetcher, set MODE = DIRECT, unlink the segment and remove the disk tier. If the main
+process is SIGKILLed: torch's workers notice the dead parent within its status interval
+(5 s) when idle, and a worker waiting on a ready position checks its parent pid after
+0.5 s and exits; the resource tracker unlinks the segment; segments and disk-tier
+directories carry the owner's pid and the next loader on the node removes those of dead
+owners (reclaim.py). Segments reserve their pages at creation (posix_fallocate), so
+loaders on one node never overcommit /dev/shm: a segment that cannot fit is an error.
+
+Resume. An epoch's order is fixed by the RNG states at its sampler's first draw
+(resume.py). state_dict() holds those states (uint8 tensors), the batches yielded, and for
+each worker the RNG state it must start its next batch with: the snapshot its upcoming
+batch started with, or, if it never starts one (the iterator was dropped, or it has none
+left this epoch), the state after its last batch. A new loader replays the sampler from
+the saved states, skips the yielded batches, rotates torch's round robin so batch b still
+goes to worker b % num_workers, and each worker restores its state before its first batch.
+"""
 from __future__ import annotations
 
-import os
 import time
 import warnings
 import weakref
@@ -13,7 +66,7 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind
 
 from loader.cache_disk import DiskTier
-from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState
+from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
 from loader.exchange import PeerExchange
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
@@ -91,6 +144,10 @@ class Clairvoyant:
         self.stall_seconds = 0.0
         self.batches = 0
         self.peer_group = None
+        if options.peer_exchange and self.source is not None and self.source.items:
+            raise ValueError("peer_exchange: a dataset cached with cache_items=True is cached as pickled "
+                             "items, and bytes from another process are never unpickled; implement "
+                             "read(index) -> bytes and decode(raw, index) to exchange raw samples with peers")
         if options.peer_exchange and self.source is not None:
             import torch.distributed as dist
             if not (dist.is_available() and dist.is_initialized()):
@@ -116,18 +173,22 @@ class Clairvoyant:
             kind = CachedItemsView if callable(getattr(dataset, "__getitems__", None)) else CachedView
             self.view = kind(dataset, self.source, self.shared,
                              self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
-                             max(self.snap_ring, 1))
+                             max(self.snap_ring, 1),
+                             read_threads=-(-self.options.prefetch_threads // max(1, self.num_workers)))
         return self.view
 
     def _start(self, dataset) -> None:
         opts = self.options
-        if self.source is not None:
+        # Nothing to keep across epochs: the workers read their batches themselves (batch_reads.py) and
+        # the main process only plans; the prefetcher runs where there is a cache to place samples in.
+        placing = self.source is not None and bool(opts.cache_ram or opts.cache_disk or self.peer_group)
+        if placing:
             self._fit_shared_memory()
-        arena = opts.cache_ram + opts.prefetch_bytes if self.source else 0
+        arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
         layout = Layout(samples=len(dataset), rows=self.num_workers + 2, ring=RING,
                         snap_slots=max(self.snap_ring, 1) + self.num_workers, arena=arena)
         self.resources.shared = SharedState(layout)
-        if self.source is not None:
+        if placing:
             disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
             peers = PeerExchange(self.peer_group, opts.peer_window) if self.peer_group is not None else None
             self.resources.prefetcher = Prefetcher(self.shared, self.source, opts.cache_ram, opts.prefetch_bytes,
@@ -137,11 +198,10 @@ class Clairvoyant:
         """/dev/shm is often small (64 MiB in a default Docker container) and a write beyond it
         is a SIGBUS, not an error: shrink the RAM cache to what is free, with a warning."""
         opts = self.options
-        try:
-            fs = os.statvfs("/dev/shm")
-        except OSError:
+        free = shm_free_bytes()          # what other loaders reserved is already taken off
+        if free is None:
             return
-        free = int(fs.f_bavail * fs.f_frsize * SHM_SHARE)
+        free = int(free * SHM_SHARE)
         if opts.cache_ram + opts.prefetch_bytes <= free:
             return
         opts.prefetch_bytes = min(opts.prefetch_bytes, max(free // 2, 1 << 20))
@@ -203,7 +263,7 @@ class Clairvoyant:
             self.epoch.yielded += 1
 
     # --- resume -------------------------------------------------------------------------------------
-    def worker_snapshots(self, in_order: bool) -> dict[int, bytes]:
+    def worker_snapshots(self, in_order: bool) -> dict[int, torch.Tensor]:
         """Each worker's RNG state where a resumed run's worker of the same id must start."""
         epoch, workers = self.epoch, self.num_workers
         if workers == 0 or epoch is None or self.shared is None:

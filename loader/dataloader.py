@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 import torch.utils.data as tud
@@ -21,7 +22,10 @@ from loader.clairvoyant import CacheOptions, Clairvoyant
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
-from loader.view import FIRST, LAST, PLANNED_READ, Ticket
+from loader.view import FIRST, LAST, NEAR_END, PLANNED_READ, Ticket, TicketBatch
+
+
+T_co = TypeVar("T_co", covariant=True)
 
 
 class PlannedSampler:
@@ -58,12 +62,13 @@ class PlannedSampler:
                 yield item                     # not dataset indices we can reason about
             else:
                 flag = PLANNED_READ if planned else 0
+                if epoch.num_batches is None or batch >= epoch.num_batches - self.engine.num_workers:
+                    flag |= NEAR_END
                 first = epoch.pos0 + offset
-                last = len(keys) - 1
-                tickets = [Ticket(k, first + j, batch, first,
-                                  flag | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
-                           for j, k in enumerate(keys)]
-                yield tickets if self.batched else tickets[0]
+                if self.batched:
+                    yield TicketBatch(tuple(keys), first, batch, flag)
+                else:
+                    yield Ticket(keys[0], first, batch, first, flag | FIRST | LAST)
             offset, batch = offset + len(keys), batch + 1
         if after_first_draw is not None:
             after_first_draw()
@@ -111,7 +116,7 @@ class _MultiIter(_Observed, _MultiProcessingDataLoaderIter):
         self.__dict__["_cycle"] = cycle
 
 
-class DataLoader(tud.DataLoader):
+class DataLoader(tud.DataLoader[T_co]):
     """Drop-in for `torch.utils.data.DataLoader` (same arguments, defaults, errors, batches).
 
     Extra keyword-only options (all off by default except prefetching):

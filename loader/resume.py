@@ -10,6 +10,7 @@ augmentation of the remaining batches identical too.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,8 +18,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from loader.plan import sampler_generator, uses_global_rng
+from loader.rng_state import check_rng
 
-FORMAT = "prescient.loader/1"
+FORMAT = "prescient.loader/2"
 
 
 @dataclass
@@ -34,7 +36,7 @@ class EpochStart:
 class ResumePoint:
     start: EpochStart
     batches_done: int                          # batches already yielded in that epoch
-    worker_rng: dict[int, bytes] = field(default_factory=dict)
+    worker_rng: dict[int, torch.Tensor] = field(default_factory=dict)   # worker id -> state (rng_state.py)
 
 
 def _base_sampler(index_sampler):
@@ -77,7 +79,8 @@ def restore(start: EpochStart, loader_generator: torch.Generator | None,
 
 def to_dict(point: ResumePoint | None, generators_now: EpochStart, dataset_len: int,
             num_workers: int) -> dict:
-    """A plain dict of tensors, ints and bytes: torch.save-able."""
+    """A plain dict of strings, ints, None and uint8 tensors: loads with torch.load(weights_only=True)
+    and resumes without unpickling anything (the format is documented in the README)."""
     def states(start: EpochStart) -> dict:
         return {"loader_generator": start.loader_generator, "sampler_generator": start.sampler_generator,
                 "global_rng": start.global_rng, "sampler_epoch": start.sampler_epoch}
@@ -88,17 +91,49 @@ def to_dict(point: ResumePoint | None, generators_now: EpochStart, dataset_len: 
             "generators_now": states(generators_now)}
 
 
+def _int(state: dict, key: str, minimum: int = 0) -> int:
+    value = state.get(key)
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"load_state_dict: {key} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _states(value, key: str) -> EpochStart:
+    if not isinstance(value, dict) or set(value) != {"loader_generator", "sampler_generator", "global_rng",
+                                                     "sampler_epoch"}:
+        raise ValueError(f"load_state_dict: {key} must be a dict of loader_generator, sampler_generator, "
+                         f"global_rng and sampler_epoch")
+    for name in ("loader_generator", "sampler_generator", "global_rng"):
+        tensor = value[name]
+        if tensor is not None and not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8
+                                       and tensor.dim() == 1):
+            raise ValueError(f"load_state_dict: {key}.{name} must be None or a uint8 RNG state tensor")
+    if value["sampler_epoch"] is not None and type(value["sampler_epoch"]) is not int:
+        raise ValueError(f"load_state_dict: {key}.sampler_epoch must be None or an int")
+    return EpochStart(**value)
+
+
 def from_dict(state: dict, dataset_len: int, num_workers: int) -> tuple[ResumePoint | None, EpochStart]:
+    """Check every field's type before anything is used: a checkpoint is data, never code."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"load_state_dict: not a loader state (expected format {FORMAT!r}); pass what "
                          "DataLoader.state_dict() returned")
-    if state["dataset_len"] != dataset_len:
+    if _int(state, "dataset_len") != dataset_len:
         raise ValueError(f"load_state_dict: the checkpoint's dataset had {state['dataset_len']} samples, "
                          f"this one has {dataset_len}; resume with the same dataset")
-    if state["worker_rng"] and state["num_workers"] != num_workers:
-        raise ValueError(f"load_state_dict: the checkpoint used num_workers={state['num_workers']}, this "
-                         f"loader has {num_workers}; the workers' RNG streams only match with the same number")
-    now = EpochStart(**state["generators_now"])
-    if state["epoch_start"] is None:
+    worker_rng = state.get("worker_rng")
+    if not isinstance(worker_rng, dict) or not all(type(k) is int for k in worker_rng):
+        raise ValueError("load_state_dict: worker_rng must be a dict from worker id (int) to a uint8 tensor")
+    worker_rng = {worker: check_rng(rng, f"worker_rng[{worker}]") for worker, rng in worker_rng.items()}
+    if worker_rng and _int(state, "num_workers") != num_workers:
+        # Every remaining sample still comes exactly once, in the same batches; only the workers' random
+        # augmentation differs, as it does whenever torch's num_workers changes.
+        warnings.warn(f"load_state_dict: the checkpoint used num_workers={state['num_workers']}, this loader "
+                      f"has {num_workers}: the rest of the epoch has the same samples and batches, but the "
+                      "workers' random augmentation follows new RNG streams", RuntimeWarning, stacklevel=3)
+        worker_rng = {}
+    now = _states(state.get("generators_now"), "generators_now")
+    if state.get("epoch_start") is None:
         return None, now
-    return ResumePoint(EpochStart(**state["epoch_start"]), state["batches_done"], dict(state["worker_rng"])), now
+    start = _states(state["epoch_start"], "epoch_start")
+    return ResumePoint(start, _int(state, "batches_done"), worker_rng), now

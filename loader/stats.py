@@ -3,7 +3,8 @@
 Counters live in shared memory, one row per process (prefetcher, main, each worker), so
 workers report without messages. Every DataLoader registers itself (weakly) with one
 collector in prometheus_client's default registry, which a training script exposes with
-`prometheus_client.start_http_server(port)`; series are labelled by the loader's `name`.
+`prometheus_client.start_http_server(port)`; series are labelled by the loader's `name` and
+named `prescient:loader_*`, under the server's prefix, so one `prescient:` selector finds both.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import weakref
 from loader.cache_ram import (DIRECT_READS, DISK_HITS, PEER_READS, RAM_HITS, SAMPLES,
                               STORAGE_BYTES, STORAGE_READS, WAIT_NS)
 
+PREFIX = "prescient:loader_"
 _COUNTERS = {  # stats key -> (counter column, Prometheus help)
     "samples": (SAMPLES, "Samples fetched for the training loop (by workers or the main process)."),
     "storage_reads": (STORAGE_READS, "Samples read from the dataset's storage."),
@@ -52,13 +54,15 @@ class _Collector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         loaders = list(_loaders)
-        families = {key: CounterMetricFamily(f"prescient_loader_{key}", help_, labels=["loader"])
+        families = {key: CounterMetricFamily(PREFIX + key, help_, labels=["loader"])
                     for key, (_, help_) in _COUNTERS.items()}
         families["stall_seconds"] = CounterMetricFamily(
-            "prescient_loader_stall_seconds", "Seconds the training loop waited for a batch.", labels=["loader"])
+            PREFIX + "stall_seconds", "Seconds the training loop waited for a batch.", labels=["loader"])
         families["batches"] = CounterMetricFamily(
-            "prescient_loader_batches", "Batches delivered to the training loop.", labels=["loader"])
-        gauges = {key: GaugeMetricFamily(f"prescient_loader_{key}", help_, labels=["loader"]) for key, help_ in {
+            PREFIX + "batches", "Batches delivered to the training loop.", labels=["loader"])
+        families["epochs"] = CounterMetricFamily(
+            PREFIX + "epochs", "Epochs begun (per-epoch rates divide by its increase).", labels=["loader"])
+        gauges = {key: GaugeMetricFamily(PREFIX + key, help_, labels=["loader"]) for key, help_ in {
             "cache_ram_bytes": "Bytes of samples cached in shared memory.",
             "cache_disk_bytes": "Bytes of samples cached on the local disk tier.",
             "staging_bytes": "Bytes read ahead and not cached."}.items()}

@@ -10,21 +10,24 @@ restore them and decode with the same random augmentation.
 """
 from __future__ import annotations
 
-import pickle
-import random
+import multiprocessing.util
+import os
 import time
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from loader.batch_reads import BatchReader
 from loader.cache_disk import read_file
 from loader.cache_ram import (COUNTERS, DIRECT_READS, DISK, GEN_BASE, LENGTH, MODE, OFFSET, PLANNED, RAM, SAMPLES,
                               STORAGE_BYTES, STORAGE_READS, TIER, WAIT_NS, SharedState)
+from loader.rng_state import capture_rng, restore_rng
 from loader.source import ByteSource
 
-FIRST, LAST, PLANNED_READ = 1, 2, 4   # Ticket.edge bits: first / last of its batch; covered by the plan
+# Ticket.edge bits: first / last of its batch; covered by the plan; among the epoch's last num_workers batches
+FIRST, LAST, PLANNED_READ, NEAR_END = 1, 2, 4, 8
 POLL_SECONDS = 0.0002       # how often a worker looks for a position it waits on
+PARENT_CHECK_SECONDS = 0.5  # after this long waiting, a worker also checks that the main process lives
 
 
 class Ticket:
@@ -42,31 +45,74 @@ class Ticket:
         return f"Ticket(index={self.index}, pos={self.pos})"
 
 
-def rng_state() -> bytes:
-    """The RNG states a worker's decode may draw from: torch, random, numpy."""
-    return pickle.dumps((bytes(torch.get_rng_state().numpy()), random.getstate(), np.random.get_state()))
+class TicketBatch:
+    """A batch of Tickets as it travels to a worker: plain ints (a list of 64 Tickets pickles ~20x
+    slower, which on fast storage is most of what a worker does per batch)."""
+    __slots__ = ("indices", "first", "batch", "flags")
 
+    def __init__(self, indices: tuple, first: int, batch: int, flags: int):
+        self.indices, self.first, self.batch, self.flags = indices, first, batch, flags
 
-def set_rng_state(payload: bytes) -> None:
-    torch_state, py_state, np_state = pickle.loads(payload)
-    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
-    random.setstate(py_state)
-    np.random.set_state(np_state)
+    def __reduce__(self):
+        return TicketBatch, (self.indices, self.first, self.batch, self.flags)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self):
+        return iter(self.tickets())
+
+    def tickets(self) -> list[Ticket]:
+        first, batch, flags, last = self.first, self.batch, self.flags, len(self.indices) - 1
+        return [Ticket(index, first + j, batch, first,
+                       flags | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
+                for j, index in enumerate(self.indices)]
 
 
 class CachedView(Dataset):
     def __init__(self, dataset, source: ByteSource | None, shared: SharedState | None,
-                 disk_dir: str | None, snap_ring: int):
+                 disk_dir: str | None, snap_ring: int, read_threads: int = 1):
         self.dataset = dataset
+        self.reader = BatchReader(read_threads)     # storage reads in flight in one worker
         self.source = source
         self.shared = shared
         self.disk_dir = disk_dir
         self.snap_ring = snap_ring                 # start-of-batch snapshot slots; then one end slot per worker
-        self.resume_rng: dict[int, bytes] | None = None   # worker id -> RNG state to start from
+        self.resume_rng: dict[int, torch.Tensor] | None = None   # worker id -> RNG state to start from
         self._resumed = False
+        self._parent = os.getpid()               # the main process: workers are its children
+        self._exit_hook: int | None = None       # pid that registered the exit snapshot
+        self._last_end: int | None = None        # tag of this worker's last finished batch
+
+    def __getattr__(self, name: str):
+        # worker_init_fn and collate functions reach the dataset through get_worker_info().dataset
+        if name.startswith("__") or "dataset" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["dataset"], name)
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def __getitems__(self, keys: list) -> list:
+        """A whole batch (torch's fetcher hands it over in one call): planned positions are copied
+        from the cache, the rest read from storage together (batch_reads.py), then all decoded in
+        the batch's order."""
+        if type(keys) is TicketBatch:
+            keys = keys.tickets()
+        if self.source is None or not keys or not all(type(k) is Ticket for k in keys):
+            return [self[k] for k in keys]
+        row, worker = self._row()
+        self._batch_start(keys[0], worker)
+        direct = [k.index for k in keys if not k.edge & PLANNED_READ]
+        fetched = iter(self.reader.read_all(self.source.read, direct))
+        raws = [self._planned_raw(k, row) if k.edge & PLANNED_READ else next(fetched) for k in keys]
+        if direct:
+            self._count_direct(row, len(direct), sum(len(raws[j]) for j, k in enumerate(keys)
+                                                     if not k.edge & PLANNED_READ))
+        samples = [self.source.decode(raw, k.index) for raw, k in zip(raws, keys)]
+        self.shared.fast["counters"][row * COUNTERS + SAMPLES] += len(keys)
+        self._batch_end(keys[-1], worker)
+        return samples
 
     def __getitem__(self, key):
         row, worker = self._row()
@@ -90,13 +136,28 @@ class CachedView(Dataset):
         if self.resume_rng is not None and not self._resumed:
             self._resumed = True
             if worker in self.resume_rng:
-                set_rng_state(self.resume_rng[worker])
+                restore_rng(self.resume_rng[worker])
         if ticket.edge & FIRST:
-            self.shared.put_snapshot(ticket.batch % self.snap_ring, ticket.first + 1, rng_state())
+            self.shared.put_snapshot(ticket.batch % self.snap_ring, ticket.first + 1, capture_rng())
 
     def _batch_end(self, ticket: Ticket, worker: int | None) -> None:
-        if worker is not None and ticket.edge & LAST:
-            self.shared.put_snapshot(self.snap_ring + worker, ticket.first + 1, rng_state())
+        """The worker's state after its batch, for a resume whose next batch this worker never starts:
+        taken now near the epoch's end (a worker with no batch left), else when the worker exits (the
+        training loop dropped the iterator); a snapshot costs as much as reading a few samples."""
+        if worker is None or not ticket.edge & LAST:
+            return
+        if ticket.edge & NEAR_END:
+            self.shared.put_snapshot(self.snap_ring + worker, ticket.first + 1, capture_rng())
+            self._last_end = None                 # the exit must not overwrite it with an older batch's
+            return
+        if self._exit_hook != os.getpid():
+            self._exit_hook = os.getpid()
+            multiprocessing.util.Finalize(None, self._exit_snapshot, args=(worker,), exitpriority=10)
+        self._last_end = ticket.first + 1
+
+    def _exit_snapshot(self, worker: int) -> None:
+        if self._last_end is not None and self.shared is not None and self.shared.snaps is not None:
+            self.shared.put_snapshot(self.snap_ring + worker, self._last_end, capture_rng())
 
     def _row(self) -> tuple[int, int | None]:
         info = get_worker_info()
@@ -115,6 +176,8 @@ class CachedView(Dataset):
                 break
             if waited is None:
                 waited = time.perf_counter()
+            elif time.perf_counter() - waited > PARENT_CHECK_SECONDS and os.getppid() != self._parent:
+                os._exit(1)                                   # the main process is gone: nothing will come
             time.sleep(POLL_SECONDS)
         if waited is not None:
             fast["counters"][row * COUNTERS + WAIT_NS] += int((time.perf_counter() - waited) * 1e9)
@@ -134,11 +197,14 @@ class CachedView(Dataset):
 
     def _direct(self, index: int, row: int) -> bytes:
         raw = self.source.read(index)
-        counters, base = self.shared.fast["counters"], row * COUNTERS
-        counters[base + STORAGE_READS] += 1
-        counters[base + STORAGE_BYTES] += len(raw)
-        counters[base + DIRECT_READS] += 1
+        self._count_direct(row, 1, len(raw))
         return raw
+
+    def _count_direct(self, row: int, reads: int, nbytes: int) -> None:
+        counters, base = self.shared.fast["counters"], row * COUNTERS
+        counters[base + STORAGE_READS] += reads
+        counters[base + STORAGE_BYTES] += nbytes
+        counters[base + DIRECT_READS] += reads
 
 
 class CachedItemsView(CachedView):
@@ -147,6 +213,8 @@ class CachedItemsView(CachedView):
 
     def __getitems__(self, keys: list):
         row, worker = self._row()
+        if type(keys) is TicketBatch:
+            keys = keys.tickets()
         tickets = [k for k in keys if type(k) is Ticket]
         if tickets:
             self._batch_start(tickets[0], worker)

@@ -1,7 +1,8 @@
 """Prescient's model runtime: a Llama-family model on a paged KV cache with continuous batching."""
-from runtime.async_engine import AsyncEngine, QueueFullError
+from runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
 from runtime.engine import Engine
 from runtime.outputs import RequestOutput
 from scheduler import SamplingParams
 
-__all__ = ["AsyncEngine", "Engine", "QueueFullError", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "Engine", "EngineDeadError", "QueueFullError", "RequestFailedError",
+           "RequestOutput", "SamplingParams"]

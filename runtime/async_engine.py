@@ -25,6 +25,21 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than the server admits; retry later."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an internal error; nothing more will be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (its step raised); the engine keeps serving the others.
+
+    `output` is the request's final output (what it had produced), `cause` says what failed."""
+
+    def __init__(self, output: RequestOutput):
+        super().__init__(f"request {output.request_id} failed: {output.error}")
+        self.output = output
+        self.cause = output.error
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting: int | None = None):
         self.engine = engine
@@ -65,7 +80,7 @@ class AsyncEngine:
         With params.n > 1 the snapshots of its n sequences interleave (RequestOutput.index tells which),
         and the stream ends when all n have finished."""
         if self.error is not None:
-            raise RuntimeError(f"engine stopped after an internal error: {self.error!r}")
+            raise EngineDeadError("the engine stopped after an internal error")
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -73,6 +88,8 @@ class AsyncEngine:
         # Validate on the caller's side so bad input fails before anything is queued.
         ids = self.engine.check_request(prompt, params)
         with self._lock:
+            if self.error is not None:   # it died since the check above: never queue into a dead engine
+                raise EngineDeadError("the engine stopped after an internal error")
             # Requests in flight that will not be in the running batch: those beyond what runs now, or
             # beyond max_num_seqs (a burst arrives before the engine thread has admitted anyone).
             in_flight = len(self._sinks)
@@ -93,6 +110,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(item)
                 remaining -= item.finished
                 finished = remaining == 0
                 yield item
@@ -137,6 +157,13 @@ class AsyncEngine:
                     except ValueError as exc:
                         self._unfinished.pop(request_id, None)
                         self._deliver(request_id, exc, final=True)
+                    except Exception as exc:   # a bug adding this one request: fail it, not the engine
+                        log.exception("adding request %s failed", request_id)
+                        engine.abort_request(request_id)
+                        self._unfinished.pop(request_id, None)
+                        self._deliver(request_id, RequestFailedError(RequestOutput(
+                            request_id, list(ids), [], "", True, "abort", arrival_time=arrival,
+                            error=f"{type(exc).__name__} while adding the request")), final=True)
                 for request_id in aborts:
                     engine.abort_request(request_id)
                     self._unfinished.pop(request_id, None)
@@ -145,21 +172,22 @@ class AsyncEngine:
                 with self._lock:
                     self._stats = stats
                 for out in outputs:
-                    final = False
-                    if out.finished:   # the last of a request's n sequences to finish ends its stream
+                    final = out.error is not None   # a failed request ends at once, all its sequences with it
+                    if out.finished and not final:   # the last of a request's n sequences ends its stream
                         left = self._unfinished.get(out.request_id, 1) - 1
                         self._unfinished[out.request_id] = left
                         final = left <= 0
-                        if final:
-                            self._unfinished.pop(out.request_id, None)
+                    if final:
+                        self._unfinished.pop(out.request_id, None)
                     self._deliver(out.request_id, out, final=final)
         except BaseException as exc:  # keep serving errors visible instead of hanging clients
             log.exception("engine thread failed")
-            self.error = exc
-            with self._lock:
+            with self._lock:   # with the error set under the lock, no request can slip in after the sweep
+                self.error = exc
                 sinks, self._sinks = self._sinks, {}
+                self._adds.clear()
             for loop, queue in sinks.values():
-                loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
+                loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError("the engine failed"))
 
     def _deliver(self, request_id: str, item, final: bool) -> None:
         with self._lock:

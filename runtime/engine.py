@@ -8,6 +8,7 @@ because they need the detokenizer.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -24,8 +25,10 @@ from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
 from runtime.tokenizer import Tokenizer
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.sampling_params import SEED_RANGE
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+log = logging.getLogger("prescient.engine")
 
 
 @dataclass
@@ -117,8 +120,10 @@ class Engine:
             request.arrival_time = arrival_time
         # Sequences 1..n-1 fork from this one once its prompt is computed; each has its own seed stream.
         for j in range(1, params.n):
-            child_params = replace(params, n=1, prompt_logprobs=None,
-                                   seed=None if params.seed is None else params.seed + j)
+            seed = None if params.seed is None else params.seed + j
+            if seed is not None and seed >= SEED_RANGE[1]:
+                seed -= 1 << 64   # stay in what a generator takes
+            child_params = replace(params, n=1, prompt_logprobs=None, seed=seed)
             request.forks.append(Request(f"{request_id}#{j}", ids, child_params,
                                          eos_token_id=request.eos_token_id, tenant=tenant, weight=weight,
                                          priority=priority, index=j, arrival_time=request.arrival_time))
@@ -195,7 +200,13 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:   # the model or the sampler failed: fail this step's requests only
+            log.exception("engine step failed; failing its %d requests: %s", len(plan.scheduled),
+                          ", ".join(r.request_id for r, _ in plan.scheduled))
+            groups = dict.fromkeys(self._tracked[r.request_id].group_id for r, _ in plan.scheduled)
+            return [self._fail(group, exc) for group in groups]
         sampled = result.sampled
         now = time.monotonic()
         for request_id, scores in result.prompt_logprobs.items():
@@ -215,7 +226,14 @@ class Engine:
             tracked = self._tracked[request_id]
             tracked.token_times.append(now)
             req = tracked.request
-            if tracked.detokenizer.update(req.output_token_ids, req.is_finished):
+            try:
+                stopped = tracked.detokenizer.update(req.output_token_ids, req.is_finished)
+            except Exception as exc:
+                log.exception("detokenizing request %s failed", request_id)
+                done.discard(request_id)
+                outputs.append(self._fail(request_id, exc))
+                continue
+            if stopped:
                 if not req.is_finished:
                     self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
                                                   tracked.detokenizer.stop_reason)
@@ -231,6 +249,12 @@ class Engine:
             if group is not None and not any(seq in self._tracked for seq in group):
                 del self._groups[tracked.group_id]
         return outputs
+
+    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
+        """Abort a request whose step raised; its output is final and names the cause in `error`."""
+        out = self.abort_request(request_id)
+        out.error = f"{type(exc).__name__} in the engine step"
+        return out
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request

@@ -13,6 +13,7 @@ import numpy as np
 
 from runtime.checkpoint import Checkpoint, TokenizerSource
 from runtime.model_config import ModelConfig
+from runtime.progress import Progress
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -71,7 +72,9 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
         return np.array(array.reshape(shape), dtype=np.float32)  # a writable copy
 
     weights: dict[str, np.ndarray] = {}
+    progress = Progress(f"loading {name}", total=len(tensors))
     for tname, tensor in tensors.items():
+        progress.update()
         parts = tname.split(".")
         if tname == "token_embd.weight":
             hf = "model.embed_tokens.weight"
@@ -89,6 +92,7 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
         elif parts[0] == "blk" and parts[2] == "attn_k":
             array = _unpermute(array, kv_heads)
         weights[hf] = array
+    progress.close()
 
     tokens = [str(t) for t in meta("tokenizer.ggml.tokens")]
     types = list(meta("tokenizer.ggml.token_type", []))

@@ -34,3 +34,6 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """One per prompt token when SamplingParams.prompt_logprobs is set; the first is None (nothing
     precedes it). Complete once the prompt has been computed, i.e. from the first output on."""
+    error: str | None = None
+    """Set when the request failed inside the engine (its step raised): what failed, without details.
+    The request is then finished with finish_reason 'abort'; the engine itself keeps serving."""

@@ -26,7 +26,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         sub = logits[rows]
         temperature = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype,
                                    device=sub.device).unsqueeze(1)
-        sub = _top_k_top_p(sub / temperature, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
+        # A tiny repetition penalty or temperature can push a logit past float32's range; an inf would
+        # turn the softmax into NaN, so clamp to the largest finite value (the order is unchanged).
+        sub = torch.nan_to_num(sub / temperature, nan=float("-inf"), posinf=torch.finfo(sub.dtype).max)
+        sub = _top_k_top_p(sub, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
         probs = torch.softmax(sub, dim=-1)
         for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]

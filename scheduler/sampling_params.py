@@ -6,10 +6,16 @@ strings (which need the detokenizer).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 """Most alternatives per position that logprobs / prompt_logprobs may ask for (OpenAI's limit)."""
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily: dividing float32 logits by a smaller one can overflow
+to inf (and NaN probabilities), and the distribution is already indistinguishable from argmax."""
+SEED_RANGE = (-(1 << 63), 1 << 64)
+"""Seeds a torch.Generator accepts: [-2**63, 2**64)."""
 
 
 @dataclass
@@ -17,7 +23,7 @@ class SamplingParams:
     max_tokens: int = 16
     """Most tokens to generate (>= 1)."""
     temperature: float = 1.0
-    """0 means greedy; otherwise logits are divided by it."""
+    """0 (or anything below GREEDY_TEMPERATURE) means greedy; otherwise logits are divided by it."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p, in (0, 1]."""
     top_k: int = -1
@@ -72,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+                raise ValueError("seed must fit in 64 bits: an integer in [-2**63, 2**64)")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
@@ -116,7 +124,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _check_int(name: str, value) -> None:
@@ -127,3 +135,9 @@ def _check_int(name: str, value) -> None:
 def _check_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:   # an int too large for a float
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {str(value)[:20]}")

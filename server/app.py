@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from aiohttp import web
 
@@ -33,14 +34,30 @@ async def errors_as_envelopes(request: web.Request, handler):
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
-        log.exception("internal error on %s %s", request.method, request.path)
-        return APIError(500, "Internal server error; it has been logged.").response()
+        error_id = uuid.uuid4().hex
+        log.exception("internal error %s on %s %s", error_id, request.method, request.path)
+        return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response()
+
+
+@web.middleware
+async def count_responses(request: web.Request, handler):
+    """prescient:http_responses_total by route pattern (bounded: unknown paths are "unmatched") and status."""
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    metrics = request.app["state"].metrics
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:   # what errors_as_envelopes lets through (redirects)
+        metrics.count_response(route, exc.status)
+        raise
+    metrics.count_response(route, response.status)
+    return response
 
 
 def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_waiting: int | None = 256,
               max_body_bytes: int = 4 << 20, served_model_name: str | None = None,
               throughput_log_seconds: float = 5.0) -> web.Application:
-    app = web.Application(middlewares=[errors_as_envelopes], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[count_responses, errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     state = ServerState(engine, async_engine, api_keys, served_model_name)

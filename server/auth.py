@@ -44,8 +44,9 @@ def authenticate(keys: dict[str, Tenant] | None, authorization: str | None, user
         return Tenant(user if isinstance(user, str) and user else "default")
     if not authorization or not authorization.startswith("Bearer "):
         raise APIError(401, "Missing API key: send 'Authorization: Bearer YOUR_KEY'.", code="invalid_api_key")
-    given = authorization[len("Bearer "):].strip()
+    # aiohttp keeps undecodable header bytes as surrogates; encode them back instead of failing on them
+    given = authorization[len("Bearer "):].strip().encode("utf-8", "surrogateescape")
     for key, tenant in keys.items():
-        if hmac.compare_digest(key.encode(), given.encode()):
+        if hmac.compare_digest(key.encode(), given):
             return tenant
     raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")

@@ -20,6 +20,7 @@ TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
                          20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+REJECT_REASONS = ("queue_full", "draining")
 MAX_TENANT_LABELS = 32
 """Distinct tenant label values; further tenants are reported together as 'other'."""
 
@@ -87,7 +88,20 @@ class ServerMetrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", m, registry=r)
         self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                m + ["finished_reason"], registry=r)
+        self.http_responses = Counter(PREFIX + "http_responses", "HTTP responses by route and status code.",
+                                      m + ["handler", "code"], registry=r)
+        self.rejected = Counter(PREFIX + "requests_rejected",
+                                "Requests refused before admission: queue_full (429), draining (503).",
+                                m + ["reason"], registry=r)
+        for reason in REJECT_REASONS:   # present at 0 from the start, so rate() sees the first rejection
+            self.rejected.labels(model_name, reason)
         r.register(_EngineCollector(model_name, stats_source, self.tenant_label))
+
+    def count_response(self, handler: str, status: int) -> None:
+        self.http_responses.labels(self.model_name, handler, str(status)).inc()
+
+    def count_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Book one request that ended (finished, or aborted with whatever it produced)."""

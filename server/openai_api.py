@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from aiohttp import web
 
-from runtime import QueueFullError, RequestOutput
+from runtime import EngineDeadError, QueueFullError, RequestFailedError, RequestOutput
 from server import sse
 from server.auth import authenticate
 from server.errors import APIError, bad_request
@@ -129,6 +129,7 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
                     stream = await sse.open_stream(request)
                 await _send_delta(stream, state, req, chat, request_id, created, model, choice)
     except QueueFullError as exc:
+        state.metrics.count_rejected("queue_full")
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly.",
                        code="queue_full", headers={"Retry-After": "1"}) from exc
     except ValueError as exc:
@@ -136,10 +137,25 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     except ConnectionError:
         raise   # the client left; leaving the `async with` has already aborted the requests
     except Exception as exc:
+        # What the client sees names the kind of failure and the request id; the details are in the log.
+        if isinstance(exc, RequestFailedError):
+            for (i, j), c in choices.items():   # book the failed sequence with what it produced
+                if exc.output.request_id == f"{request_id}-{i}" and exc.output.index == j:
+                    c.out = exc.output
+            log.error("request %s failed in the engine (%s); the engine keeps serving", request_id, exc.cause)
+            error = APIError(500, f"The engine failed while generating this request ({exc.cause}); other "
+                                  f"requests are unaffected, retry it. Request id {request_id}.",
+                             code="engine_error")
+        elif isinstance(exc, EngineDeadError):
+            log.error("request %s: the engine has stopped", request_id)
+            error = APIError(500, "The engine has stopped after an internal error; retry on another "
+                                  f"replica. Request id {request_id}.", code="engine_dead")
+        else:
+            log.exception("internal error on request %s", request_id)
+            error = APIError(500, f"Internal server error; it is logged under request id {request_id}.")
         if stream is None:
-            raise   # the middleware logs it and answers 500 with the envelope
-        log.exception("internal error while streaming %s", request_id)   # headers are sent: end the stream
-        await sse.send(stream, APIError(500, f"Internal server error while generating: {exc}").body())
+            raise error from exc
+        await sse.send(stream, error.body())   # headers are sent: end the stream with an error event
         await sse.send_done(stream)
         return stream
     finally:

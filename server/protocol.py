@@ -69,10 +69,17 @@ def _kind_names(kinds: tuple) -> str:
 
 def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
     value = _get(body, name, (int, float), default, "a number")
-    if (value <= low if low_open else value < low) or value > high:
+    # `not (inside)` also catches NaN, which compares false with everything
+    if not ((value > low if low_open else value >= low) and value <= high):
         interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
+        raise bad_request(f"'{name}' must be in {interval} (a finite number), got {_show(value)}", name)
     return float(value)
+
+
+def _show(value) -> str:
+    """A client's value for an error message, cut short (an integer may have thousands of digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:20] + "..." + text[-8:]
 
 
 def _max_tokens(body: dict, zero_allowed: bool) -> int | None:
@@ -82,7 +89,7 @@ def _max_tokens(body: dict, zero_allowed: bool) -> int | None:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if max_tokens is not None and max_tokens < (0 if zero_allowed else 1):
         hint = "" if zero_allowed or max_tokens != 0 else " (0 is allowed only with echo, to score the prompt)"
-        raise bad_request(f"'{name}' must be at least {0 if zero_allowed else 1}, got {max_tokens}{hint}", name)
+        raise bad_request(f"'{name}' must be at least {0 if zero_allowed else 1}, got {_show(max_tokens)}{hint}", name)
     return max_tokens
 
 
@@ -123,7 +130,7 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool = False) -> Sampli
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = _get(body, "top_k", (int,), -1)
     if top_k < -1:
-        raise bad_request(f"'top_k' must be -1 (disabled) or a positive integer, got {top_k}", "top_k")
+        raise bad_request(f"'top_k' must be -1 (disabled) or a positive integer, got {_show(top_k)}", "top_k")
     seed = _get(body, "seed", (int,), None)
     stop = body.get("stop")
     if stop is None:
@@ -140,16 +147,16 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool = False) -> Sampli
     ignore_eos = _get(body, "ignore_eos", (bool,), False)
     n = _get(body, "n", (int,), 1)
     if not 1 <= n <= MAX_N:
-        raise bad_request(f"'n' must be in [1, {MAX_N}], got {n}", "n")
+        raise bad_request(f"'n' must be in [1, {MAX_N}], got {_show(n)}", "n")
     best_of = n if chat else _get(body, "best_of", (int,), n)
     if not n <= best_of <= MAX_N:
-        raise bad_request(f"'best_of' must be in [n={n}, {MAX_N}], got {best_of}", "best_of")
+        raise bad_request(f"'best_of' must be in [n={n}, {MAX_N}], got {_show(best_of)}", "best_of")
     if best_of > n and body.get("stream"):
         raise bad_request("'best_of' greater than 'n' cannot be streamed (the best are known at the end)",
                           "best_of")
     min_tokens = _get(body, "min_tokens", (int,), 0)
     if min_tokens < 0:
-        raise bad_request(f"'min_tokens' must be >= 0, got {min_tokens}", "min_tokens")
+        raise bad_request(f"'min_tokens' must be >= 0, got {_show(min_tokens)}", "min_tokens")
     if max_tokens and min_tokens > max_tokens:
         raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     logprobs = _logprobs(body, chat)
@@ -169,14 +176,19 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool = False) -> Sampli
                           "response_format")
     if max_tokens == 0:   # echo with max_tokens 0: score the prompt; one token is sampled and dropped
         max_tokens = 1
-    return SamplingParams(max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                          repetition_penalty=repetition_penalty, n=best_of,
-                          logprobs=logprobs if logprobs is not None else (0 if best_of > n else None),
-                          prompt_logprobs=logprobs if echo and logprobs is not None else None,
-                          logprobs_mode=logprobs_mode, min_tokens=min(min_tokens, max_tokens or default_max_tokens),
-                          logit_bias=_logit_bias(body))
+    max_tokens = max_tokens or default_max_tokens
+    try:   # SamplingParams holds the rules of the engine itself (e.g. the seed must fit in 64 bits)
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                              stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                              repetition_penalty=repetition_penalty, n=best_of,
+                              logprobs=logprobs if logprobs is not None else (0 if best_of > n else None),
+                              prompt_logprobs=logprobs if echo and logprobs is not None else None,
+                              logprobs_mode=logprobs_mode, min_tokens=min(min_tokens, max_tokens),
+                              logit_bias=_logit_bias(body))
+    except ValueError as exc:
+        field_name = str(exc).split(" ", 1)[0]
+        raise bad_request(f"'{field_name}' {str(exc).split(' ', 1)[1]}", field_name) from exc
 
 
 def _common(body: dict, prompts: list, default_max_tokens: int, chat: bool) -> GenerationRequest:
@@ -247,7 +259,8 @@ def parse_messages(body: dict) -> list[dict]:
             raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+            raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}",
+                              f"{where}.role")
         content = message.get("content")
         if isinstance(content, list):   # content parts: only text is understood by a text model
             texts = []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 
 from aiohttp import web
@@ -31,6 +32,7 @@ class ServerState:
 
     def check_accepting(self) -> None:
         if self.draining:
+            self.metrics.count_rejected("draining")
             raise APIError(503, "The server is shutting down and accepts no new requests; retry on another replica.",
                            code="draining", headers={"Retry-After": "5"})
 
@@ -55,9 +57,26 @@ async def read_json(request: web.Request) -> dict:
     except web.HTTPRequestEntityTooLarge as exc:
         raise APIError(413, f"Request body too large: the limit is {request.app['max_body_bytes']} bytes.") from exc
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"The body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})") \
+            from exc
+    except RecursionError as exc:
+        raise bad_request("The body is not valid JSON for this server: it is nested too deeply") from exc
+    except ValueError as exc:   # JSONDecodeError, NaN/Infinity, an integer beyond Python's 4,300 digits
         raise bad_request(f"The body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise bad_request(f"The body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _reject_constant(name: str):
+    """Python's json reads NaN and Infinity; JSON (RFC 8259) has no such numbers, and no field takes them."""
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):   # 1e400 parses as inf
+        raise ValueError(f"the number {text[:40]} is out of range; send a finite number")
+    return value

@@ -33,8 +33,8 @@ async def model(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    if state.async_engine.error is not None:
-        return web.json_response({"status": "error", "detail": repr(state.async_engine.error)}, status=500)
+    if state.async_engine.error is not None:   # the cause is in the server log, not for every caller to read
+        return web.json_response({"status": "unhealthy"}, status=500)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     return web.json_response({"status": "ok"})

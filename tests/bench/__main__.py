@@ -2,7 +2,8 @@
 
 Each `tests/bench/bench_<name>.py` defines `run() -> dict` returning
 `{"title": str, "rows": [dict, ...], "notes": [str, ...]}`; rows are printed as
-a table and the whole result is written to `bench-results/<name>.json`.
+a table and the whole result is written to `bench-results/<name>.json`, with a PNG plot next to it
+where tests/bench/plots.py draws one (serve, fairness, loader).
 Every benchmark measures its own baseline in the same run (torch's DataLoader,
 transformers, the roofline), because this machine is shared and noisy.
 """
@@ -15,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.progress import Progress
 import tests.bench as package
+from tests.bench import plots
 
 OUT_DIR = Path("bench-results")
 
@@ -51,8 +54,13 @@ def main(argv: list[str]) -> int:
     for name in wanted:
         module = importlib.import_module(f"tests.bench.bench_{name}")
         started = time.time()
-        result = module.run()
+        progress = Progress(f"bench {name} ({wanted.index(name) + 1}/{len(wanted)})").ticking()
+        try:
+            result = module.run()
+        finally:
+            progress.close(keep=False)
         result.setdefault("name", name)
+        result.setdefault("machine", plots.machine())
         result["wall_seconds"] = round(time.time() - started, 1)
         print(f"\n== {result.get('title', name)} ({result['wall_seconds']} s)")
         print(format_table(result.get("rows", [])))
@@ -61,6 +69,9 @@ def main(argv: list[str]) -> int:
         path = OUT_DIR / f"{name}.json"
         path.write_text(json.dumps(result, indent=2, default=str))
         print(f"  -> {path}")
+        picture = plots.write(name, result, OUT_DIR)
+        if picture:
+            print(f"  -> {picture}")
     return 0
 
 

@@ -35,17 +35,17 @@ class SimulatedStorage(tud.Dataset):
     """Files on local disk, read through a simulated network storage: `latency` seconds
     per read, plus `size / bandwidth` seconds on a link shared by every reader."""
 
-    def __init__(self, root: str, latency: float, bandwidth: float):
-        self.paths = [os.path.join(root, f"{i:05d}.bin") for i in range(SAMPLES)]
+    def __init__(self, root: str, latency: float, bandwidth: float, count: int = SAMPLES):
+        self.paths = [os.path.join(root, f"{i:05d}.bin") for i in range(count)]
         self.latency, self.bandwidth = latency, bandwidth
         self.link_free_at = multiprocessing.Value("d", 0.0)   # when the link can start the next transfer
         self.reads = multiprocessing.Value("q", 0)
 
     def __len__(self) -> int:
-        return SAMPLES
+        return len(self.paths)
 
     def nbytes(self, index: int) -> int:
-        return SAMPLE_BYTES
+        return os.path.getsize(self.paths[index])
 
     def read(self, index: int) -> bytes:
         with open(self.paths[index], "rb") as handle:
@@ -70,10 +70,29 @@ class SimulatedStorage(tud.Dataset):
         return self.decode(self.read(index), index)
 
 
+def process_tree_cpu() -> float:
+    """CPU seconds used so far by this process and its live children (the loader's workers)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == me or int(fields[1]) == me:
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
 def train(dl, epochs: int, step_seconds: float = STEP_SECONDS) -> list[dict]:
     rows = []
     for epoch in range(epochs):
         stall, steps, samples = 0.0, 0, 0
+        cpu = process_tree_cpu()
         start = time.perf_counter()
         iterator = iter(dl)
         while True:
@@ -90,24 +109,27 @@ def train(dl, epochs: int, step_seconds: float = STEP_SECONDS) -> list[dict]:
             samples += len(batch[1])
         wall = time.perf_counter() - start
         rows.append({"epoch": epoch + 1, "utilization": steps * step_seconds / wall if step_seconds else None,
-                     "samples/s": samples / wall, "stall_s": stall})
+                     "samples/s": samples / wall, "stall_s": stall,
+                     "cpu_us/sample": (process_tree_cpu() - cpu) / max(samples, 1) * 1e6})
     return rows
 
 
 def compare(name: str, storage: SimulatedStorage, epochs: int = EPOCHS, torch_epochs: int = EPOCHS,
-            step: float = STEP_SECONDS, **cache) -> list[dict]:
+            step: float = STEP_SECONDS, batch: int = BATCH, label: str = "loader", **cache) -> list[dict]:
     """Both loaders on the same storage with the same arguments; one row per epoch."""
     rows = []
     for label, cls, extra, count in (("torch", tud.DataLoader, {}, torch_epochs),
-                                     ("loader", DataLoader, cache, epochs)):
-        dl = cls(storage, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(0),
+                                     (label, DataLoader, cache, epochs)):
+        if count == 0:
+            continue
+        dl = cls(storage, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0),
                  num_workers=WORKERS, persistent_workers=True, **extra)
         for epoch in range(count):
             before = storage.reads.value
             (row,) = train(dl, 1, step)
             rows.append({"config": name, "loader": label, **row, "epoch": epoch + 1,
                          "storage_reads": storage.reads.value - before})
-        if label == "loader":
+        if label != "torch":
             dl.close()
         del dl
     return rows
@@ -123,6 +145,73 @@ def predicted_optimum(capacity: int, epochs: int) -> list[int]:
     return optimal_reads([plan.indices, *plan.following], lambda i: SAMPLE_BYTES, capacity)
 
 
+def write_samples(root: str, count: int, size: int) -> None:
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        with open(os.path.join(root, f"{i:05d}.bin"), "wb") as handle:
+            handle.write(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+
+
+def issue_cases(repeats: int = 3) -> tuple[list[dict], list[str]]:
+    """The cases a new user tries first, each against torch in the same run, alternating:
+    fast local storage with no compute (20,000 samples of 4 KB, batch 64), and slow storage
+    (3 ms a sample, 25 ms a step, 32 batches of 32 an epoch)."""
+    rows, notes = [], []
+    root = tempfile.mkdtemp(prefix="prescient-bench-")
+    try:
+        write_samples(root, 20_000, 4096)
+        fast = SimulatedStorage(root, latency=0.0, bandwidth=0.0, count=20_000)
+        slow = SimulatedStorage(root, latency=0.003, bandwidth=0.0, count=1024)
+        for repeat in range(repeats):
+            rows += compare("fast, no compute, no cache", fast, epochs=2, torch_epochs=2, step=0.0, batch=64)
+            rows += compare("fast, no compute, cache_ram", fast, epochs=2, torch_epochs=0, step=0.0, batch=64,
+                            label="loader+cache", cache_ram=20_000 * 4096 + (16 << 20))
+            rows += compare("slow 3 ms, 25 ms step", slow, epochs=3, torch_epochs=2, step=0.025, batch=32)
+        for row in rows:
+            row["config"] = row["config"].replace(", cache_ram", ", no cache")   # one torch baseline
+        notes += summarize(rows)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return median_rows(rows, repeats), notes
+
+
+def median_rows(rows: list[dict], repeats: int) -> list[dict]:
+    """One row per (config, loader, epoch): the median of each figure over the repeats."""
+    import statistics
+    out = []
+    for key in dict.fromkeys((r["config"], r["loader"], r["epoch"]) for r in rows):
+        mine = [r for r in rows if (r["config"], r["loader"], r["epoch"]) == key]
+        row = dict(mine[0], repeats=repeats)
+        for field, value in mine[0].items():
+            if isinstance(value, (int, float)) and field != "epoch" and value is not None:
+                row[field] = statistics.median(r[field] for r in mine)
+        out.append(row)
+    return out
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    """Medians over the repeats of each (config, loader, epoch), as ratios to torch's."""
+    import statistics
+    notes = []
+    keys = dict.fromkeys((r["config"], r["loader"], r["epoch"]) for r in rows)
+    def median(config, loader, epoch, field):
+        values = [r[field] for r in rows if (r["config"], r["loader"], r["epoch"]) == (config, loader, epoch)
+                  and r[field] is not None]
+        return statistics.median(values) if values else None
+    for config, loader, epoch in keys:
+        if loader == "torch":
+            continue
+        base_epoch = min(epoch, 2)
+        rate = median(config, loader, epoch, "samples/s") / median(config, "torch", base_epoch, "samples/s")
+        cpu = median(config, loader, epoch, "cpu_us/sample") / median(config, "torch", base_epoch, "cpu_us/sample")
+        util = median(config, loader, epoch, "utilization")
+        util_t = median(config, "torch", base_epoch, "utilization")
+        extra = f", utilization {util:.2f} (torch {util_t:.2f})" if util is not None else ""
+        notes.append(f"{config}, {loader} epoch {epoch}: samples/s {rate:.2f}x torch's, CPU per sample "
+                     f"{cpu:.2f}x torch's{extra} (medians)")
+    return notes
+
+
 def run() -> dict:
     root = tempfile.mkdtemp(prefix="prescient-bench-")
     rng = np.random.default_rng(0)
@@ -130,7 +219,7 @@ def run() -> dict:
         with open(os.path.join(root, f"{i:05d}.bin"), "wb") as handle:
             handle.write(rng.integers(0, 256, SAMPLE_BYTES, dtype=np.uint8).tobytes())
     data_bytes = SAMPLES * SAMPLE_BYTES
-    rows, notes = [], []
+    rows, notes = issue_cases()
     try:
         slow = SimulatedStorage(root, latency=0.005, bandwidth=200e6)
         rows += compare("5ms, 200MB/s, cache holds data", slow, torch_epochs=2, cache_ram=data_bytes)

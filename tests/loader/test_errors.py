@@ -89,9 +89,11 @@ def test_dead_worker_raises_like_torch():
 
     _, theirs = collect_until_error(tud.DataLoader(DiesInWorker(), batch_size=2, num_workers=2))
     dl = DataLoader(DiesInWorker(), batch_size=2, num_workers=2, cache_ram="1MiB")
-    _, ours = collect_until_error(dl)
+    batches, ours = collect_until_error(dl)
     dl.close()
     assert dead_worker_error(theirs) and dead_worker_error(ours), (theirs, ours)
+    seen = [int(row[0]) for batch in batches for row in batch]
+    assert seen == list(range(len(seen))) and 9 not in seen      # in order, nothing twice, nothing after
 
 
 MISUSE = [

@@ -22,7 +22,7 @@ def scrape(port: int, loader_name: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     values = {}
     for line in text.splitlines():
-        if line.startswith("prescient_loader_") and f'loader="{loader_name}"' in line:
+        if line.startswith("prescient:loader_") and f'loader="{loader_name}"' in line:
             name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
             values[name] = value
     return values
@@ -44,11 +44,13 @@ def test_prometheus_series_match_stats(counting):
     finally:
         server.shutdown()
     assert stats["samples"] == 60 and stats["storage_reads"] == 30 and stats["ram_hits"] == 30
+    assert stats["epochs"] == 2
     assert dataset.read_counts().sum() == stats["storage_reads"]
-    for key in ("samples", "storage_reads", "storage_bytes", "ram_hits", "disk_hits", "peer_reads", "batches"):
-        assert series[f"prescient_loader_{key}_total"] == stats[key], key
-    assert series["prescient_loader_stall_seconds_total"] == pytest.approx(stats["stall_seconds"])
-    assert series["prescient_loader_cache_ram_bytes"] == 30 * SAMPLE_BYTES
+    for key in ("samples", "storage_reads", "storage_bytes", "ram_hits", "disk_hits", "peer_reads", "batches",
+                "epochs"):
+        assert series[f"prescient:loader_{key}_total"] == stats[key], key
+    assert series["prescient:loader_stall_seconds_total"] == pytest.approx(stats["stall_seconds"])
+    assert series["prescient:loader_cache_ram_bytes"] == 30 * SAMPLE_BYTES
 
 
 def test_file_dataset_class_layout_and_flat_layout(tmp_path):

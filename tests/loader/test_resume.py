@@ -3,6 +3,8 @@ the following epochs exactly as an uninterrupted torch DataLoader does, random
 augmentation in the workers included."""
 from __future__ import annotations
 
+import os
+import pickle
 import random
 
 import numpy as np
@@ -103,3 +105,78 @@ def test_resume_between_epochs_and_bad_states(files):
         dl.load_state_dict({"epoch": 3})
     with pytest.raises(ValueError, match="dataset had 45 samples, this one has 7"):
         DataLoader(list(range(7))).load_state_dict(checkpoint)
+
+
+class _RunsCode:
+    """What a hostile checkpoint carries: unpickling it creates a directory."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def plain(value) -> bool:
+    """Only what torch.load(weights_only=True) reads without any class: no pickled bytes anywhere."""
+    if isinstance(value, dict):
+        return all(type(k) in (str, int) and plain(v) for k, v in value.items())
+    return value is None or type(value) in (int, str) or (isinstance(value, torch.Tensor) and value.dtype in
+                                                         (torch.uint8, torch.int64))
+
+
+def test_weights_only_checkpoint_resumes_and_never_runs_code(files, tmp_path):
+    dl, g = build(tud.DataLoader, files, "generator", WORKERS["w2"])
+    oracle = train(dl, g, 0)[0]
+    dl, g = build(DataLoader, files, "generator", WORKERS["w2"], cache_ram="1MiB")
+    train(dl, g, 0, stop=STOP)
+    state = dl.state_dict()
+    dl.close()
+    assert plain(state) and state["worker_rng"], state.keys()
+    torch.save(state, tmp_path / "ckpt.pt")
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    dl, g = build(DataLoader, files, "generator", WORKERS["w2"], cache_ram="1MiB")
+    dl.load_state_dict(loaded)
+    assert same(train(dl, g, 0)[0], oracle[STOP:])
+    dl.close()
+
+    marker = str(tmp_path / "code-ran")
+    hostile = dict(loaded, worker_rng={0: pickle.dumps(_RunsCode(marker)), 1: loaded["worker_rng"][1]})
+    torch.save(hostile, tmp_path / "hostile.pt")
+    hostile = torch.load(tmp_path / "hostile.pt", weights_only=True)    # bytes pass weights_only...
+    dl, g = build(DataLoader, files, "generator", WORKERS["w2"], cache_ram="1MiB")
+    with pytest.raises(ValueError, match=r"worker_rng\[0\] must hold uint8 tensors"):
+        dl.load_state_dict(hostile)                                   # ...and the loader refuses them
+    list(dl)
+    dl.close()
+    assert not os.path.exists(marker)
+    for key, bad in [("batches_done", "5"), ("dataset_len", 45.0), ("epoch_start", {"x": 1})]:
+        with pytest.raises(ValueError, match=key):
+            DataLoader(FileDataset(files), num_workers=2).load_state_dict(dict(loaded, **{key: bad}))
+
+
+def plain_decode(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw[:8]), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("resumed_workers", [0, 3])
+def test_resume_with_other_num_workers_yields_the_rest_once(files, resumed_workers):
+    """A checkpoint from 2 workers resumes with another number: the same remaining batches (the
+    workers' augmentation streams differ, as in torch when num_workers changes), with a warning."""
+    def make(workers):
+        return DataLoader(FileDataset(files, decode=plain_decode), batch_size=4, shuffle=True,
+                          generator=torch.Generator().manual_seed(5), num_workers=workers)
+    expected = list(tud.DataLoader(FileDataset(files, decode=plain_decode), batch_size=4, shuffle=True,
+                                   generator=torch.Generator().manual_seed(5)))
+    dl = make(2)
+    for step, _ in enumerate(dl):
+        if step + 1 == STOP:
+            break
+    state = dl.state_dict()
+    dl.close()
+    dl = make(resumed_workers)
+    with pytest.warns(RuntimeWarning, match="num_workers=2, this loader has"):
+        dl.load_state_dict(state)
+    rest = list(dl)
+    dl.close()
+    assert same(rest, expected[STOP:])

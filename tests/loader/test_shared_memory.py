@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from loader import DataLoader, FileDataset
+from loader.cache_ram import Layout, SharedMemoryFull, SharedState
 from tests.loader.conftest import noisy_decode, shm_names, write_files
 
 
@@ -71,43 +72,154 @@ def test_released_on_close_and_on_garbage_collection(files):
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, torch
+    import sys, time, torch
+    from torch.utils.data import get_worker_info
     from loader import DataLoader, FileDataset
+    root, disk, ending = sys.argv[1:4]
+
+    class Storage(FileDataset):
+        def read(self, index):
+            if ending == "hang" and index >= 12 and get_worker_info() is None:
+                time.sleep(600)        # storage hangs: the workers wait on the prefetcher for good
+            return super().read(index)
+
     decode = lambda raw: torch.frombuffer(bytearray(raw[:8]), dtype=torch.uint8)
-    dl = DataLoader(FileDataset(sys.argv[1], decode=decode), batch_size=2, num_workers=2,
-                    persistent_workers=True, cache_ram="1MiB")
+    dl = DataLoader(Storage(root, decode=decode), batch_size=2, num_workers=2, persistent_workers=True,
+                    cache_ram="1MiB", cache_disk=disk, cache_disk_bytes="1MiB", prefetch_threads=2)
     for step, batch in enumerate(dl):
         if step == 3:
             print("iterating", flush=True)
-            if sys.argv[2] == "raise":
+            if ending == "raise":
                 raise ValueError("the training step failed")
-            import time; time.sleep(60)
+            if ending == "sigkill":
+                time.sleep(600)
 """)
 
 
-@pytest.mark.parametrize("ending", ["raise", "sigkill"])
-def test_released_when_the_process_dies(files, ending):
-    process = subprocess.Popen([sys.executable, "-c", SCRIPT, files, ending], stdout=subprocess.PIPE,
+def children(pid: int) -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.add(int(entry))
+    return out
+
+
+def running(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
+@pytest.mark.parametrize("ending", ["raise", "sigkill", "hang"])
+def test_released_when_the_process_dies(files, tmp_path, ending):
+    """SIGKILL of the main process: its workers exit within seconds (idle in torch's loop, or waiting
+    on a position the dead prefetcher will never publish), the resource tracker unlinks the segment,
+    and the next loader on the node removes the disk tier's directory."""
+    disk = str(tmp_path / "disk")
+    process = subprocess.Popen([sys.executable, "-c", SCRIPT, files, disk, ending], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=os.getcwd())
-    assert process.stdout.readline().strip() == "iterating"
+    assert process.stdout.readline().strip() == "iterating", process.communicate()
     pid = process.pid
     assert shm_names(pid), "the loader should hold a segment while it runs"
-    if ending == "sigkill":
+    assert [name for name in os.listdir(disk) if name.startswith(f"prescient-{pid}-")]
+    if ending == "hang":
+        time.sleep(1)                          # the workers are now waiting on positions 12 and on
+    workers = {p for p in children(pid) if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()}
+    assert len(workers) == 2, workers
+    if ending != "raise":
         process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
-    deadline = time.monotonic() + 30          # workers notice the dead parent, then the tracker unlinks
-    while shm_names(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    killed = time.monotonic()
+    while (running(workers) or shm_names(pid)) and time.monotonic() < killed + 15:
+        time.sleep(0.1)
+    assert not running(workers), f"workers alive {time.monotonic() - killed:.1f} s after the main process"
     assert not shm_names(pid)
     if ending == "raise":
         assert "the training step failed" in process.stderr.read()
-
-
-def test_cache_larger_than_dev_shm_is_shrunk_with_a_warning(files):
-    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-    dl = DataLoader(FileDataset(files, decode=noisy_decode), batch_size=4, cache_ram=free * 2)
-    with pytest.warns(RuntimeWarning, match="do not fit in the free space of /dev/shm"):
-        batches = list(dl)
-    stats = dl.stats()
+        assert not os.listdir(disk)
+        return
+    assert os.listdir(disk)                    # SIGKILL leaves the directory; the next loader takes it back
+    dl = DataLoader(FileDataset(files), batch_size=4, cache_ram="1MiB", cache_disk=disk,
+                    cache_disk_bytes="1MiB")
+    next(iter(dl))
+    assert [name for name in os.listdir(disk) if not name.startswith(f"prescient-{os.getpid()}-")] == []
     dl.close()
-    assert len(batches) == 12 and stats["shared_memory_bytes"] <= free
+
+
+def test_stale_segments_are_reclaimed_and_segments_reserved(files):
+    """A segment left by a dead pid (its resource tracker killed too) goes when the next loader
+    starts; a live loader's segment has every page allocated, so others see the space as taken."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"/dev/shm/prescient_{dead.pid}_0123456789ab"
+    with open(stale, "wb") as handle:
+        handle.write(b"x" * 4096)
+    dl = DataLoader(FileDataset(files), batch_size=4, cache_ram="4MiB")
+    next(iter(dl))
+    assert not os.path.exists(stale)
+    segment = os.stat(f"/dev/shm/{dl._engine.shared.name}")
+    assert segment.st_blocks * 512 >= segment.st_size >= 4 << 20
+    dl.close()
+
+
+SMALL_SHM_SCRIPT = textwrap.dedent("""
+    import os, sys, warnings, torch
+    from loader import DataLoader, FileDataset
+    from loader.cache_ram import Layout, SharedMemoryFull, SharedState
+    decode = lambda raw: torch.frombuffer(bytearray(raw[:8]), dtype=torch.uint8)
+    dataset = FileDataset(sys.argv[1], decode=decode)
+    # two loaders start before either has filled its cache: each asks 16 MiB of a 32 MiB /dev/shm
+    loaders = [DataLoader(dataset, batch_size=16, shuffle=True, cache_ram="16MiB", prefetch_bytes="2MiB")
+               for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iterators = [iter(dl) for dl in loaders]
+        firsts = [next(it) for it in iterators]
+    print("WARNED", [str(w.message)[:80] for w in caught])
+    for epoch in range(2):
+        for dl in loaders:
+            for batch in dl:
+                pass
+    print("SHM", sum(dl.stats()["shared_memory_bytes"] for dl in loaders))
+    try:
+        SharedState(Layout(samples=8, rows=3, ring=16, snap_slots=1, arena=16 << 20))
+    except SharedMemoryFull as error:
+        print("FULL", error)
+""")
+
+
+def test_loaders_sharing_a_small_dev_shm_never_overcommit_it(tmp_path):
+    """Two loaders on a 32 MiB /dev/shm (a private tmpfs in a mount namespace, as in a default Docker
+    container): the second is sized against what the first reserved, both fill their caches, no
+    SIGBUS; a third segment that cannot fit is a clear error."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -m (root) to give the test its own small /dev/shm")
+    root = write_files(tmp_path / "data", 400, size=lambda i: 64 << 10)      # 25 MiB of samples
+    command = f"mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c \"$0\" {root}"
+    result = subprocess.run(["unshare", "-m", "sh", "-c", command, SMALL_SHM_SCRIPT], capture_output=True,
+                            text=True, timeout=120, cwd=os.getcwd())
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])     # -7 is a SIGBUS
+    assert "do not fit in the free space of" in result.stdout
+    shm = int(result.stdout.split("SHM ")[1].split()[0])
+    assert 20 << 20 < shm <= 32 << 20
+    assert "FULL shared memory: cannot reserve" in result.stdout and "Lower cache_ram" in result.stdout
+
+
+def test_segment_that_cannot_fit_is_a_clear_error_not_sigbus():
+    total = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
+    before = shm_names(os.getpid())
+    with pytest.raises(SharedMemoryFull, match="cannot reserve .* bytes in /dev/shm .* Lower cache_ram"):
+        SharedState(Layout(samples=8, rows=3, ring=16, snap_slots=1, arena=2 * total))
+    assert shm_names(os.getpid()) == before

@@ -10,6 +10,7 @@ import torch.utils.data as tud
 from torch.utils.data import DistributedSampler
 
 from loader import DataLoader
+from loader.batch_reads import FAST_READ_SECONDS, BatchReader
 from tests.loader.conftest import SAMPLE_BYTES
 
 
@@ -98,3 +99,68 @@ def test_thirty_percent_cache_reads_no_more_than_the_optimum(counting, workers):
     assert all(r <= o for r, o in zip(reads, optimum)), (reads, optimum)
     assert reads[1] < n                         # the cache did save reads
     assert peak <= capacity * SAMPLE_BYTES
+
+
+class SlowStorage(tud.Dataset):
+    """Each read waits `latency` seconds (a network file system); counts the most reads in flight."""
+
+    def __init__(self, latency: float):
+        import multiprocessing
+        self.latency = latency
+        self.state = multiprocessing.Array("q", 2)      # reads in flight now, most ever
+
+    def __len__(self):
+        return 48
+
+    def read(self, index):
+        import time
+        with self.state.get_lock():
+            self.state[0] += 1
+            self.state[1] = max(self.state[1], self.state[0])
+        time.sleep(self.latency)
+        with self.state.get_lock():
+            self.state[0] -= 1
+        return bytes([index]) * 16
+
+    def decode(self, raw, index):
+        return torch.tensor(list(raw[:4])) + torch.rand(1)      # draws from the worker's RNG, in order
+
+    def __getitem__(self, index):
+        return self.decode(self.read(index), index)
+
+
+@pytest.mark.parametrize("latency, in_flight", [(0.02, 4), (0.0, None)])
+def test_a_worker_reads_its_batch_with_reads_in_flight(latency, in_flight):
+    """Without a cache a worker reads its batch itself, on slow storage several reads at once (the
+    threads given to it); batches equal torch's, on slow and on fast storage."""
+    def batches(dl):
+        torch.manual_seed(3)
+        return [list(dl) for _ in range(2)]
+
+    theirs = batches(tud.DataLoader(SlowStorage(latency), batch_size=8, shuffle=True, num_workers=1,
+                                    persistent_workers=True))
+    storage = SlowStorage(latency)
+    dl = DataLoader(storage, batch_size=8, shuffle=True, num_workers=1, persistent_workers=True,
+                    prefetch_threads=4)
+    torch.manual_seed(3)
+    ours = [list(dl)]
+    storage.state[1] = 0
+    ours.append(list(dl))
+    dl.close()
+    assert all(torch.equal(a, b) for x, y in zip(theirs, ours) for a, b in zip(x, y))
+    assert [len(epoch) for epoch in ours] == [len(epoch) for epoch in theirs] == [6, 6]
+    assert in_flight is None or storage.state[1] == in_flight
+
+
+def test_fast_reads_stay_in_the_calling_thread():
+    """A read faster than a thread hand-off is made in the worker's own thread, in order."""
+    import threading
+    reader = BatchReader(4)
+    threads = []
+    def read(index):
+        threads.append(threading.current_thread())
+        return bytes([index])
+    for _ in range(10):
+        threads.clear()
+        assert reader.read_all(read, list(range(8))) == [bytes([i]) for i in range(8)]
+    assert threads == [threading.current_thread()] * 8 and reader.average < FAST_READ_SECONDS

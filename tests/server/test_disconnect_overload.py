@@ -85,3 +85,8 @@ def test_overload_gets_429_with_retry_after_and_the_rest_complete():
         assert all(r[1] is not None and int(r[1]) >= 1 for r in rejected)
         assert all(r[2]["error"]["type"] == "rate_limit_error" for r in rejected)
         assert all(r[2]["usage"]["completion_tokens"] == 24 for r in ok)
+        counted = server.metrics()   # what an operator's 429 alert reads
+        assert counted["prescient:http_responses_total{code=429,handler=/v1/completions}"] == len(rejected)
+        assert counted["prescient:http_responses_total{code=200,handler=/v1/completions}"] == len(ok)
+        assert counted["prescient:requests_rejected_total{reason=queue_full}"] == len(rejected)
+        assert counted["prescient:requests_rejected_total{reason=draining}"] == 0

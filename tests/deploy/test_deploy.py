@@ -1,9 +1,13 @@
-"""deploy/ stays consistent without Docker: files parse, paths exist, names and ports agree, promtool accepts the config.
+"""deploy/ stays consistent without Docker: files parse, paths exist, names and ports agree, promtool accepts
+the config.
+
+(Kubernetes: test_kubernetes.py; the Dockerfile against `make serve`: test_dockerfile.py.)
 
 (PyYAML comes with transformers, a test dependency.)
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -38,7 +42,7 @@ def entrypoint_args() -> list[str]:
 
 def test_dockerfile_copies_what_exists_and_serves_on_its_exposed_port():
     for line in dockerfile():
-        if line.startswith("COPY"):
+        if line.startswith("COPY") and "--from=" not in line:
             for source in shlex.split(line)[1:-1]:
                 assert os.path.exists(os.path.join(ROOT, source)), f"COPY {source}: not in the repository"
     exposed = next(int(x.split()[1]) for x in dockerfile() if x.startswith("EXPOSE"))
@@ -55,7 +59,7 @@ def test_compose_mounts_exist_and_prometheus_scrapes_the_server():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             assert os.path.exists(os.path.join(DEPLOY, source)), f"volume {volume}: {source} does not exist"
-    scrape = load("prometheus.yml")["scrape_configs"][0]
+    scrape = load("prometheus/prometheus.yml")["scrape_configs"][0]
     assert scrape.get("metrics_path", "/metrics") == "/metrics"
     exposed = parse_args(entrypoint_args()).port
     assert scrape["static_configs"][0]["targets"] == [f"prescient:{exposed}"]
@@ -67,7 +71,8 @@ def test_compose_mounts_exist_and_prometheus_scrapes_the_server():
 def test_promtool_accepts_the_prometheus_config():
     promtool = shutil.which("promtool")
     assert promtool, "promtool comes with Debian's prometheus package (`make test` installs it)"
-    result = subprocess.run([promtool, "check", "config", os.path.join(DEPLOY, "prometheus.yml")],
+    config = os.path.join(DEPLOY, "prometheus", "prometheus.yml")
+    result = subprocess.run([promtool, "check", "config", config],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -79,23 +84,24 @@ def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
     assert mounts["./grafana/dashboards"] == provider["options"]["path"]
     datasource = load("grafana/provisioning/datasources/prometheus.yaml")["datasources"][0]
     assert datasource["url"] == "http://prometheus:9090"
-    with open(os.path.join(DEPLOY, "grafana", "dashboards", "prescient.json")) as f:
-        dashboard = json.load(f)
-    for panel in dashboard["panels"]:
-        assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
-        assert panel["targets"] and all(t["expr"] and t["refId"] for t in panel["targets"]), panel["title"]
+    paths = sorted(glob.glob(os.path.join(DEPLOY, "grafana", "dashboards", "*.json")))
+    assert [os.path.basename(p) for p in paths] == ["prescient-loader.json", "prescient.json"]
+    uids = set()
+    for path in paths:
+        with open(path) as f:
+            dashboard = json.load(f)
+        uids.add(dashboard["uid"])
+        for panel in dashboard["panels"]:
+            assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+            assert panel["targets"], panel["title"]
+            assert all(t["expr"] and t["refId"] for t in panel["targets"]), panel["title"]
+            assert all("[$__rate_interval]" in t["expr"] for t in panel["targets"] if "rate(" in t["expr"])
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        assert "instance" in variables
+        assert all(v["datasource"]["uid"] == datasource["uid"] for v in variables.values())
+        for panel in dashboard["panels"]:   # every query honours every variable of its dashboard
+            for target in panel["targets"]:
+                used = {name for name in variables if f"${name}" in target["expr"]}
+                assert used == set(variables) - {"tenant"} or used == set(variables), (panel["title"], used)
+    assert len(uids) == len(paths)
     # (test_prometheus runs every expression against a real Prometheus scraping the real server)
-
-
-def test_kubernetes_deployment_is_ready_on_health_and_the_service_selects_it():
-    docs = {d["kind"]: d for d in load("k8s/prescient.yaml")}
-    pod = docs["Deployment"]["spec"]["template"]
-    assert docs["Deployment"]["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-    assert docs["Service"]["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    container = pod["spec"]["containers"][0]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert docs["Service"]["spec"]["ports"][0]["targetPort"] in port_names
-    args = parse_args(entrypoint_args() + container.get("args", []))
-    assert port_names[container["readinessProbe"]["httpGet"]["port"]] == args.port
-    assert pod["spec"]["terminationGracePeriodSeconds"] > args.drain_timeout

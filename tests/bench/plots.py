@@ -1,0 +1,146 @@
+"""PNG plots of benchmark results, written next to their JSON by `make bench` (matplotlib, no display).
+
+    python -m tests.bench.plots            # redraw bench-results/*.png from the JSON already there
+
+serve: output tokens/s and TTFT p50/p99 against concurrency; fairness: each tenant's service rate
+over time in the overload phase, one panel per policy; loader: accelerator utilization per epoch,
+the clairvoyant loader against torch's. Each figure names the machine the numbers came from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+
+def machine() -> str:
+    """CPU model and core count, e.g. 'AMD EPYC 7B13, 2 cores' (what a reader needs to weigh the numbers)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+            model = names[0] if names else model
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def _title(fig: Figure, result: dict) -> None:
+    fig.suptitle(f"{result.get('title', result.get('name', ''))}\n{result.get('machine', '')}", fontsize=9)
+
+
+def serve(result: dict) -> Figure | None:
+    rows = [r for r in result.get("rows", []) if str(r.get("workload", "")).startswith("concurrency ")]
+    if not rows:
+        return None
+    concurrency = [int(r["workload"].split()[1]) for r in rows]
+    fig, (throughput, ttft) = plt.subplots(1, 2, figsize=(10, 4))
+    throughput.plot(concurrency, [r["output tok/s"] for r in rows], marker="o", label="server (HTTP)")
+    offline = [r for r in result["rows"] if str(r.get("workload", "")).startswith("offline engine")]
+    if offline:
+        throughput.axhline(offline[0]["output tok/s"], linestyle="--", color="gray",
+                           label=offline[0]["workload"])
+    throughput.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title="Throughput")
+    ttft.plot(concurrency, [r["TTFT p50 ms"] / 1000 for r in rows], marker="o", label="p50")
+    ttft.plot(concurrency, [r["TTFT p99 ms"] / 1000 for r in rows], marker="s", label="p99")
+    ttft.set(xscale="log", xlabel="concurrent requests", ylabel="seconds", title="Time to first token")
+    for ax in (throughput, ttft):
+        ax.set_xticks(concurrency, [str(c) for c in concurrency])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _title(fig, result)
+    fig.tight_layout()
+    return fig
+
+
+def _service_rates(samples: list[dict], tenant: str) -> tuple[list[float], list[float]]:
+    """Tokens/s served to `tenant` between consecutive /metrics samples, at each interval's end."""
+    key = f"tenant_service_tokens_total[{tenant}]"
+    points = [(s["t"], s[key]) for s in samples if key in s]
+    times, rates = [], []
+    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+        if t1 > t0:
+            times.append(t1)
+            rates.append((v1 - v0) / (t1 - t0))
+    return times, rates
+
+
+def fairness(result: dict) -> Figure | None:
+    runs = {key[len("overload_"):-len("_metrics")]: value for key, value in result.items()
+            if key.startswith("overload_") and key.endswith("_metrics") and value}
+    if not runs:
+        return None
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), sharey=True, squeeze=False)
+    for ax, (policy, samples) in zip(axes[0], sorted(runs.items(), reverse=True)):
+        tenants = sorted({k[k.index("[") + 1:-1] for s in samples for k in s
+                          if k.startswith("tenant_service_tokens_total[")})
+        for tenant in tenants:
+            ax.plot(*_service_rates(samples, tenant), label=f"tenant {tenant}")
+        ax.set(title=f"{policy}: service per tenant", xlabel="seconds", ylabel="tokens/s served")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _title(fig, result)
+    fig.tight_layout()
+    return fig
+
+
+def loader(result: dict) -> Figure | None:
+    rows = [r for r in result.get("rows", []) if r.get("utilization") is not None and "config" in r]
+    if not rows:
+        return None
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    columns = min(2, len(configs))
+    lines = -(-len(configs) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(5 * columns, 3.6 * lines), sharey=True, squeeze=False)
+    for ax in axes.flat[len(configs):]:
+        ax.set_visible(False)
+    for ax, config in zip(axes.flat, configs):
+        for label in ("torch", "loader"):
+            mine = [r for r in rows if r["config"] == config and r["loader"] == label]
+            if mine:
+                ax.plot([r["epoch"] for r in mine], [r["utilization"] for r in mine], marker="o",
+                        label="torch DataLoader" if label == "torch" else "loader.DataLoader")
+        ax.set(title=config, xlabel="epoch", ylabel="accelerator utilization", ylim=(0, 1.05))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _title(fig, result)
+    fig.tight_layout()
+    return fig
+
+
+PLOTS = {"serve": serve, "fairness": fairness, "loader": loader}
+
+
+def write(name: str, result: dict, out_dir: Path) -> Path | None:
+    """Draw `name`'s figure (if it has one and the result holds its data) to out_dir/name.png."""
+    draw = PLOTS.get(name)
+    fig = draw(result) if draw else None
+    if fig is None:
+        return None
+    path = Path(out_dir) / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(out_dir: str = "bench-results") -> int:
+    for name in PLOTS:
+        source = Path(out_dir) / f"{name}.json"
+        if source.exists():
+            path = write(name, json.loads(source.read_text()), Path(out_dir))
+            print(f"{source} -> {path}" if path else f"{source}: nothing to plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
