@@ -18,6 +18,7 @@ without registering, so their exit never unlinks what the main process still use
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -118,6 +119,8 @@ class SharedState:
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as error:
+            if error.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return                    # a file system that cannot reserve: sized by statvfs alone
             self._shm.close()
             self._shm.unlink()
             free = shm_free_bytes()

@@ -123,14 +123,17 @@ class DataLoader(tud.DataLoader[T_co]):
       cache_ram: bytes (int or "8GiB") of raw samples kept in shared memory across epochs.
       cache_disk / cache_disk_bytes: a local directory and how many bytes it may hold.
       cache_items: the dataset has no read/decode but its items are deterministic: cache them.
-      prefetch_bytes: bytes read ahead of the workers and not cached (default 64 MiB).
-      prefetch_threads: concurrent storage reads (default 16).
+      prefetch_bytes: with a cache, bytes read ahead of the workers and not cached (default 64 MiB).
+      prefetch_threads: concurrent storage reads (default 16): with a cache, the prefetcher's; without
+        one, shared out among the workers, each reading its batch with that many reads in flight when
+        storage is slow.
       peer_exchange: under torch.distributed, take samples another rank holds from it (gloo)
         instead of storage; all ranks must build the loader together and iterate whole epochs.
       peer_window: samples per exchange window (default 128).
       name: label of this loader's Prometheus series.
-    Shared memory used: cache_ram + prefetch_bytes, for a dataset that implements
-    read(index) -> bytes and decode(raw, index), or with cache_items=True.
+    Shared memory used: cache_ram + prefetch_bytes when there is a cache, for a dataset that
+    implements read(index) -> bytes and decode(raw, index), or with cache_items=True; reserved
+    when the loader starts. The protocol between processes is described in clairvoyant.py.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,

@@ -2,9 +2,11 @@
 
 Counters live in shared memory, one row per process (prefetcher, main, each worker), so
 workers report without messages. Every DataLoader registers itself (weakly) with one
-collector in prometheus_client's default registry, which a training script exposes with
-`prometheus_client.start_http_server(port)`; series are labelled by the loader's `name` and
-named `prescient:loader_*`, under the server's prefix, so one `prescient:` selector finds both.
+collector in prometheus_client's default registry; series are labelled by the loader's `name`
+and named `prescient:loader_*`, under the server's prefix. A training script serves them in the
+text format (`generate_latest()`, as deploy/examples/train/train.py does): the OpenMetrics output
+of prometheus_client 0.26, which its `start_http_server` sends to Prometheus, writes the sample
+names with `_` for `:`.
 """
 from __future__ import annotations
 

@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error; nothing more will be served."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The server aborted this request (abort_all: shutdown after the drain timeout)."""
+
+
 class RequestFailedError(RuntimeError):
     """This request failed inside the engine (its step raised); the engine keeps serving the others.
 
@@ -74,8 +78,8 @@ class AsyncEngine:
             return dict(self._stats)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       *, tenant: str = "default", weight: float = 1.0,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield snapshots of the request's output as tokens arrive; the last one has finished=True.
         With params.n > 1 the snapshots of its n sequences interleave (RequestOutput.index tells which),
         and the stream ends when all n have finished."""
@@ -100,7 +104,7 @@ class AsyncEngine:
             if request_id in self._sinks:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self._sinks[request_id] = (loop, queue)
-            self._adds.append((request_id, ids, params, tenant, weight, priority, arrival))
+            self._adds.append((request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
             self._wake.notify()
         finished = False
         remaining = params.n   # sequences still running; the last one to finish ends the stream
@@ -128,12 +132,24 @@ class AsyncEngine:
                 self._aborts.append(request_id)
                 self._wake.notify()
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight now: each consumer gets RequestAbortedError(reason) and the
+        engine frees their blocks. Returns how many there were."""
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            self._aborts.extend(sinks)
+            self._wake.notify()
+        for loop, queue in sinks.values():
+            loop.call_soon_threadsafe(queue.put_nowait, RequestAbortedError(reason))
+        return len(sinks)
+
     async def shutdown(self) -> None:
         with self._lock:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.abort_all("the engine has shut down")   # nobody may wait on a stopped engine
 
     # ---- engine thread --------------------------------------------------------------------------
 
@@ -149,11 +165,11 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 # Adds first: a request added and abandoned during the same step must be added, then aborted.
-                for request_id, ids, params, tenant, weight, priority, arrival in adds:
+                for request_id, ids, params, tenant, weight, priority, arrival, salt in adds:
                     self._unfinished[request_id] = params.n
                     try:
                         engine.add_request(request_id, ids, params, tenant=tenant, weight=weight,
-                                           priority=priority, arrival_time=arrival)
+                                           priority=priority, arrival_time=arrival, cache_salt=salt)
                     except ValueError as exc:
                         self._unfinished.pop(request_id, None)
                         self._deliver(request_id, exc, final=True)

@@ -1,18 +1,33 @@
 """Pick the device and the default dtype for it.
 
-bfloat16 halves the bytes read per token, but only pays where the hardware
-computes in it: CUDA, or a CPU with AVX-512 BF16 / AMX. On a CPU without
-them (AVX2 only), PyTorch emulates bf16 matmuls about eight times slower than
-float32, so float32 is the default there.
+On CUDA the default is bfloat16. On a CPU the default is whichever dtype ran
+a small model-shaped matmul fastest when measured, once per CPU (the answer
+is cached on disk): CPU flags do not tell speed (an Intel Xeon with AVX-512
+BF16 ran bf16 matmuls at half its float32 rate; an AMD EPYC ran them ~4x
+faster). A dtype the CPU has no instructions for (bfloat16 without AVX-512
+BF16 or AMX, float16 without AVX-512 FP16 or AMX-FP16) is emulated by
+PyTorch and never a candidate, however the measurement came out.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
 from functools import lru_cache
+from pathlib import Path
+from typing import Callable
 
 import torch
 
+log = logging.getLogger("prescient.runtime")
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -39,14 +54,81 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def default_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return fastest_cpu_dtype()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def native_cpu_dtypes(flags: set[str]) -> list[torch.dtype]:
+    """float32, plus the reduced-precision dtypes this CPU has instructions for."""
+    return [torch.float32] + [dt for dt, needs in NATIVE_FLAGS.items() if any(f in flags for f in needs)]
+
+
+def pick_fastest(seconds: dict[torch.dtype, float], native: list[torch.dtype]) -> torch.dtype:
+    """The measured-fastest native dtype; float32 when nothing else was measured faster."""
+    candidates = [dt for dt in native if dt in seconds]
+    return min(candidates, key=lambda dt: (seconds[dt], dt != torch.float32), default=torch.float32)
+
+
+def time_matmul(dtype: torch.dtype, rounds: int = 5) -> float:
+    """Median seconds of a [64, 576] x [576, 1536] matmul (a small model's projection at a batch of 64)."""
+    x = torch.randn(64, 576).to(dtype)
+    w = torch.randn(1536, 576).to(dtype)
+    torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 @lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
+def fastest_cpu_dtype(measure: Callable[[torch.dtype], float] = time_matmul) -> torch.dtype:
+    """Measured once per CPU model, flags, torch version and thread count; cached on disk."""
+    flags = cpu_flags()
+    native = native_cpu_dtypes(flags)
+    if len(native) == 1:
+        return torch.float32
+    key = hashlib.sha256(" ".join([platform.processor(), _cpu_model(), *sorted(flags), torch.__version__,
+                                   str(torch.get_num_threads())]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"dtype-{key}.json"
+    try:
+        return DTYPES[json.loads(path.read_text())["dtype"]]
+    except (OSError, ValueError, KeyError):
+        pass
+    seconds = {dt: [] for dt in native}
+    for _ in range(3):  # interleaved, so a burst of load elsewhere hits every candidate alike
+        for dt in native:
+            seconds[dt].append(measure(dt))
+    medians = {dt: statistics.median(s) for dt, s in seconds.items()}
+    chosen = pick_fastest(medians, native)
+    log.info("dtype auto: %s (matmul seconds %s)", chosen, {str(k): round(v, 6) for k, v in medians.items()})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"dtype": str(chosen).removeprefix("torch."),
+                                    "seconds": {str(k).removeprefix("torch."): v for k, v in medians.items()}}))
+    except OSError:
+        pass
+    return chosen
+
+
+def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return next((line for line in f if line.startswith("model name")), "").strip()
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PRESCIENT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "prescient")
+    return Path(root)

@@ -23,6 +23,7 @@ from runtime.logprobs import TokenLogprob
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
+from runtime.quantization import resolve_quantization
 from runtime.tokenizer import Tokenizer
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.sampling_params import SEED_RANGE
@@ -71,12 +72,16 @@ class Engine:
                         max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                         policy: str = "vtc", block_size: int = SchedulerConfig.block_size,
                         max_model_len: int | None = None,
-                        enable_prefix_caching: bool = True, num_threads: int | None = None) -> "Engine":
+                        enable_prefix_caching: bool = True, num_threads: int | None = None,
+                        quantization: str | None = None) -> "Engine":
         """model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
-        dtype: 'auto' (bfloat16 where the hardware computes in it, else float32), 'bfloat16' or 'float32'.
-        kv_cache_bytes: the KV pool's size in bytes (default 1 GiB)."""
+        dtype: 'auto' (CUDA: bfloat16; CPU: the dtype that measured fastest here), 'bfloat16' or 'float32'.
+        kv_cache_bytes: the KV pool's size in bytes (default 1 GiB).
+        quantization: 'auto' (default: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast, i.e.
+        bfloat16 on CPU), 'none' (dequantize), 'gguf' (always packed), 'int8' / 'int4' (quantize on load)."""
         torch_device = resolve_device(device)
         dtype = resolve_dtype(dtype, torch_device)
+        quantization = resolve_quantization(quantization, dtype, torch_device)
         if num_threads:
             torch.set_num_threads(num_threads)
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
@@ -93,7 +98,7 @@ class Engine:
         ckpt = load_checkpoint(model)
         config = ckpt.config
         tokenizer = Tokenizer(ckpt.tokenizer)
-        net = LlamaModel(config, ckpt.weights, dtype, torch_device)
+        net = LlamaModel(config, ckpt.weights, dtype, torch_device, quantization)
         del ckpt
         return cls(net, tokenizer, num_blocks=kv_cache_bytes // bytes_per_block(config, block_size, dtype),
                    block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -103,8 +108,9 @@ class Engine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue one request; raises ValueError naming the offending field."""
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        """Validate and queue one request; raises ValueError naming the offending field.
+        cache_salt: the prefix-cache namespace (default: the tenant's own, see Request.cache_salt)."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._tracked:
@@ -115,7 +121,7 @@ class Engine:
         if params.n > 1 and any(f"{request_id}#{j}" in self._tracked for j in range(1, params.n)):
             raise ValueError(f"request_id: {request_id!r} collides with another request's sequence ids")
         request = Request(request_id, ids, params, eos_token_id=self.tokenizer.eos_token_id, tenant=tenant,
-                          weight=weight, priority=priority)
+                          weight=weight, priority=priority, cache_salt=cache_salt)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         # Sequences 1..n-1 fork from this one once its prompt is computed; each has its own seed stream.
@@ -126,7 +132,8 @@ class Engine:
             child_params = replace(params, n=1, prompt_logprobs=None, seed=seed)
             request.forks.append(Request(f"{request_id}#{j}", ids, child_params,
                                          eos_token_id=request.eos_token_id, tenant=tenant, weight=weight,
-                                         priority=priority, index=j, arrival_time=request.arrival_time))
+                                         priority=priority, index=j, arrival_time=request.arrival_time,
+                                         cache_salt=request.cache_salt))
         self.scheduler.add_request(request)
         self._groups[request_id] = [request_id] + [child.request_id for child in request.forks]
         for seq in [request, *request.forks]:

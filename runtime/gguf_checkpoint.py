@@ -4,6 +4,8 @@ GGUF (llama.cpp's format) stores Q and K projection rows permuted so that
 RoPE rotates interleaved pairs; they are un-permuted here to Hugging Face's
 half-split order, so one model implementation serves both sources. A wrong
 pairing still yields fluent text, which is why the tests compare logits.
+Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (runtime.quantization.GGUFBlocks):
+the model decides whether to run them packed or dequantized.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import numpy as np
 from runtime.checkpoint import Checkpoint, TokenizerSource
 from runtime.model_config import ModelConfig
 from runtime.progress import Progress
+from runtime.quantization import GGUFBlocks
+
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -66,12 +71,14 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
         tie_word_embeddings="output.weight" not in tensors,
     )
 
-    def dequant(tensor) -> np.ndarray:
+    def dequant(tensor) -> np.ndarray | GGUFBlocks:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists dims innermost first
+        if tensor.tensor_type.name in PACKED_TYPES and len(shape) == 2:
+            return GGUFBlocks.parse(tensor.tensor_type.name, tensor.data, shape)
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         return np.array(array.reshape(shape), dtype=np.float32)  # a writable copy
 
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, np.ndarray | GGUFBlocks] = {}
     progress = Progress(f"loading {name}", total=len(tensors))
     for tname, tensor in tensors.items():
         progress.update()
@@ -111,7 +118,8 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
     return Checkpoint(config, weights, source)
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute(w: np.ndarray | GGUFBlocks, n_head: int) -> np.ndarray | GGUFBlocks:
     """Undo llama.cpp's interleaved-RoPE row order: rows (head, pair, 2) -> (head, 2, pair)."""
-    out_dim, in_dim = w.shape
-    return w.reshape(n_head, out_dim // n_head // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+    out_dim = w.shape[0]
+    order = np.arange(out_dim).reshape(n_head, out_dim // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
+    return w.take_rows(order) if isinstance(w, GGUFBlocks) else np.ascontiguousarray(w[order])

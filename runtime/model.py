@@ -2,7 +2,8 @@
 
 Tokens of all sequences in a step arrive flattened: input_ids [T], positions
 [T]; AttentionMetadata says which rows decode and which are prefill chunks.
-Q/K/V and gate/up projections are fused into one matmul each.
+Q/K/V and gate/up projections are fused into one matmul each. Projection
+weights are dense tensors or packed quantized ones (runtime.quantization).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from runtime.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
+from runtime.quantization import BlockEmbedding, GGUFBlocks, linear, make_linear, weight_nbytes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,45 +46,79 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor]):
-        self.input_norm = w["input_layernorm.weight"]
-        self.post_norm = w["post_attention_layernorm.weight"]
-        self.qkv = torch.cat([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"],
-                              w["self_attn.v_proj.weight"]])
-        self.o = w["self_attn.o_proj.weight"]
-        self.gate_up = torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]])
-        self.down = w["mlp.down_proj.weight"]
+    def __init__(self, norm, proj):
+        """norm(suffix) -> dense tensor; proj(suffixes) -> one (fused) projection weight."""
+        self.input_norm = norm("input_layernorm.weight")
+        self.post_norm = norm("post_attention_layernorm.weight")
+        self.qkv = proj(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"])
+        self.o = proj(["self_attn.o_proj.weight"])
+        self.gate_up = proj(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
+        self.down = proj(["mlp.down_proj.weight"])
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray | GGUFBlocks], dtype: torch.dtype,
+                 device: torch.device, quantization: str = "none"):
+        """quantization: as resolved by runtime.quantization.resolve_quantization ('none', 'gguf', 'int8',
+        'int4')."""
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.quantization = quantization
 
-        def tensor(name: str) -> torch.Tensor:
+        def source(name: str) -> np.ndarray | GGUFBlocks:
             if name not in weights:
                 raise ValueError(f"model: checkpoint is missing the weight {name!r}")
-            return torch.from_numpy(weights[name]).to(device=device, dtype=dtype)
+            return weights[name]
 
-        self.embed = tensor("model.embed_tokens.weight")
+        def tensor(name: str) -> torch.Tensor:
+            w = source(name)
+            w = w.dequantize() if isinstance(w, GGUFBlocks) else w
+            return torch.from_numpy(w).to(device=device, dtype=dtype)
+
+        def proj(names: list[str], how: str = quantization):
+            parts = [source(n) for n in names]
+            fused = GGUFBlocks.stack(parts) if all(isinstance(p, GGUFBlocks) for p in parts) else None
+            if fused is None:
+                fused = np.concatenate([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts])
+            return make_linear(fused, how, dtype, device)
+
+        embed = source("model.embed_tokens.weight")
+        if quantization != "none" and (config.tie_word_embeddings or isinstance(embed, GGUFBlocks)):
+            # looked up row by row: only the rows a step reads are dequantized
+            self.embed = BlockEmbedding(embed, dtype) if isinstance(embed, GGUFBlocks) else tensor(
+                "model.embed_tokens.weight")
+            head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            self.lm_head = proj([head], "int8" if quantization == "int4" else quantization)
+        else:
+            self.embed = tensor("model.embed_tokens.weight")
+            self.lm_head = self.embed if config.tie_word_embeddings else proj(["lm_head.weight"])
         self.norm = tensor("model.norm.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else tensor("lm_head.weight")
-        suffixes = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-                    "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-        self.layers = [Layer({s: tensor(f"model.layers.{i}.{s}") for s in suffixes})
+        self.layers = [Layer(lambda s, i=i: tensor(f"model.layers.{i}.{s}"),
+                             lambda names, i=i: proj([f"model.layers.{i}.{s}" for s in names]))
                        for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, dtype, device)
         self.scale = config.head_dim ** -0.5
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        """Bytes of the weights a decode step reads (the embedding's few rows aside)."""
+        tensors = [self.norm, self.lm_head]
         for layer in self.layers:
             tensors += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(weight_nbytes(t) for t in tensors)
+
+    @property
+    def layer_parameters(self) -> int:
+        """Projection parameters every token multiplies by (2 FLOP each), the LM head aside."""
+        c = self.config
+        per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size \
+            + 3 * c.hidden_size * c.intermediate_size
+        return c.num_layers * per_layer
+
+    @property
+    def lm_head_parameters(self) -> int:
+        return self.config.vocab_size * self.config.hidden_size
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -93,7 +129,7 @@ class LlamaModel:
         h = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv)
+            qkv = linear(x, layer.qkv)
             q = qkv[:, :c.q_size].view(t, c.num_heads, c.head_dim)
             k = qkv[:, c.q_size:c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
             v = qkv[:, c.q_size + c.kv_size:].view(t, c.num_kv_heads, c.head_dim)
@@ -101,13 +137,13 @@ class LlamaModel:
             k_cache, v_cache = kv.layer(i)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn.reshape(t, c.q_size), layer.o)
+            h = h + linear(attn.reshape(t, c.q_size), layer.o)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, layer.down)
         return rms_norm(h, self.norm, c.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 from functools import lru_cache
 
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
@@ -23,10 +24,14 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token = self._tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
         self.bos_token = self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        self.special_tokens = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        # The same tokenizer, but special-token text in its input stays text (for what users typed).
+        self._text_tok = HFTokenizer.from_str(self._tok.to_str())
+        self._text_tok.encode_special_tokens = True
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens written in the text (e.g. <|im_start|>) become their ids, as in transformers."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = _encode(self._tok, text)
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
@@ -52,9 +57,55 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False) -> str | list[int]:
+        """tokenize=True: the ids the model sees. Special tokens typed inside a message's content are
+        tokenized as the text they are (so a user cannot forge a system turn); the template's own
+        special tokens become their ids."""
         text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token, eos_token=self.eos_token)
-        return self._tok.encode(text, add_special_tokens=False).ids if tokenize else text
+        if not tokenize:
+            return text
+        forged = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self.special_tokens)]
+        if not forged:   # the common case: one pass over the text, exactly as transformers tokenizes it
+            return _encode(self._tok, text)
+        return self._encode_with_literal_contents(messages, add_generation_prompt, text, forged[0])
+
+    def _encode_with_literal_contents(self, messages: list[dict], add_generation_prompt: bool, text: str,
+                                      first_forged: int) -> list[int]:
+        """Render again with a unique marker in place of each content, encode the template's pieces with
+        special tokens and each content as plain text."""
+        nonce = uuid.uuid4().hex
+        markers = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
+        marked = render_chat(self.chat_template, [dict(m, content=k) for m, k in zip(messages, markers)],
+                             add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                             eos_token=self.eos_token)
+        pieces: list[tuple[str, bool]] = []   # (text, is user content)
+        rest = marked
+        for marker, message in zip(markers, messages):
+            before, found, rest_ = rest.partition(marker)
+            if not found or marker in rest_:
+                break
+            pieces += [(before, False), (message["content"], True)]
+            rest = rest_
+        else:
+            pieces.append((rest, False))
+            if "".join(p for p, _ in pieces) == text:   # the template inserts contents verbatim: split
+                ids: list[int] = []
+                for piece, literal in pieces:
+                    if piece:
+                        ids += _encode(self._text_tok if literal else self._tok, piece)
+                return ids
+        token = next(s for s in self.special_tokens if s in messages[first_forged]["content"])
+        raise ValueError(f"messages: messages[{first_forged}].content contains special-token text ({token!r}) "
+                         f"that this model's chat template does not insert verbatim; remove it")
+
+
+def _encode(tok: HFTokenizer, text: str) -> list[int]:
+    """Token ids of text, no special tokens added. Long texts go through encode_batch: measured here,
+    encode() of a string built on the calling thread kept the GIL for all of its seconds, so tokenizing
+    a big prompt on a worker thread still froze the event loop; encode_batch lets it go."""
+    if len(text) < 16_384:
+        return tok.encode(text, add_special_tokens=False).ids
+    return tok.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def _byte_level_bpe(source: TokenizerSource) -> HFTokenizer:

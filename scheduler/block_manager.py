@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from functools import lru_cache
 
 from scheduler.request import Request
 
@@ -32,6 +33,13 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     digest.update((_ROOT if parent is None else parent).to_bytes(16, "little"))
     digest.update(array("q", tokens).tobytes())
     return int.from_bytes(digest.digest(), "little")
+
+
+@lru_cache(maxsize=4096)
+def salt_root(salt: str) -> int:
+    """The parent id of a request's first block within a prefix-cache namespace (see Request.cache_salt)."""
+    return int.from_bytes(hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16,
+                                          person=b"prescient-salt").digest(), "little")
 
 
 class BlockManager:
@@ -86,8 +94,10 @@ class BlockManager:
         if index >= len(hashes):
             tokens = request.all_token_ids
             bs = self.block_size
+            salt = request.cache_salt if request.cache_salt is not None else request.tenant
             for i in range(len(hashes), index + 1):
-                hashes.append(block_hash(hashes[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs])))
+                parent = hashes[i - 1] if i else salt_root(salt)
+                hashes.append(block_hash(parent, tuple(tokens[i * bs:(i + 1) * bs])))
         return hashes[index]
 
     def find_cached_prefix(self, request: Request) -> list[int]:

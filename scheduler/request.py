@@ -37,6 +37,9 @@ class Request:
     """The tenant's share under the fair policy (from the API-key file)."""
     priority: int = 0
     """Lower runs first under the priority policy."""
+    cache_salt: str | None = None
+    """Prefix-cache namespace: cached blocks are shared only between requests with the same salt, so one
+    tenant cannot probe another's prompts through cache hits. None: the tenant's name."""
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

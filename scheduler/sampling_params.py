@@ -14,6 +14,11 @@ MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily: dividing float32 logits by a smaller one can overflow
 to inf (and NaN probabilities), and the distribution is already indistinguishable from argmax."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+"""Bounds on stop strings: each step searches the new text for every one, and the longest sets how much
+text is held back from a stream."""
+MAX_STOP_TOKEN_IDS = 1024
 SEED_RANGE = (-(1 << 63), 1 << 64)
 """Seeds a torch.Generator accepts: [-2**63, 2**64)."""
 
@@ -80,9 +85,16 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
                 raise ValueError("seed must fit in 64 bits: an integer in [-2**63, 2**64)")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+                raise ValueError(f"stop must be non-empty strings, got {str(s)[:20]!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters, got {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
         for name in ("presence_penalty", "frequency_penalty"):

@@ -56,11 +56,16 @@ async def count_responses(request: web.Request, handler):
 
 def build_app(engine: Engine, *, api_keys: dict[str, Tenant] | None = None, max_waiting: int | None = 256,
               max_body_bytes: int = 4 << 20, served_model_name: str | None = None,
-              throughput_log_seconds: float = 5.0) -> web.Application:
+              throughput_log_seconds: float = 5.0, metrics_auth: bool = False,
+              tenant_metrics: bool = True) -> web.Application:
+    """metrics_auth: /metrics answers only with one of api_keys; tenant_metrics: export per-tenant series."""
+    if metrics_auth and not api_keys:
+        raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
     app = web.Application(middlewares=[count_responses, errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-    state = ServerState(engine, async_engine, api_keys, served_model_name)
+    state = ServerState(engine, async_engine, api_keys, served_model_name, tenant_metrics=tenant_metrics)
+    state.metrics_auth = metrics_auth
     app["state"] = state
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)

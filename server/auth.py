@@ -1,7 +1,9 @@
 """API keys: who is calling, which tenant they bill to, and their weight under fair scheduling.
 
-The keys file is a JSON object {"sk-...": {"tenant": "a", "weight": 2}}. Without
-keys, the tenant is the request's `user` field, else "default".
+The keys file is a JSON object {"sk-...": {"tenant": "a", "weight": 2}}; optional per key:
+"prefix_cache_group": "g" (tenants naming the same group share prefix-cache blocks; by default each
+tenant's cache is its own) and "priority_range": [-10, 100] (the request priorities it may use; by
+default [0, 2**20]: a client may only make its own requests less urgent). Without keys, the tenant is the request's `user` field, else "default".
 """
 from __future__ import annotations
 
@@ -13,10 +15,23 @@ from pathlib import Path
 from server.errors import APIError
 
 
+PRIORITY_MAX = 1 << 20
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
     weight: float = 1.0
+    priority_range: tuple[int, int] = (0, PRIORITY_MAX)
+    """The request `priority` values this tenant may ask for (lower runs first under --policy priority).
+    By default a client may only lower its own urgency (>= 0); a key file entry may grant more."""
+    prefix_cache_group: str | None = None
+    """Tenants naming the same group share prefix-cache blocks; by default each tenant has its own, so
+    cache hits (usage.prompt_tokens_details.cached_tokens) reveal nothing about other tenants' prompts."""
+
+    @property
+    def cache_salt(self) -> str:
+        return f"group:{self.prefix_cache_group}" if self.prefix_cache_group else f"tenant:{self.name}"
 
 
 def load_api_keys(path: str | Path) -> dict[str, Tenant]:
@@ -35,13 +50,34 @@ def load_api_keys(path: str | Path) -> dict[str, Tenant]:
         weight = entry.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
             raise ValueError(f"--api-keys: tenant {entry['tenant']!r}: weight must be a positive number")
-        keys[key] = Tenant(entry["tenant"], float(weight))
+        group = entry.get("prefix_cache_group")
+        if group is not None and (not isinstance(group, str) or not group):
+            raise ValueError(f"--api-keys: tenant {entry['tenant']!r}: prefix_cache_group must be a "
+                             f"non-empty string (tenants naming the same group share cached prompt blocks)")
+        keys[key] = Tenant(entry["tenant"], float(weight), _priority_range(entry), group)
     return keys
 
 
+def _priority_range(entry: dict) -> tuple[int, int]:
+    given = entry.get("priority_range", [0, PRIORITY_MAX])
+    if not (isinstance(given, list) and len(given) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in given) and given[0] <= given[1]):
+        raise ValueError(f"--api-keys: tenant {entry['tenant']!r}: priority_range must be [lowest, highest] "
+                         f"integers (lower runs first)")
+    return given[0], given[1]
+
+
 def authenticate(keys: dict[str, Tenant] | None, authorization: str | None, user: str | None) -> Tenant:
+    return check_key(keys, authorization) or Tenant(user if isinstance(user, str) and user else "default")
+
+
+def check_key(keys: dict[str, Tenant] | None, authorization: str | None) -> Tenant | None:
+    """The key's tenant, a 401 if keys are configured and this is not one of them, None without keys.
+
+    Needs only the headers: call it before reading or parsing the body, so an unauthenticated
+    client costs no work."""
     if not keys:
-        return Tenant(user if isinstance(user, str) and user else "default")
+        return None
     if not authorization or not authorization.startswith("Bearer "):
         raise APIError(401, "Missing API key: send 'Authorization: Bearer YOUR_KEY'.", code="invalid_api_key")
     # aiohttp keeps undecodable header bytes as surrogates; encode them back instead of failing on them

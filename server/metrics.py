@@ -61,7 +61,8 @@ class TenantLabels:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, stats_source, reserved_tenants=frozenset()):
+    def __init__(self, model_name: str, max_model_len: int, stats_source, reserved_tenants=frozenset(),
+                 tenant_metrics: bool = True):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.tenant_label = TenantLabels(reserved=set(reserved_tenants))
@@ -95,7 +96,7 @@ class ServerMetrics:
                                 m + ["reason"], registry=r)
         for reason in REJECT_REASONS:   # present at 0 from the start, so rate() sees the first rejection
             self.rejected.labels(model_name, reason)
-        r.register(_EngineCollector(model_name, stats_source, self.tenant_label))
+        r.register(_EngineCollector(model_name, stats_source, self.tenant_label if tenant_metrics else None))
 
     def count_response(self, handler: str, status: int) -> None:
         self.http_responses.labels(self.model_name, handler, str(status)).inc()
@@ -110,15 +111,18 @@ class ServerMetrics:
         self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(name).inc(n_out)
         self.success.labels(name, out.finish_reason or "abort").inc()
+        if out.first_scheduled_time is not None:
+            self.queue.labels(name).observe(out.first_scheduled_time - out.arrival_time)
+        if out.first_token_time is not None:
+            # Also for requests the client abandoned after their first token: leaving them out would hide
+            # exactly the slow first tokens that made clients give up.
+            self.ttft.labels(name).observe(out.first_token_time - out.arrival_time)
         if out.finish_reason == "abort" or out.finished_time is None:
             return
         self.prompt_hist.labels(name).observe(len(out.prompt_token_ids))
         self.gen_hist.labels(name).observe(n_out)
         self.e2e.labels(name).observe(out.finished_time - out.arrival_time)
-        if out.first_scheduled_time is not None:
-            self.queue.labels(name).observe(out.first_scheduled_time - out.arrival_time)
         if out.first_token_time is not None:
-            self.ttft.labels(name).observe(out.first_token_time - out.arrival_time)
             if out.first_scheduled_time is not None:
                 self.prefill.labels(name).observe(out.first_token_time - out.first_scheduled_time)
             last = out.token_times[-1] if out.token_times else out.first_token_time
@@ -133,7 +137,8 @@ class ServerMetrics:
 class _EngineCollector:
     """Reads the engine's own counters and gauges at scrape time."""
 
-    def __init__(self, model_name: str, stats_source, tenant_label: TenantLabels):
+    def __init__(self, model_name: str, stats_source, tenant_label: TenantLabels | None):
+        """tenant_label None: no per-tenant series (tenant names and their load stay private)."""
         self.model_name = model_name
         self.stats_source = stats_source
         self.tenant_label = tenant_label
@@ -165,6 +170,8 @@ class _EngineCollector:
                       stats.get("prefix_cache_queries", 0))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       stats.get("prefix_cache_hits", 0))
+        if self.tenant_label is None:
+            return
         service = CounterMetricFamily(PREFIX + "tenant_service_tokens", "Tokens served per tenant (prompt + output).",
                                       labels=["model_name", "tenant"])
         counter_g = GaugeMetricFamily(PREFIX + "tenant_virtual_counter",

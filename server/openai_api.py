@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 
 from aiohttp import web
 
-from runtime import EngineDeadError, QueueFullError, RequestFailedError, RequestOutput
+from runtime import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError, RequestOutput
+from scheduler import SamplingParams
 from server import sse
-from server.auth import authenticate
+from server.auth import Tenant, authenticate, check_key
 from server.errors import APIError, bad_request
 from server.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from server.protocol import GenerationRequest, parse_chat, parse_completion
@@ -31,22 +32,44 @@ log = logging.getLogger("prescient.server")
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     state.check_accepting()
+    keyed = check_key(state.api_keys, request.headers.get("Authorization"))   # before any work on the body
     body = await read_json(request)
     req = parse_completion(body)
-    return await _generate(request, state, req, chat=False)
+    return await _generate(request, state, req, keyed, None)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     state.check_accepting()
+    keyed = check_key(state.api_keys, request.headers.get("Authorization"))
     body = await read_json(request)
     req, messages = parse_chat(body)
-    try:
-        req.prompt = state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return await _generate(request, state, req, keyed, messages)
+
+
+OFF_LOOP_CHARS = 16_384
+"""Prompts longer than this (characters of text) are rendered and tokenized on a worker thread, so a big
+body never stalls the event loop (other streams, /health) while it is tokenized."""
+
+
+def _prompt_ids(state: ServerState, req: GenerationRequest,
+                messages: list[dict] | None) -> list[tuple[list[int], SamplingParams]]:
+    """Render (chat) and tokenize each prompt, check it fits, settle max_tokens: (ids, params) per prompt;
+    ValueError names the field."""
+    engine = state.engine
+    if messages is not None:
+        req.prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         req.prompts = [req.prompt]
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from exc
-    return await _generate(request, state, req, chat=True)
+    checked = []
+    for prompt in req.prompts:
+        if req.max_tokens_given:
+            checked.append((engine.check_request(prompt, req.params), req.params))
+            continue
+        ids = engine.check_request(prompt, _with_max_tokens(req, 1))
+        room = min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids)   # what can run, not 400
+        checked.append((ids, replace(req.params, max_tokens=room if messages is not None else min(16, room),
+                                     min_tokens=min(req.params.min_tokens, room))))
+    return checked
 
 
 @dataclass
@@ -80,28 +103,29 @@ def _generated(choice: _Choice, out: RequestOutput) -> tuple[list[int], str]:
     return ([], "") if choice.echo_only else (out.token_ids, out.text)
 
 
-def _check(engine, prompt, req: GenerationRequest, chat: bool):
-    """(prompt ids, params) for one prompt: an omitted max_tokens becomes what fits (not a 400)."""
-    try:
-        if req.max_tokens_given:
-            return engine.check_request(prompt, req.params), req.params
-        ids = engine.check_request(prompt, _with_max_tokens(req, 1))
-        room = min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids)
-        return ids, replace(req.params, max_tokens=room if chat else min(16, room),
-                            min_tokens=min(req.params.min_tokens, room))
-    except ValueError as exc:
-        field = str(exc).split(":", 1)[0]
-        raise bad_request(str(exc), field if field in ("prompt", "max_tokens") else None) from exc
-
-
-async def _generate(request: web.Request, state: ServerState, req: GenerationRequest, chat: bool):
-    tenant = authenticate(state.api_keys, request.headers.get("Authorization"), req.user)
+async def _generate(request: web.Request, state: ServerState, req: GenerationRequest, keyed: Tenant | None,
+                    messages: list[dict] | None):
+    chat = messages is not None
+    tenant = keyed or authenticate(None, None, req.user)
     if req.model is not None and req.model not in state.model_names:
         raise APIError(400, f"The model '{req.model}' does not exist; this server serves "
                             f"{', '.join(repr(n) for n in sorted(state.model_names))} (see GET /v1/models).",
                        param="model", code="model_not_found")
+    low, high = tenant.priority_range
+    if not low <= req.priority <= high:
+        raise bad_request(f"'priority' must be in [{low}, {high}] for this caller (lower runs first; a client "
+                          f"may only make its own requests less urgent unless its key grants more)", "priority")
+    size = sum(len(m["content"]) for m in messages) if chat else \
+        sum(len(p) for p in req.prompts if isinstance(p, str))
+    try:
+        if size > OFF_LOOP_CHARS:
+            checked = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, state, req, messages)
+        else:
+            checked = _prompt_ids(state, req, messages)
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0]
+        raise bad_request(str(exc), field if field in ("prompt", "max_tokens", "messages") else None) from exc
     engine = state.engine
-    checked = [_check(engine, prompt, req, chat) for prompt in req.prompts]
 
     kind = "chat.completion" if chat else "text_completion"
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -117,7 +141,8 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     state.in_flight += 1
     try:
         sources = [state.async_engine.generate(ids, params, f"{request_id}-{i}", tenant=tenant.name,
-                                               weight=tenant.weight, priority=req.priority)
+                                               weight=tenant.weight, priority=req.priority,
+                                               cache_salt=tenant.cache_salt)
                    for i, (ids, params) in enumerate(checked)]
         async with aclosing(_merge(sources)) as outputs:
             async for i, out in outputs:
@@ -146,6 +171,10 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
             error = APIError(500, f"The engine failed while generating this request ({exc.cause}); other "
                                   f"requests are unaffected, retry it. Request id {request_id}.",
                              code="engine_error")
+        elif isinstance(exc, RequestAbortedError):
+            log.warning("request %s aborted: %s", request_id, exc)
+            error = APIError(503, f"The server aborted this request: {exc}; retry on another replica. "
+                                  f"Request id {request_id}.", code="shutdown", headers={"Retry-After": "1"})
         elif isinstance(exc, EngineDeadError):
             log.error("request %s: the engine has stopped", request_id)
             error = APIError(500, "The engine has stopped after an internal error; retry on another "

@@ -18,14 +18,16 @@ log = logging.getLogger("prescient.server")
 
 class ServerState:
     def __init__(self, engine: Engine, async_engine: AsyncEngine, api_keys: dict[str, Tenant] | None = None,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, tenant_metrics: bool = True):
         self.engine = engine
         self.async_engine = async_engine
         self.api_keys = api_keys
         self.model_name = served_model_name or engine.model_name
         self.model_names = {self.model_name, engine.model_name}
         self.metrics = ServerMetrics(self.model_name, engine.max_model_len, async_engine.stats,
-                                     {t.name for t in (api_keys or {}).values()})
+                                     {t.name for t in (api_keys or {}).values()}, tenant_metrics=tenant_metrics)
+        self.metrics_auth = False
+        """/metrics asks for an API key (the per-tenant series name tenants and their load)."""
         self.draining = False
         self.in_flight = 0
         self.started = time.time()

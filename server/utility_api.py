@@ -1,11 +1,15 @@
 """GET /v1/models, /v1/models/{model}, /health, /metrics and POST /tokenize, /detokenize."""
 from __future__ import annotations
 
+import asyncio
+from functools import partial
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server.auth import authenticate
+from server.auth import authenticate, check_key
 from server.errors import APIError, bad_request
+from server.openai_api import OFF_LOOP_CHARS
 from server.protocol import parse_messages
 from server.state import ServerState, read_json
 
@@ -42,6 +46,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
+    if state.metrics_auth:
+        check_key(state.api_keys, request.headers.get("Authorization"))
     return web.Response(body=generate_latest(state.metrics.registry),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -56,11 +62,17 @@ async def tokenize(request: web.Request) -> web.Response:
         add = body.get("add_generation_prompt", True)
         if not isinstance(add, bool):
             raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
-        tokens = tok.apply_chat_template(parse_messages(body), add_generation_prompt=add, tokenize=True)
+        messages = parse_messages(body)
+        work = partial(tok.apply_chat_template, messages, add_generation_prompt=add, tokenize=True)
     elif isinstance(body.get("prompt"), str):
-        tokens = tok.encode(body["prompt"])
+        work = partial(tok.encode, body["prompt"])
     else:
         raise bad_request("send 'prompt' (a string) or 'messages' (an array of {role, content})", "prompt")
+    try:   # a big body is tokenized on a worker thread, as for generation
+        tokens = await asyncio.get_running_loop().run_in_executor(None, work) \
+            if (request.content_length or 0) > OFF_LOOP_CHARS else work()
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
     return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len})
 
 

@@ -5,6 +5,11 @@ decode: N concurrent sequences generating together; total generated tokens/s ove
 Ceilings: decode = min(N x memory bandwidth / weight bytes, matmul FLOP/s / (2 x parameters)): a
 step reads every weight once and spends 2 FLOP per parameter per sequence;
 prefill = matmul FLOP/s / (2 x parameters per token).
+Configurations: float32 dequantized, bfloat16 dequantized, and bfloat16 on the GGUF's own packed blocks
+(the default on a CPU where bfloat16 measures fastest). llama.cpp (llama-cpp-python, the optional `bench`
+extra) runs the same GGUF with the same threads when installed; its column is skipped otherwise.
+Sampling cost: decode x32 at temperature 0.8 / top-p 0.9 against greedy, same engine, same run.
+Quality: perplexity on a fixed text (tests/bench/perplexity.py) per configuration and for llama.cpp.
 """
 from __future__ import annotations
 
@@ -17,9 +22,10 @@ import torch
 
 from runtime import Engine, SamplingParams
 from runtime.checkpoint import default_model_path
+from tests.bench.perplexity import FIXED_TEXT, perplexity
 from tests.bench.roofline import matmul_flops, memory_bandwidth
 
-DTYPES = ["float32", "bfloat16"]
+CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "gguf")]
 BATCHES = [1, 8, 32, 64]
 DECODE_TOKENS = 48
 
@@ -39,11 +45,12 @@ def prefill_rate(engine: Engine) -> float:
     return statistics.median(rates)
 
 
-def decode_rate(engine: Engine, batch: int) -> tuple[float, float]:
+def decode_rate(engine: Engine, batch: int, **sampling) -> tuple[float, float]:
     """(tokens/s over decode-only steps, fraction of allocated KV slots holding live tokens)."""
+    sampling = sampling or {"temperature": 0}
     for i in range(batch):
         engine.add_request(None, _prompt(engine, 64, 100 + i),
-                           SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True))
+                           SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True, **sampling))
     tokens = 0
     seconds = 0.0
     fill = []
@@ -95,32 +102,85 @@ def transformers_rates(dtype: str) -> dict:
     return rates
 
 
+def llama_cpp_rates() -> dict | None:
+    """llama.cpp on the same GGUF and thread count: prefill 512 and decode 1 stream tokens/s, perplexity."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    threads = torch.get_num_threads()
+    llm = Llama(default_model_path(), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False, logits_all=True)
+    vocab = llm.n_vocab()
+    prompt = [random.Random(0).randrange(100, vocab) for _ in range(512)]
+
+    def prefill():
+        llm.reset()
+        llm.eval(prompt)
+
+    rates = {"prefill": 512 / statistics.median(_timed(prefill) for _ in range(3))}
+    decode = []
+    for seed in range(3):
+        llm.reset()
+        llm.eval(prompt[:64])
+        start = time.perf_counter()
+        for i in range(DECODE_TOKENS):
+            llm.eval([prompt[64 + i]])
+        decode.append(DECODE_TOKENS / (time.perf_counter() - start))
+    rates["decode"] = statistics.median(decode)
+    ids = llm.tokenize(FIXED_TEXT.encode(), add_bos=False)
+    llm.reset()
+    llm.eval(ids)
+    logits = torch.tensor(llm.scores[:len(ids) - 1], dtype=torch.float32)
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    rates["perplexity"] = float(torch.exp(nll))
+    del llm
+    return rates
+
+
 def run() -> dict:
     bandwidth = memory_bandwidth()
     rows = []
-    notes = [f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s"]
-    for dtype in DTYPES:
+    notes = [f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s",
+             f"threads: {torch.get_num_threads()}"]
+    cpp = llama_cpp_rates()
+    if cpp is None:
+        notes.append("llama.cpp column skipped: llama-cpp-python is not installed (pip install -e '.[bench]')")
+    else:
+        notes.append(f"llama.cpp (same GGUF, same threads): prefill 512 {cpp['prefill']:.0f} tok/s, decode x1 "
+                     f"{cpp['decode']:.1f} tok/s, perplexity {cpp['perplexity']:.3f}")
+    fp32_ppl = None
+    for dtype, quantization in CONFIGS:
         flops = matmul_flops(getattr(torch, dtype))
-        engine = Engine.from_pretrained(dtype=dtype, device="cpu", kv_cache_bytes=1 << 30,
+        engine = Engine.from_pretrained(dtype=dtype, device="cpu", kv_cache_bytes=1 << 30, quantization=quantization,
                                         max_num_seqs=64, max_num_batched_tokens=512)
+        label = dtype if quantization == "none" else f"{dtype}+{quantization}"
         weight_bytes = engine.model.weight_bytes
-        params_per_token = sum(t.numel() for layer in engine.model.layers
-                               for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        params_per_token = engine.model.layer_parameters
         prefill_ceiling = flops / (2 * params_per_token)
         decode_ceiling = bandwidth / weight_bytes
-        notes.append(f"{dtype}: matmul {flops / 1e9:.0f} GFLOP/s, weights {weight_bytes / 1e6:.0f} MB")
+        ppl = perplexity(engine)
+        fp32_ppl = fp32_ppl or ppl
+        notes.append(f"{label}: matmul {flops / 1e9:.0f} GFLOP/s, weights {weight_bytes / 1e6:.0f} MB, "
+                     f"perplexity {ppl:.3f} ({ppl / fp32_ppl:.4f}x float32)")
         pf = prefill_rate(engine)
-        hf = transformers_rates(dtype)
-        rows.append({"dtype": dtype, "what": "prefill 512 tok", "tokens/s": pf, "ceiling": prefill_ceiling,
-                     "of ceiling": pf / prefill_ceiling, "transformers": hf["prefill"],
-                     "vs transformers": pf / hf["prefill"]})
+        hf = transformers_rates(dtype) if quantization == "none" else {}
+        rows.append({"dtype": label, "what": "prefill 512 tok", "tokens/s": pf, "ceiling": prefill_ceiling,
+                     "of ceiling": pf / prefill_ceiling, "transformers": hf.get("prefill"),
+                     "vs transformers": pf / hf["prefill"] if hf else None,
+                     "vs llama.cpp": pf / cpp["prefill"] if cpp else None})
         for batch in BATCHES:
             rate, fill = decode_rate(engine, batch)
             # a step reads every weight once (bandwidth-bound) and does 2 FLOP per parameter per token
-            ceiling = min(batch * decode_ceiling, flops / (2 * (params_per_token + engine.model.lm_head.numel())))
-            rows.append({"dtype": dtype, "what": f"decode x{batch}", "tokens/s": rate,
+            ceiling = min(batch * decode_ceiling, flops / (2 * (params_per_token + engine.model.lm_head_parameters)))
+            rows.append({"dtype": label, "what": f"decode x{batch}", "tokens/s": rate,
                          "ceiling": ceiling, "of ceiling": rate / ceiling,
                          "transformers": hf.get(batch), "vs transformers": rate / hf[batch] if batch in hf else None,
+                         "vs llama.cpp": rate / cpp["decode"] if cpp and batch == 1 else None,
                          "KV live fill": fill})
+            if batch == 32:
+                sampled, _ = decode_rate(engine, batch, temperature=0.8, top_p=0.9)
+                rows.append({"dtype": label, "what": "decode x32, T 0.8 top-p 0.9", "tokens/s": sampled,
+                             "of ceiling": sampled / ceiling, "vs greedy": sampled / rate})
         del engine
     return {"title": "Offline engine: prefill and decode throughput (CPU)", "rows": rows, "notes": notes}

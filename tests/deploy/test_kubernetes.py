@@ -1,7 +1,7 @@
 """The Kubernetes manifests: schema-valid for a pinned Kubernetes, and consistent with the server they run.
 
 Built-in kinds are validated with kubernetes-validate (strict: unknown fields fail). HTTPRoute,
-ServiceMonitor and PrometheusRule are validated under Node.js against the schemas that npm's
+ServiceMonitor, PodMonitor and PrometheusRule are validated under Node.js against the schemas that npm's
 @kubernetes-models packages generate from their CRDs (types and patterns; unknown fields pass, as on an
 API server that prunes them). No package on PyPI or npm ships the Inference Extension's CRDs, so the
 InferencePool is checked for what it must agree on: names, labels, ports, flags and metric names.
@@ -32,7 +32,7 @@ KUBERNETES = "1.33.0"
 DEPLOY = os.path.join(ROOT, "deploy")
 MANIFESTS = sorted(glob.glob(os.path.join(DEPLOY, "k8s", "*.yaml"))
                    + glob.glob(os.path.join(DEPLOY, "examples", "*", "*.yaml")))
-CUSTOM = {"ServiceMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
+CUSTOM = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
 
 
 def documents(path: str) -> list[dict]:
@@ -65,7 +65,8 @@ def test_custom_resources_match_their_published_schemas():
                             input=json.dumps(docs), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     checked = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
-    expected = {"HTTPRoute/prescient", "ServiceMonitor/prescient", "PrometheusRule/prescient"}
+    expected = {"HTTPRoute/prescient", "ServiceMonitor/prescient", "PrometheusRule/prescient",
+                "PodMonitor/prescient-train"}
     assert checked == expected, result.stdout
     broken = copy.deepcopy(next(d for d in docs if d["kind"] == "PrometheusRule"))
     broken["spec"]["groups"][1]["rules"][0]["for"] = "ten minutes"
@@ -162,6 +163,10 @@ def test_service_monitor_and_prometheus_rule_match_the_service_and_the_rules_fil
     with open(os.path.join(DEPLOY, "prometheus", "rules.yml")) as f:
         rules = yaml.safe_load(f)
     assert monitoring[("PrometheusRule", "prescient")]["spec"]["groups"] == rules["groups"]
+    target_down = next(r for g in rules["groups"] for r in g["rules"]
+                       if r.get("alert") == "PrescientTargetDown")
+    job_pattern = re.search(r'job=~"([^"]+)"', target_down["expr"]).group(1)
+    assert re.fullmatch(job_pattern, service["metadata"]["name"]), "a job is named after its Service"
 
 
 def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metrics():
@@ -231,5 +236,13 @@ def test_training_job_runs_the_example_on_every_pod_with_a_reachable_rendezvous(
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes[mounts[os.path.dirname(script)]]["configMap"]["name"]
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    monitor = docs[("PodMonitor", "prescient-train")]
+    assert selects(monitor["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
+    job_name = pod["metadata"]["labels"][monitor["spec"]["jobLabel"]]
+    with open(os.path.join(DEPLOY, "prometheus", "rules.yml")) as f:
+        target_down = next(r for g in yaml.safe_load(f)["groups"] for r in g["rules"]
+                           if r.get("alert") == "PrescientTargetDown")
+    assert re.fullmatch(re.search(r'job=~"([^"]+)"', target_down["expr"]).group(1), job_name)
     assert container["image"] == by_kind("prescient.yaml")[("Deployment", "prescient")]["spec"]["template"][
         "spec"]["containers"][0]["image"]

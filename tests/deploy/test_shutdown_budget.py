@@ -56,8 +56,6 @@ def measured_cleanup_seconds(drain: float, limit: float) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="the server does not abort in-flight work when --drain-timeout "
-                                        "runs out (h10 fixes it)")
 def test_prestop_drain_and_cleanup_fit_the_grace_period():
     with open(os.path.join(DEPLOY, "k8s", "prescient.yaml")) as f:
         deployment = next(d for d in yaml.safe_load_all(f) if d["kind"] == "Deployment")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from runtime.progress import Progress
 from tests.server.conftest import ROOT
 
@@ -67,6 +69,7 @@ def test_silent_in_a_pipe_or_with_logging_configured(monkeypatch):
     assert terminal.getvalue() == ""
 
 
+@pytest.mark.slow
 def test_model_load_shows_progress_on_a_real_terminal():
     drawn = run_on_pty(LOAD)
     assert "loading SmolLM2-135M-Instruct: " in drawn and "(100%)" in drawn, drawn[-500:]

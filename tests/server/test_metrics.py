@@ -75,3 +75,27 @@ def test_prefix_cache_metrics_count_hits(server, client):
     hits = after["prescient:prefix_cache_hits_total{}"] - before["prescient:prefix_cache_hits_total{}"]
     queries = after["prescient:prefix_cache_queries_total{}"] - before["prescient:prefix_cache_queries_total{}"]
     assert hits >= 64 and queries > hits
+
+
+def test_ttft_is_recorded_for_streams_abandoned_after_their_first_token(server):
+    """A client that gives up after its first token still had a first token: leaving it out of TTFT would
+    hide exactly the slow first tokens that make clients give up."""
+    before = wait_idle(server)
+
+    async def first_token_then_leave(session, i):
+        body = {"model": MODEL, "prompt": f"Tale {i}:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        async with session.post(server.url + "/v1/completions", json=body) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                    return   # leaving the block drops the connection
+
+    async def main():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            await asyncio.gather(*(first_token_then_leave(session, i) for i in range(3)))
+
+    asyncio.run(main())
+    after = wait_idle(server)
+    assert after["prescient:request_success_total{finished_reason=abort}"] - \
+        before.get("prescient:request_success_total{finished_reason=abort}", 0) == 3
+    assert after["prescient:time_to_first_token_seconds_count{}"] - \
+        before["prescient:time_to_first_token_seconds_count{}"] == 3

@@ -1,0 +1,74 @@
+"""Weights kept in the GGUF's own 4/8-bit blocks, and float weights quantized on load.
+
+Oracles: the gguf library's own dequantizer, x @ W^T over its dequantized
+weights, and the float32 engine's perplexity on a fixed text."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from runtime import Engine
+from runtime.checkpoint import default_model_path
+from runtime.quantization import GGUFBlocks, Int4Linear, pack_gguf
+from tests.bench.perplexity import perplexity
+
+
+def _reference_dequant(raw, kind: str, shape) -> np.ndarray:
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(shape)
+
+
+def _check_packed(blocks: GGUFBlocks, reference: np.ndarray) -> None:
+    assert np.array_equal(blocks.dequantize(), reference)
+    x = torch.randn(3, reference.shape[1])
+    expected = x @ torch.from_numpy(reference).T
+    got = pack_gguf(blocks, torch.float32)(x)
+    assert (got - expected).abs().max().item() <= 2e-6 * expected.abs().max().item() * reference.shape[1] ** 0.5
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"])
+def test_gguf_blocks_are_read_exactly_and_packed_as_the_same_function(name):
+    """Q4_1 (the layers) and Q8_0 (the tied embedding / LM head) of the default file, packed for the int4
+    kernel, multiply like the gguf library's dequantized matrix (float32 activations)."""
+    reader = gguf.GGUFReader(default_model_path())
+    tensor = next(t for t in reader.tensors if t.name == name)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    kind = tensor.tensor_type.name
+    _check_packed(GGUFBlocks.parse(kind, tensor.data, shape), _reference_dequant(tensor.data, kind, shape))
+
+
+def test_q4_0_blocks_are_read_exactly_and_packed_as_the_same_function():
+    w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    _check_packed(GGUFBlocks.parse("Q4_0", raw, w.shape), _reference_dequant(raw, "Q4_0", w.shape))
+
+
+@pytest.fixture(scope="module")
+def fp32_perplexity(engine_fp32) -> float:
+    return perplexity(engine_fp32)
+
+
+def test_default_runs_the_gguf_blocks_packed_at_float32_quality(engine_fp32, fp32_perplexity):
+    engine = Engine.from_pretrained(dtype="bfloat16", device="cpu", kv_cache_bytes=16 << 20)
+    assert isinstance(engine.model.lm_head, Int4Linear) and isinstance(engine.model.layers[0].qkv, Int4Linear)
+    assert engine.model.weight_bytes < 0.25 * engine_fp32.model.weight_bytes
+    assert abs(perplexity(engine) / fp32_perplexity - 1) < 0.01
+    ids = engine_fp32.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    ours, exact = engine.prompt_logits(ids), engine_fp32.prompt_logits(ids)
+    assert (ours - exact).abs().max().item() < 1.5  # bfloat16 activations and scales
+    assert (ours.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_requantized_weights_stay_within_one_percent_perplexity(fp32_perplexity, quantization):
+    """The GGUF dequantized to float, then quantized again on load, as a float checkpoint would be."""
+    engine = Engine.from_pretrained(dtype="bfloat16", device="cpu", kv_cache_bytes=16 << 20,
+                                    quantization=quantization)
+    assert isinstance(engine.model.layers[0].gate_up, Int4Linear)
+    assert abs(perplexity(engine) / fp32_perplexity - 1) < 0.01
+
+
+def test_unknown_quantization_names_the_field():
+    with pytest.raises(ValueError, match="quantization"):
+        Engine.from_pretrained(device="cpu", quantization="int3")
