@@ -117,11 +117,12 @@ class _Sink:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.event = asyncio.Event()
-        self.pending = None
+        self.pending: dict = {}
+        """The latest output of each of the request's n sequences (by index); an exception under -1."""
 
     def put(self, item) -> None:
-        was_empty = self.pending is None
-        self.pending = item
+        was_empty = not self.pending
+        self.pending[item.index if isinstance(item, RequestOutput) else -1] = item
         if was_empty:
             self.loop.call_soon_threadsafe(self.event.set)
 
@@ -152,6 +153,8 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._sinks: dict[str, _Sink] = {}
         self._stats: dict = engine.stats()
+        self._unfinished: dict[str, int] = {}
+        """Engine thread only: request id -> how many of its n sequences have not finished."""
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -205,7 +208,9 @@ class AsyncEngine:
         The request is admitted here, before anything is queued: InvalidRequestError (naming the
         field) if it can never run, QueueFullError if too many wait. params.max_tokens None asks
         for all the room there is; clamp_max_tokens: max_tokens is a default, lowered to what fits;
-        cache_salt: the prefix-cache namespace (default: the tenant's own)."""
+        cache_salt: the prefix-cache namespace (default: the tenant's own). With params.n > 1 the
+        snapshots of its n sequences interleave (RequestOutput.index tells which), and the stream
+        ends when all n have finished."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -230,25 +235,28 @@ class AsyncEngine:
             self._adds.append(_Add(request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
             self._wake.notify()
         finished = False
+        remaining = params.n   # sequences still running; the last one to finish ends the stream
         try:
             while True:
                 with self._lock:
-                    item, sink.pending = sink.pending, None
-                    if item is None:
+                    items, sink.pending = sink.pending, {}
+                    if not items:
                         sink.event.clear()
-                if item is None:
+                if not items:
                     await sink.event.wait()
                     continue
-                if isinstance(item, BaseException):
+                if -1 in items:
                     finished = True
-                    raise item
-                if item.error is not None:
-                    finished = True
-                    raise RequestFailedError(item)
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+                    raise items[-1]
+                for item in items.values():
+                    if item.error is not None:
+                        finished = True
+                        raise RequestFailedError(item)
+                    remaining -= item.finished
+                    finished = remaining == 0
+                    yield item
+                    if finished:
+                        return
         finally:
             if not finished:
                 self.abort(request_id)
@@ -294,27 +302,38 @@ class AsyncEngine:
                     aborts, self._aborts = self._aborts, []
                 # Adds first: a request added and abandoned during the same step must be added, then aborted.
                 for add in adds:
+                    self._unfinished[add.request_id] = add.params.n
                     try:
                         engine.enqueue(add.request_id, add.prompt_ids, add.params, tenant=add.tenant,
                                        weight=add.weight, priority=add.priority,
                                        arrival_time=add.arrival_time, cache_salt=add.cache_salt)
                     except ValueError as exc:
+                        self._unfinished.pop(add.request_id, None)
                         self._deliver(add.request_id, exc, final=True)
                     except Exception as exc:   # a bug adding this one request: fail it, not the engine
                         log.exception("adding request %s failed", add.request_id)
                         engine.abort_request(add.request_id)
+                        self._unfinished.pop(add.request_id, None)
                         self._deliver(add.request_id, RequestFailedError(RequestOutput(
                             add.request_id, list(add.prompt_ids), [], "", True, "abort",
                             arrival_time=add.arrival_time,
                             error=f"{type(exc).__name__} while adding the request")), final=True)
                 for request_id in aborts:
                     engine.abort_request(request_id)
+                    self._unfinished.pop(request_id, None)
                 outputs = engine.step() if engine.has_unfinished_requests() else []
                 stats = engine.stats()
                 with self._lock:
                     self._stats = stats
                 for out in outputs:
-                    self._deliver(out.request_id, out, final=out.finished)
+                    final = out.error is not None   # a failed request ends at once, all its sequences with it
+                    if out.finished and not final:   # the last of a request's n sequences ends its stream
+                        left = self._unfinished.get(out.request_id, 1) - 1
+                        self._unfinished[out.request_id] = left
+                        final = left <= 0
+                    if final:
+                        self._unfinished.pop(out.request_id, None)
+                    self._deliver(out.request_id, out, final=final)
         except BaseException as exc:  # keep serving errors visible instead of hanging clients
             log.exception("engine thread failed")
             with self._lock:   # with the error set under the lock, no request can slip in after the sweep

@@ -20,12 +20,14 @@ from runtime.config import EngineConfig
 from runtime.detokenizer import Detokenizer
 from runtime.device import resolve_device, resolve_dtype
 from runtime.kv_cache import KVCache, bytes_per_block
+from runtime.logprobs import TokenLogprob
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
 from runtime.quantization import resolve_quantization
 from runtime.tokenizer import Tokenizer
 from scheduler import InvalidRequestError, Request, SamplingParams, Scheduler
+from scheduler.sampling_params import SEED_RANGE
 
 log = logging.getLogger("prescient.engine")
 
@@ -35,6 +37,10 @@ class _Tracked:
     request: Request
     detokenizer: Detokenizer
     token_times: list[float]
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    group_id: str = ""
+    """The id the caller gave: that of sequence 0 of the request's n."""
 
 
 class Engine:
@@ -64,6 +70,9 @@ class Engine:
         self.runner = ModelRunner(model, self.kv)
         self.model_name = model_name or model.config.name
         self._tracked: dict[str, _Tracked] = {}
+        """Every unfinished sequence by its own id (sequence j > 0 of request R is 'R#j')."""
+        self._groups: dict[str, list[str]] = {}
+        """Request id -> the ids of its n sequences."""
         self._ids = itertools.count()
 
     @classmethod
@@ -105,8 +114,8 @@ class Engine:
         InvalidRequestError naming the field. Reads only what never changes: safe from any thread."""
         ids = self._prompt_ids(prompt)
         max_tokens = self.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
-        if max_tokens != params.max_tokens:
-            params = replace(params, max_tokens=max_tokens)
+        if max_tokens != params.max_tokens:   # min_tokens never above what may be generated
+            params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         return ids, params
 
     def enqueue(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams, *,
@@ -116,12 +125,31 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
+        if params.n > 1 and any(f"{request_id}#{j}" in self._tracked for j in range(1, params.n)):
+            raise InvalidRequestError("request_id",
+                                      f"{request_id!r} collides with another request's sequence ids")
         request = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_token_id,
                           tenant=tenant, weight=weight, priority=priority, cache_salt=cache_salt)
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        # Sequences 1..n-1 fork from this one once its prompt is computed; each has its own seed stream.
+        for j in range(1, params.n):
+            seed = None if params.seed is None else params.seed + j
+            if seed is not None and seed >= SEED_RANGE[1]:
+                seed -= 1 << 64   # stay in what a generator takes
+            child_params = replace(params, n=1, prompt_logprobs=None, seed=seed)
+            request.forks.append(Request(f"{request_id}#{j}", prompt_ids, child_params,
+                                         eos_token_id=request.eos_token_id, tenant=tenant, weight=weight,
+                                         priority=priority, index=j, arrival_time=request.arrival_time,
+                                         cache_salt=request.cache_salt))
         self.scheduler.add_request(request, admitted=True)   # refuses an id in use
-        self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop), [])
+        self._groups[request_id] = [request_id] + [child.request_id for child in request.forks]
+        for seq in [request, *request.forks]:
+            p = seq.sampling_params
+            self._tracked[seq.request_id] = _Tracked(seq, Detokenizer(self.tokenizer, p.stop), [],
+                                                     [] if p.logprobs is not None else None,
+                                                     [None] if p.prompt_logprobs is not None else None,
+                                                     group_id=request_id)
         return request
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -141,13 +169,18 @@ class Engine:
         return ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
-            return None
-        self.scheduler.abort_request(request_id)   # the runner forgets it with the next plan
-        tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
-        return self._output(tracked)
+        """Stop a request (all its n sequences) now and free its KV blocks; returns the output of its
+        sequence 0 (None if unknown)."""
+        first = None
+        for seq_id in self._groups.pop(request_id, []):
+            tracked = self._tracked.pop(seq_id, None)
+            if tracked is None:
+                continue   # that sequence had finished
+            self.scheduler.abort_request(seq_id)   # the runner forgets it with the next plan
+            tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
+            out = self._output(tracked)
+            first = first or out
+        return first
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -161,13 +194,25 @@ class Engine:
             self.runner.update_states(plan)   # still forget what finished
             return []
         try:
-            sampled = self.runner.execute(plan)
+            result = self.runner.execute(plan)
         except Exception as exc:   # the model or the sampler failed: fail this step's requests only
             log.exception("engine step failed; failing its %d requests: %s", len(plan.scheduled),
                           ", ".join(r.request_id for r, _ in plan.scheduled))
-            return [self._fail(r.request_id, exc) for r, _ in plan.scheduled]
+            groups = dict.fromkeys(self._tracked[r.request_id].group_id for r, _ in plan.scheduled)
+            return [self._fail(group, exc) for group in groups]
+        sampled = result.sampled
         now = time.monotonic()
+        for request_id, scores in result.prompt_logprobs.items():
+            kept = self._tracked[request_id].prompt_logprobs
+            for pos, score in scores:
+                if pos == len(kept):   # a recompute after preemption repeats positions
+                    kept.append(score)
+        lengths = {rid: self._tracked[rid].request.num_output_tokens for rid in result.logprobs}
         finished = self.scheduler.update_from_output(plan, sampled)
+        for request_id, score in result.logprobs.items():
+            tracked = self._tracked[request_id]
+            if tracked.request.num_output_tokens > lengths[request_id]:   # the scheduler took the token
+                tracked.logprobs.append(score)
         done = {r.request_id for r in finished}
         outputs = []
         for request_id in sampled:
@@ -186,7 +231,10 @@ class Engine:
                 done.add(request_id)
             outputs.append(self._output(tracked))
         for request_id in done:
-            self._tracked.pop(request_id, None)
+            tracked = self._tracked.pop(request_id, None)
+            group = self._groups.get(tracked.group_id) if tracked else None
+            if group is not None and not any(seq in self._tracked for seq in group):
+                del self._groups[tracked.group_id]
         return outputs
 
     def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
@@ -198,17 +246,20 @@ class Engine:
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request
         return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            request_id=tracked.group_id, index=req.index, prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids), text=tracked.detokenizer.text,
             finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0), arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
             finished_time=req.finished_time, token_times=list(tracked.token_times),
-            num_preemptions=req.num_preemptions)
+            num_preemptions=req.num_preemptions,
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+            prompt_logprobs=list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None)
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion (continuous batching); outputs in the order of the prompts."""
+        """Run every prompt to completion (continuous batching); outputs in the order of the prompts, and
+        for a prompt with n > 1 its n sequences in order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -218,14 +269,17 @@ class Engine:
         for i, prompt in enumerate(prompts):
             p = params[i] if isinstance(params, list) else params
             ids.append(self.add_request(f"generate-{next(self._ids)}", prompt, p).request_id)
-        results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids):
+        widths = [(params[i] if isinstance(params, list) else params or SamplingParams()).n
+                  for i in range(len(ids))]
+        keys = [(request_id, j) for request_id, n in zip(ids, widths) for j in range(n)]
+        results: dict[tuple[str, int], RequestOutput] = {}
+        while len(results) < len(keys):
             if not self.has_unfinished_requests():
                 raise RuntimeError("engine: requests vanished without finishing")
             for out in self.step():
                 if out.finished:
-                    results[out.request_id] = out
-        return [results[i] for i in ids]
+                    results[out.request_id, out.index] = out
+        return [results[k] for k in keys]
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:

@@ -128,9 +128,19 @@ class EngineCoreClient:
         else:
             raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got "
                                                 f"{type(prompt).__name__}")
+        # The core's deltas carry one sequence's tokens and text: several sequences and logprobs stay
+        # with the in-process engine for now.
+        if params.n > 1:
+            raise InvalidRequestError("n", f"{params.n} sequences per prompt (n or best_of above 1) are not "
+                                           f"served with --engine-process; send n=1, or run without it")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None:
+                field = "logprobs" if name == "logprobs" else "echo"
+                raise InvalidRequestError(field, f"{field} with logprobs is not served with --engine-process "
+                                                 f"yet; leave it out, or run without --engine-process")
         max_tokens = self.info.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
         if max_tokens != params.max_tokens:
-            params = replace(params, max_tokens=max_tokens)
+            params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         return ids, params
 
     def check_health(self) -> None:

@@ -36,3 +36,9 @@ class KVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""
         return self.pool[index, 0], self.pool[index, 1]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V): [(source, destination), ...]."""
+        src = torch.tensor([a for a, _ in copies], device=self.pool.device)
+        dst = torch.tensor([b for _, b in copies], device=self.pool.device)
+        self.pool[:, :, dst] = self.pool[:, :, src]

@@ -10,13 +10,15 @@ each prefill chunk. Only the rows whose sequence reaches its end this step
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from runtime import native_attention
 from runtime.attention import AttentionMetadata, PrefillChunk
 from runtime.kv_cache import KVCache
+from runtime.logits_processors import apply_logits_processors
+from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.model import LlamaModel
 from runtime.sampler import sample
 from scheduler import SamplingParams, SchedulerOutput
@@ -32,6 +34,17 @@ class _Sequence:
     params: SamplingParams
     num_computed_tokens: int = 0
     """As of the current plan: tokens whose K/V are in the cache before this step."""
+    eos_token_id: int | None = None
+    forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    """(id, params) of sequences that draw their first token from this one's last prompt row."""
+
+
+@dataclass
+class _Row:
+    """One sampled row: a scheduled sequence, or a fork drawing from its parent's row."""
+    request_id: str
+    params: SamplingParams
+    seq: _Sequence
 
 
 @dataclass
@@ -51,6 +64,16 @@ class _Work:
         return self.end == len(self.seq.token_ids)
 
 
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    """request id -> the token sampled for it, for sequences that reached their end this step."""
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    """request id -> the sampled token's logprob, for requests that asked (SamplingParams.logprobs)."""
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    """request id -> (prompt position, its token's logprob) for the prompt tokens this step computed."""
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache):
         self.model = model
@@ -68,9 +91,11 @@ class ModelRunner:
         """Requests whose state the runner holds."""
         return len(self._seqs)
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns {request_id: sampled token} for sequences that reached their end."""
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the sampled tokens of sequences that reached their end, and logprobs asked for."""
         self.update_states(plan)
+        if plan.block_copies:
+            self.kv.copy_blocks(plan.block_copies)
         work = [_Work(rid, self._seqs[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
         decodes = [w for w in work if w.num_tokens == 1 and w.samples]
         prefills = [w for w in work if not (w.num_tokens == 1 and w.samples)]
@@ -81,14 +106,73 @@ class ModelRunner:
         sample_rows += self.prepare_prefill(prefills, ids, positions, slots, meta)
         meta.slot_mapping = torch.tensor(slots, device=self.device)
         hidden = self.run(ids, positions, meta)
+        out = ModelRunnerOutput()
+        scored = [w for w in prefills
+                  if w.seq.params.prompt_logprobs is not None and self._prompt_rows(w) > 0]
+        if scored:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, prefills, scored)
         to_sample = decodes + [w for w in prefills if w.samples]
         if not to_sample:
-            return {}
+            return out
         logits = self.model.logits(hidden[sample_rows])
-        tokens = sample(logits, *self.prepare_sampling(to_sample))
+        # sequences forked from a request whose prompt ends now draw their first token from its row
+        rows = [_Row(w.request_id, w.seq.params, w.seq) for w in to_sample]
+        source = []
+        for k, w in enumerate(to_sample):
+            if w.seq.num_computed_tokens >= w.seq.num_prompt_tokens:
+                continue   # only a prompt's last chunk starts its forks
+            for child_id, child_params in w.seq.forks:
+                if child_params.seed is not None and child_id not in self._generators:
+                    self._generators[child_id] = torch.Generator(self.device).manual_seed(child_params.seed)
+                rows.append(_Row(child_id, child_params, w.seq))
+                source.append(k)
+        if source:
+            logits = torch.cat([logits, logits[source]])
+        params = [r.params for r in rows]
+        raw = [i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "raw"]
+        raw_logits = logits[raw].clone() if raw else None
+        apply_logits_processors(logits, params, [len(r.seq.token_ids) - r.seq.num_prompt_tokens
+                                                 for r in rows], [r.seq.eos_token_id for r in rows])
+        histories = None
+        if any(p.penalized for p in params):
+            histories = [(r.seq.token_ids[:r.seq.num_prompt_tokens],
+                          r.seq.token_ids[r.seq.num_prompt_tokens:]) for r in rows]
+        tokens = sample(logits, params, [self._generators.get(r.request_id) for r in rows], histories)
         for w, token in zip(to_sample, tokens):
             w.seq.token_ids.append(token)
-        return {w.request_id: token for w, token in zip(to_sample, tokens)}
+        out.sampled = {r.request_id: t for r, t in zip(rows, tokens)}
+        if raw:
+            scores = token_logprobs(raw_logits, [tokens[i] for i in raw], [params[i].logprobs for i in raw])
+            out.logprobs.update((rows[i].request_id, s) for i, s in zip(raw, scores))
+        processed = [i for i, p in enumerate(params)
+                     if p.logprobs is not None and p.logprobs_mode == "processed"]
+        if processed:
+            # sample() applied the penalties to `logits` in place; temperature divides what it drew from
+            scale = torch.tensor([params[i].temperature or 1.0 for i in processed], device=logits.device)
+            scores = token_logprobs(logits[processed] / scale.unsqueeze(1), [tokens[i] for i in processed],
+                                    [params[i].logprobs for i in processed])
+            out.logprobs.update((rows[i].request_id, s) for i, s in zip(processed, scores))
+        return out
+
+    @staticmethod
+    def _prompt_rows(w: _Work) -> int:
+        """Rows of this chunk whose next token is a prompt token (their logits score it)."""
+        return min(w.num_tokens, w.seq.num_prompt_tokens - 1 - w.seq.num_computed_tokens)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prefills: list[_Work], scored: list[_Work]) -> dict:
+        """Logprobs of prompt tokens from the rows before them (raw logits: nothing edits a prompt)."""
+        first_row, row = {}, len(hidden) - sum(w.num_tokens for w in prefills)
+        for w in prefills:
+            first_row[w.request_id] = row
+            row += w.num_tokens
+        out = {}
+        for w in scored:
+            n, start, row = self._prompt_rows(w), w.seq.num_computed_tokens, first_row[w.request_id]
+            logits = self.model.logits(hidden[row:row + n])
+            targets = w.seq.token_ids[start + 1:start + 1 + n]
+            scores = token_logprobs(logits, targets, [w.seq.params.prompt_logprobs] * n)
+            out[w.request_id] = [(start + 1 + i, s) for i, s in enumerate(scores)]
+        return out
 
     def update_states(self, plan: SchedulerOutput) -> None:
         """Bring the per-sequence state up to this plan: forget what left, add what is new, grow tables."""
@@ -100,12 +184,14 @@ class ModelRunner:
         for new in plan.new_requests:
             self._seqs[new.request_id] = _Sequence(
                 new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids), list(new.block_ids),
-                new.sampling_params, new.num_computed_tokens)
+                new.sampling_params, new.num_computed_tokens, new.eos_token_id, list(new.forks))
             seed = new.sampling_params.seed
             if seed is not None and new.request_id not in self._generators:
                 self._generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
         for cached in plan.cached_requests:
             seq = self._seqs[cached.request_id]
+            for index, block in cached.replaced_block_ids:   # a copy on write: the copy is its own now
+                seq.block_table[index] = block
             seq.block_table.extend(cached.new_block_ids)
             seq.num_computed_tokens = cached.num_computed_tokens
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.logprobs import TokenLogprob
+
 
 @dataclass
 class RequestOutput:
@@ -25,6 +27,13 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)
     """time.monotonic() when each generated token was produced; same length as token_ids."""
     num_preemptions: int = 0
+    index: int = 0
+    """Which of the request's n sequences this is."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per generated token when SamplingParams.logprobs is set."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """One per prompt token when SamplingParams.prompt_logprobs is set; the first is None (nothing
+    precedes it). Complete once the prompt has been computed, i.e. from the first output on."""
     error: str | None = None
     """Set when the request failed inside the engine (its step raised): what failed, without details.
     The request is then finished with finish_reason 'abort'; the engine itself keeps serving."""

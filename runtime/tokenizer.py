@@ -1,7 +1,9 @@
 """Text <-> token ids, built with the `tokenizers` library from a GGUF vocabulary or a tokenizer.json."""
 from __future__ import annotations
 
+import re
 import uuid
+from functools import lru_cache
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -40,6 +42,19 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token may hold part of a UTF-8 character)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        decoder = _byte_decoder()
+        if all(c in decoder for c in piece):   # byte-level BPE (GPT-2 style): one char per byte
+            return bytes(decoder[c] for c in piece)
+        byte = _SENTENCEPIECE_BYTE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False) -> str | list[int]:
@@ -103,3 +118,20 @@ def _byte_level_bpe(source: TokenizerSource) -> HFTokenizer:
     tok.add_special_tokens([AddedToken(source.tokens[i], special=True, normalized=False)
                             for i in source.special_ids])
     return tok
+
+
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet: printable bytes stand for themselves, the others are shifted past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shift)
+            shift += 1
+    return {c: b for b, c in chars.items()}

@@ -58,6 +58,11 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}                 # block hash -> block id
         self._hash: list[int | None] = [None] * num_blocks  # block id -> its hash while cached
+        self.copies: list[tuple[int, int]] = []
+        """(source, destination) block copies owed to the KV pool before the next step runs: a shared
+        partial block copied on write (see fork). The scheduler hands them to the runner."""
+        self.rewritten: dict[str, list[int]] = {}
+        """request id -> indices of its block table replaced by a private copy since the last plan."""
 
     # ---- counts ---------------------------------------------------------------------------------
 
@@ -153,9 +158,12 @@ class BlockManager:
         """
         table = request.block_table
         fresh = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table) - len(cached_blocks)
+        ref_counts = self.ref_counts
+        write = request.num_computed_tokens // self.block_size   # the block the next token goes into
+        if write < len(table) and ref_counts[table[write]] > 1 and not cached_blocks:
+            return self._copy_on_write(request, write, max(fresh, 0))
         if not cached_blocks and fresh <= 0:
             return True  # the common decode step: the last block still has room
-        ref_counts = self.ref_counts
         revived = sum(1 for b in cached_blocks if ref_counts[b] == 0)
         if max(fresh, 0) + revived > len(self._free):
             return False
@@ -167,14 +175,42 @@ class BlockManager:
             ref_counts[block] += 1
             table.append(block)
         for _ in range(fresh):
-            block, _ = self._free.popitem(last=False)
-            h = self._hash[block]
-            if h is not None:  # evict: its contents are about to be overwritten
-                del self._cached[h]
-                self._hash[block] = None
-            ref_counts[block] = 1
-            table.append(block)
+            table.append(self._take_free())
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give child the parent's blocks by reference (n samples of one prompt computed once).
+        The partial last block stays shared until one of them writes into it (copy on write)."""
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        for block in child.block_table:
+            self.ref_counts[block] += 1
+            self.num_shared_refs += 1
+
+    def _copy_on_write(self, request: Request, index: int, fresh: int) -> bool:
+        """Replace the shared block `index` of request's table with a private copy, then add `fresh` blocks."""
+        if 1 + fresh > len(self._free):
+            return False
+        table = request.block_table
+        shared = table[index]
+        block = self._take_free()
+        self.ref_counts[shared] -= 1
+        self.num_shared_refs -= 1
+        table[index] = block
+        self.copies.append((shared, block))
+        self.rewritten.setdefault(request.request_id, []).append(index)
+        for _ in range(fresh):
+            table.append(self._take_free())
+        return True
+
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        h = self._hash[block]
+        if h is not None:  # evict: its contents are about to be overwritten
+            del self._cached[h]
+            self._hash[block] = None
+        self.ref_counts[block] = 1
+        return block
 
     def free(self, request: Request) -> None:
         """Release the request's blocks. Its tail is freed first, so it is evicted before its shared head."""

@@ -6,7 +6,8 @@ plan alone:
 
     new_requests      a request the runner has not seen, or one resumed after a preemption
                       (the runner dropped it then): all its tokens so far and all its blocks
-    cached_requests   a request the runner holds: only the blocks added since the last plan
+    cached_requests   a request the runner holds: only the blocks added since the last plan,
+                      and the entries a copy on write replaced (their contents are in block_copies)
     num_scheduled_tokens[request_id]
                       tokens to compute this step, from num_computed_tokens on
     preempted_request_ids, finished_request_ids
@@ -36,6 +37,11 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     """Tokens whose K/V these blocks already hold (a prefix-cache hit)."""
+    eos_token_id: int | None = None
+    """Banned with stop_token_ids while fewer than min_tokens are generated."""
+    forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    """(request id, params) of sibling sequences (n > 1) that sample their first token from this
+    request's last prompt row, then start from its KV blocks by reference."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class CachedRequestData:
     new_block_ids: list[int]
     """Blocks appended to its block table since the last plan."""
     num_computed_tokens: int
+    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
+    """(index, block): entries of its block table replaced since the last plan (copy on write)."""
 
 
 @dataclass
@@ -61,6 +69,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks to copy before this step runs (copy on write of a forked block)."""
 
     def __post_init__(self) -> None:
         if not self.num_batched_tokens:

@@ -72,6 +72,10 @@ class Policy:
     def charge_admission(self, request: Request) -> None:
         """Called whenever a request is admitted (again after a preemption: charge its prompt once)."""
 
+    def charge_fork(self, parent: Request, child: Request) -> None:
+        """child shares parent's computed prompt (n > 1): its prompt is not charged again, even when it
+        is recomputed after a preemption."""
+
     def charge_output(self, request: Request, num_tokens: int = 1) -> None:
         """Called for every generated token."""
 

@@ -52,6 +52,11 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     """Hash of each full block of all_token_ids, computed as blocks fill."""
     num_preemptions: int = 0
+    index: int = 0
+    """Which of its prompt's n sequences this is (SamplingParams.n)."""
+    forks: list["Request"] = field(default_factory=list)
+    """Sequences 1..n-1 of this prompt, not yet running: when this request's prompt is computed they
+    sample their first token from its logits and take its KV blocks by reference."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request, if any."""
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+"""Most alternatives per position that logprobs / prompt_logprobs may ask for (OpenAI's limit)."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily: dividing float32 logits by a smaller one can overflow
 to inf (and NaN probabilities), and the distribution is already indistinguishable from argmax."""
@@ -46,6 +48,21 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """CTRL's (as in transformers and vLLM): logits of tokens in the prompt or the output are divided by it
     when positive and multiplied when negative; 1 disables it, > 0."""
+    n: int = 1
+    """Sequences sampled from the one prompt: its KV blocks are computed once and shared (forked)."""
+    logprobs: int | None = None
+    """Return the log-probability of each generated token and of the `logprobs` most likely
+    alternatives (0: the chosen token only; None: no logprobs), at most MAX_LOGPROBS."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first (the prompt is then never served from the
+    prefix cache, whose blocks carry no logits)."""
+    logprobs_mode: str = "raw"
+    """'raw': log-softmax of the model's logits; 'processed': after logit_bias, min_tokens, penalties
+    and temperature, the distribution the token was drawn from."""
+    min_tokens: int = 0
+    """End-of-sequence and stop_token_ids cannot be sampled before this many tokens are generated."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> value added to its logit before sampling, in [-100, 100]."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,10 +105,35 @@ class SamplingParams:
         _check_number("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        self.logit_bias = dict(self.logit_bias or {})
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias", token)
+            _check_number("logit_bias", bias)
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def constrains_logits(self) -> bool:
+        """Logits are edited before sampling (bias or min_tokens), beyond penalties and temperature."""
+        return bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

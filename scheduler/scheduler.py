@@ -86,6 +86,9 @@ class Scheduler:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         if not admitted:
             self.config.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        if 1 + len(request.forks) > self.config.max_num_seqs:
+            raise InvalidRequestError("n", f"{1 + len(request.forks)} sequences can never run at once; this "
+                                      f"engine runs at most max_num_seqs={self.config.max_num_seqs}")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         tally = self._tenants.get(request.tenant)
@@ -194,12 +197,14 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        out.block_copies, bm.copies = bm.copies, []
         self._describe_for_runner(out)
         return out
 
     def _describe_for_runner(self, out: SchedulerOutput) -> None:
         """Fill the runner's narrow view of the plan: what changed since the last one (plan.py)."""
         sent = self._blocks_sent
+        bm = self.block_manager
         for request, n in out.scheduled:
             rid = request.request_id
             table = request.block_table
@@ -207,12 +212,16 @@ class Scheduler:
             if known is None:
                 out.new_requests.append(NewRequestData(
                     rid, list(request.prompt_token_ids), list(request.output_token_ids),
-                    request.sampling_params, list(table), request.num_computed_tokens))
+                    request.sampling_params, list(table), request.num_computed_tokens, request.eos_token_id,
+                    [(c.request_id, c.sampling_params) for c in request.forks]))
             else:
-                out.cached_requests.append(CachedRequestData(rid, table[known:], request.num_computed_tokens))
+                replaced = [(i, table[i]) for i in bm.rewritten.get(rid, ()) if i < known]
+                out.cached_requests.append(CachedRequestData(rid, table[known:], request.num_computed_tokens,
+                                                             replaced))
             sent[rid] = len(table)
             out.num_scheduled_tokens[rid] = n
         out.preempted_request_ids = [r.request_id for r in out.preempted]
+        bm.rewritten.clear()
         out.finished_request_ids, self._finished_since_plan = self._finished_since_plan, []
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
@@ -224,11 +233,13 @@ class Scheduler:
         for r in running:
             reserved += max(bm.blocks_needed(r.num_tokens) - len(r.block_table), 0)
         max_num_seqs = self.config.max_num_seqs
-        while budget > 0 and len(running) < max_num_seqs:
+        seqs = len(running) + sum(len(r.forks) for r in running)   # with forks due when their prompt ends
+        while budget > 0 and seqs < max_num_seqs:
             request = self.policy.peek()
-            if request is None:
+            if request is None or seqs + 1 + len(request.forks) > max_num_seqs:
                 break
-            cached = bm.find_cached_prefix(request)
+            # prompt logprobs need every prompt position's logits, which cached blocks do not keep
+            cached = bm.find_cached_prefix(request) if request.sampling_params.prompt_logprobs is None else []
             hit = len(cached) * bm.block_size
             need = bm.num_blocks_to_allocate(request, request.num_tokens, cached)
             if need + reserved + (self._watermark_blocks if running else 0) > bm.num_free_blocks:
@@ -252,8 +263,25 @@ class Scheduler:
             self.policy.charge_admission(request)
             request.status = _RUNNING
             running.append(request)
+            seqs += 1 + len(request.forks)
             out.scheduled.append((request, n))
             budget -= n
+
+    def _fork(self, parent: Request) -> None:
+        """Start the parent's sibling sequences on its computed prompt: they share its KV blocks, are
+        charged to its tenant for their own tokens (the prompt, computed once, was charged once), and
+        from here on run, finish and are preempted as requests of their own."""
+        tally = self._tenants[parent.tenant]
+        for child in parent.forks:
+            self.block_manager.fork(parent, child)
+            child.status = _RUNNING
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            tally.running += 1
+            self.policy.charge_fork(parent, child)
+        parent.forks = []
 
     def _preempt(self, request: Request, index: int) -> None:
         del self.running[index]
@@ -283,6 +311,8 @@ class Scheduler:
                 bm.cache_full_blocks(request, before)
                 if request.num_computed_tokens == request.num_tokens and request.request_id not in sampled:
                     request.num_computed_tokens -= 1
+                elif request.forks and request.num_computed_tokens == request.num_tokens:
+                    self._fork(request)
         finished = []
         now = time.monotonic()
         max_len = self.config.max_model_len or sys.maxsize
@@ -324,6 +354,9 @@ class Scheduler:
         bm = self.block_manager
         bs = bm.block_size
         live = sum(r.num_computed_tokens for r in self.running) - bm.num_shared_refs * bs
+        partial = {r.block_table[-1]: r.num_computed_tokens % bs for r in self.running
+                   if r.num_computed_tokens % bs and bm.ref_counts[r.block_table[-1]] > 1}
+        live += sum((bm.ref_counts[b] - 1) * (bs - filled) for b, filled in partial.items())   # forked, not full
         counters = self.policy.counters()
         tenants = {t: {"counter": counters.get(t, 0.0), "service_tokens": tally.service_tokens,
                        "waiting": tally.waiting, "running": tally.running}

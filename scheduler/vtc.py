@@ -91,6 +91,9 @@ class VTCPolicy(Policy):
             self._counters[request.tenant] += self.w_p * request.num_prompt_tokens / request.weight
         self._last_served = request.tenant
 
+    def charge_fork(self, parent: Request, child: Request) -> None:
+        self._charged.add(child.request_id)
+
     def charge_output(self, request: Request, num_tokens: int = 1) -> None:
         self._counters[request.tenant] += self.w_q * num_tokens / request.weight
         self._last_served = request.tenant

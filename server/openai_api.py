@@ -11,7 +11,9 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -20,6 +22,7 @@ from scheduler import InvalidRequestError
 from server import sse
 from server.auth import Tenant, authenticate, check_key
 from server.errors import APIError, bad_request
+from server.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from server.protocol import GenerationRequest, parse_chat, parse_completion
 from server.state import ServerState, read_json
 
@@ -49,23 +52,47 @@ OFF_LOOP_CHARS = 16_384
 body never stalls the event loop (other streams, /health) while it is tokenized."""
 
 
-def _prompt_ids(state: ServerState, req: GenerationRequest, messages: list[dict] | None) -> list[int]:
-    """Render (chat) and tokenize the prompt; whether it fits is the engine client's admission rule."""
+def _prompt_ids(state: ServerState, req: GenerationRequest, messages: list[dict] | None) -> list[list[int]]:
+    """Render (chat) and tokenize each prompt; whether it fits is the engine client's admission rule."""
     tokenizer = state.client.tokenizer
     if messages is not None:
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            req.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except ValueError as exc:
             raise InvalidRequestError("messages", str(exc)) from exc
-    return tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        req.prompts = [req.prompt]
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
 
 
-def _usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+@dataclass
+class _Choice:
+    """One returned sequence: prompt i's sample j, and what has been streamed of it."""
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str
+    out: RequestOutput | None = None
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_offset: int = 0
+    """text_offset of the next streamed completion token."""
+    started: bool = False
+    echo_only: bool = False
+
+
+def _usage(choices: list[_Choice], outs: list[RequestOutput]) -> dict:
+    prompts = {id(c.prompt_ids): c for c in choices}.values()   # each prompt counted once, whatever n is
+    prompt = sum(len(c.prompt_ids) for c in prompts)
+    completion = sum(len(_generated(c, o)[0]) for c, o in zip(choices, outs))
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    if out.num_cached_tokens:
-        usage["prompt_tokens_details"] = {"cached_tokens": out.num_cached_tokens}
+    cached = sum(o.num_cached_tokens for o in {id(c.prompt_ids): o for c, o in zip(choices, outs)}.values())
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
+
+
+def _generated(choice: _Choice, out: RequestOutput) -> tuple[list[int], str]:
+    """Token ids and text the client sees as generated (none when only the prompt is scored)."""
+    return ([], "") if choice.echo_only else (out.token_ids, out.text)
 
 
 async def _generate(request: web.Request, state: ServerState, req: GenerationRequest, keyed: Tenant | None,
@@ -81,44 +108,44 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
         raise bad_request(f"'priority' must be in [{low}, {high}] for this caller (lower runs first; a client "
                           f"may only make its own requests less urgent unless its key grants more)", "priority")
     size = sum(len(m["content"]) for m in messages) if chat else \
-        (len(req.prompt) if isinstance(req.prompt, str) else 0)
+        sum(len(p) for p in req.prompts if isinstance(p, str))
     try:
         if size > OFF_LOOP_CHARS:
-            ids = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, state, req, messages)
+            checked = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, state, req, messages)
         else:
-            ids = _prompt_ids(state, req, messages)
+            checked = _prompt_ids(state, req, messages)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), exc.param) from exc
+    tokenizer = state.client.tokenizer
 
     kind = "chat.completion" if chat else "text_completion"
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     model = state.model_name
+    width = req.best_of
+    choices: dict[tuple[int, int], _Choice] = {}
+    for i, ids in enumerate(checked):
+        text = req.prompts[i] if isinstance(req.prompts[i], str) else tokenizer.decode(ids)
+        for j in range(width):
+            choices[i, j] = _Choice(i * width + j, ids, text, echo_only=req.echo_only)
     stream = None
-    last: RequestOutput | None = None
-    sent = 0
     try:
-        # The engine client admits the request (one rule: InvalidRequestError names the field); a
+        # The engine client admits each prompt (one rule: InvalidRequestError names the field); a
         # max_tokens the client did not send is a default, lowered to what fits rather than refused.
-        async with aclosing(state.client.generate(ids, req.params, request_id, tenant=tenant.name,
-                                                  weight=tenant.weight, priority=req.priority,
-                                                  clamp_max_tokens=not req.max_tokens_given,
-                                                  cache_salt=tenant.cache_salt)) as outputs:
-            async for out in outputs:
-                last = out
+        sources = [state.client.generate(ids, req.params, f"{request_id}-{i}", tenant=tenant.name,
+                                         weight=tenant.weight, priority=req.priority,
+                                         clamp_max_tokens=not req.max_tokens_given,
+                                         cache_salt=tenant.cache_salt)
+                   for i, ids in enumerate(checked)]
+        async with aclosing(_merge(sources)) as outputs:
+            async for i, out in outputs:
+                choice = choices[i, out.index]
+                choice.out = out
                 if not req.stream:
                     continue
                 if stream is None:
                     stream = await sse.open_stream(request)
-                    if chat:
-                        await sse.send(stream, _chunk(request_id, created, model,
-                                                      {"role": "assistant", "content": ""}, None, chat))
-                delta = out.text[sent:]
-                sent = len(out.text)
-                if delta or out.finished:
-                    await sse.send(stream, _chunk(request_id, created, model,
-                                                  {"content": delta} if chat else delta,
-                                                  out.finish_reason if out.finished else None, chat))
+                await _send_delta(stream, state, req, chat, request_id, created, model, choice)
     except QueueFullError as exc:
         state.metrics.count_rejected("queue_full")
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly.",
@@ -128,11 +155,13 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     except ConnectionError:
-        raise   # the client left; leaving the `async with` has already aborted the request
+        raise   # the client left; leaving the `async with` has already aborted the requests
     except Exception as exc:
         # What the client sees names the kind of failure and the request id; the details are in the log.
         if isinstance(exc, RequestFailedError):
-            last = exc.output
+            for (i, j), c in choices.items():   # book the failed sequence with what it produced
+                if exc.output.request_id == f"{request_id}-{i}" and exc.output.index == j:
+                    c.out = exc.output
             log.error("request %s failed in the engine (%s); the engine keeps serving", request_id, exc.cause)
             error = APIError(500, f"The engine failed while generating this request ({exc.cause}); other "
                                   f"requests are unaffected, retry it. Request id {request_id}.",
@@ -154,28 +183,141 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
         await sse.send_done(stream)
         return stream
     finally:
-        state.record(request, req, tenant.name, last)
+        for c in choices.values():
+            state.record(request, req, tenant.name, c.out)
 
+    ordered = sorted(choices.values(), key=lambda c: c.index)
+    outs = [c.out for c in ordered]
     if req.stream:
         if req.include_usage:
             await sse.send(stream, {"id": request_id, "object": kind + ("" if not chat else ".chunk"),
-                                    "created": created, "model": model, "choices": [], "usage": _usage(last)})
+                                    "created": created, "model": model, "choices": [],
+                                    "usage": _usage(ordered, outs)})
         await sse.send_done(stream)
         return stream
-    choice = ({"index": 0, "message": {"role": "assistant", "content": last.text},
-               "finish_reason": last.finish_reason, "logprobs": None} if chat else
-              {"index": 0, "text": last.text, "finish_reason": last.finish_reason, "logprobs": None})
-    if last.stop_reason is not None:
-        choice["stop_reason"] = last.stop_reason
+    returned = _best(ordered, req) if req.best_of > req.n else ordered
+    body = [_final_choice(state, req, chat, c, k) for k, c in enumerate(returned)]
     return web.json_response({"id": request_id, "object": kind, "created": created, "model": model,
-                              "choices": [choice], "usage": _usage(last)})
+                              "choices": body, "usage": _usage(ordered, outs)})
 
 
-def _chunk(request_id: str, created: int, model: str, delta, finish_reason, chat: bool) -> dict:
+def _best(choices: list[_Choice], req: GenerationRequest) -> list[_Choice]:
+    """best_of: per prompt, the n sequences with the highest mean token logprob, in that order."""
+    out = []
+    for i in range(len(req.prompts)):
+        group = [c for c in choices if c.index // req.best_of == i]
+        group.sort(key=lambda c: -sum(s.logprob for s in c.out.logprobs) / max(len(c.out.logprobs), 1))
+        out.extend(group[:req.n])
+    return out
+
+
+def _final_choice(state: ServerState, req: GenerationRequest, chat: bool, c: _Choice, index: int) -> dict:
+    out = c.out
+    token_ids, text = _generated(c, out)
+    tok = state.client.tokenizer
+    logprobs = None
     if chat:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        if req.logprobs_requested:
+            logprobs = chat_logprobs(tok, token_ids, out.logprobs[:len(token_ids)])
+        choice = {"index": index, "message": {"role": "assistant", "content": text},
+                  "finish_reason": out.finish_reason, "logprobs": logprobs}
+    else:
+        if req.logprobs_requested:
+            if req.echo:
+                logprobs = completion_logprobs(tok, c.prompt_ids, out.prompt_logprobs)
+            logprobs = merge_completion_logprobs(logprobs, completion_logprobs(
+                tok, token_ids, out.logprobs[:len(token_ids)], _end_offset(logprobs)))
+        choice = {"index": index, "text": (c.prompt_text if req.echo else "") + text,
+                  "finish_reason": out.finish_reason, "logprobs": logprobs}
+    if out.stop_reason is not None and not req.echo_only:
+        choice["stop_reason"] = out.stop_reason
+    return choice
+
+
+def _end_offset(logprobs: dict | None) -> int:
+    if not logprobs or not logprobs["tokens"]:
+        return 0
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+
+async def _send_delta(stream, state: ServerState, req: GenerationRequest, chat: bool, request_id: str,
+                      created: int, model: str, c: _Choice) -> None:
+    """Stream what is new in c.out since the last chunk of this choice."""
+    out = c.out
+    tok = state.client.tokenizer
+    if chat and not c.started:
+        await sse.send(stream, _chunk(request_id, created, model, c.index, {"role": "assistant", "content": ""},
+                                      None, chat))
+    token_ids, text = _generated(c, out)
+    delta, new_tokens = text[c.sent_text:], token_ids[c.sent_tokens:]
+    logprobs = None
+    if req.logprobs_requested:
+        scores = out.logprobs[c.sent_tokens:len(token_ids)]
+        if chat:
+            logprobs = chat_logprobs(tok, new_tokens, scores)
+        else:
+            if req.echo and not c.started:
+                logprobs = completion_logprobs(tok, c.prompt_ids, out.prompt_logprobs)
+            logprobs = merge_completion_logprobs(logprobs, completion_logprobs(
+                tok, new_tokens, scores, _end_offset(logprobs) if logprobs else c.sent_offset))
+            c.sent_offset = _end_offset(logprobs) or c.sent_offset
+    if req.echo and not c.started:
+        delta = c.prompt_text + delta
+    finish = out.finish_reason if out.finished else None
+    if delta or finish or new_tokens and logprobs is not None:
+        chunk = _chunk(request_id, created, model, c.index, {"content": delta} if chat else delta, finish, chat)
+        chunk["choices"][0]["logprobs"] = logprobs
+        if finish and out.stop_reason is not None and not req.echo_only:
+            chunk["choices"][0]["stop_reason"] = out.stop_reason
+        await sse.send(stream, chunk)
+        c.sent_text, c.sent_tokens = len(text), len(token_ids)
+    c.started = True
+
+
+async def _merge(sources: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(source index, output) from several engine streams as they arrive; closing this closes them all
+    (which aborts their requests)."""
+    if len(sources) == 1:
+        async with aclosing(sources[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, source) -> None:
+        try:
+            async with aclosing(source) as outs:
+                async for out in outs:
+                    await queue.put((i, out))
+            await queue.put((i, done))
+        except BaseException as exc:   # handed to the consumer, which re-raises it
+            await queue.put((i, exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    tasks = [asyncio.create_task(pump(i, source)) for i, source in enumerate(sources)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _chunk(request_id: str, created: int, model: str, index: int, delta, finish_reason, chat: bool) -> dict:
+    if chat:
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "text": delta, "finish_reason": finish_reason, "logprobs": None}
         kind = "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}

@@ -8,15 +8,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler import SamplingParams
+from scheduler.sampling_params import MAX_LOGPROBS
 from server.errors import bad_request
 
 _MISSING = object()
+MAX_N = 16
+"""Most choices (n, best_of) per prompt."""
+MAX_PROMPTS = 64
+"""Most prompts in one batched completions request."""
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 @dataclass
 class GenerationRequest:
     prompt: str | list[int]
+    """The first (or only) prompt; `prompts` holds them all."""
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -26,6 +32,23 @@ class GenerationRequest:
     max_tokens_given: bool
     """False: generate up to the rest of the context (chat: max_tokens None) or 16 tokens (completions),
     as OpenAI does, lowered to what fits."""
+    prompts: list[str | list[int]] | None = None
+    """Every prompt of a batched completions request; choices are prompt-major (prompt i, sample j ->
+    index i * n + j)."""
+    echo: bool = False
+    """Completions: return the prompt before the completion (and its logprobs when asked)."""
+    echo_only: bool = False
+    """echo with max_tokens 0: score the prompt, generate nothing."""
+    n: int = 1
+    """Choices returned per prompt."""
+    best_of: int = 1
+    """Completions: sequences sampled per prompt, of which the n with the highest mean logprob return."""
+    logprobs_requested: bool = False
+    """The client asked for logprobs (completions `logprobs`, chat `logprobs: true`)."""
+
+    def __post_init__(self) -> None:
+        if self.prompts is None:
+            self.prompts = [self.prompt]
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None, what: str | None = None):
@@ -60,13 +83,50 @@ def _show(value) -> str:
     return text if len(text) <= 40 else text[:20] + "..." + text[-8:]
 
 
-def _sampling(body: dict, default_max_tokens: int | None) -> SamplingParams:
+def _max_tokens(body: dict, zero_allowed: bool) -> int | None:
     max_tokens = _get(body, "max_completion_tokens", (int,), None) if "max_completion_tokens" in body else None
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,), None)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"'{name}' must be at least 1, got {_show(max_tokens)}", name)
+    if max_tokens is not None and max_tokens < (0 if zero_allowed else 1):
+        hint = "" if zero_allowed or max_tokens != 0 else " (0 is allowed only with echo, to score the prompt)"
+        raise bad_request(f"'{name}' must be at least {0 if zero_allowed else 1}, got {_show(max_tokens)}{hint}", name)
+    return max_tokens
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per position asked for, or None. Completions: `logprobs: k`; chat: `logprobs: true`
+    with `top_logprobs: k`."""
+    if chat:
+        wanted = _get(body, "logprobs", (bool,), False)
+        top = _get(body, "top_logprobs", (int,), None)
+        if top is not None and not wanted:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        name, k = "top_logprobs", (top or 0) if wanted else None
+    else:
+        name, k = "logprobs", _get(body, "logprobs", (int,), None)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name)
+    return k
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    bias = _get(body, "logit_bias", (dict,), {})
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for {key}",
+                              "logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def _sampling(body: dict, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
+    max_tokens = _max_tokens(body, zero_allowed=not chat and body.get("echo") is True)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = _get(body, "top_k", (int,), -1)
@@ -87,30 +147,52 @@ def _sampling(body: dict, default_max_tokens: int | None) -> SamplingParams:
         raise bad_request("'stop_token_ids' must be an array of integers", "stop_token_ids")
     ignore_eos = _get(body, "ignore_eos", (bool,), False)
     n = _get(body, "n", (int,), 1)
-    if n != 1:
-        raise bad_request(f"'n' must be 1 (one choice per request), got {_show(n)}", "n")
-    best_of = _get(body, "best_of", (int,), 1)
-    if best_of != 1:
-        raise bad_request("'best_of' other than 1 is not supported", "best_of")
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"'n' must be in [1, {MAX_N}], got {_show(n)}", "n")
+    best_of = n if chat else _get(body, "best_of", (int,), n)
+    if not n <= best_of <= MAX_N:
+        raise bad_request(f"'best_of' must be in [n={n}, {MAX_N}], got {_show(best_of)}", "best_of")
+    if best_of > n and body.get("stream"):
+        raise bad_request("'best_of' greater than 'n' cannot be streamed (the best are known at the end)",
+                          "best_of")
+    min_tokens = _get(body, "min_tokens", (int,), 0)
+    if min_tokens < 0:
+        raise bad_request(f"'min_tokens' must be >= 0, got {_show(min_tokens)}", "min_tokens")
+    if max_tokens and min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+    logprobs = _logprobs(body, chat)
+    logprobs_mode = _get(body, "logprobs_mode", (str,), "raw")
+    if logprobs_mode not in ("raw", "processed"):
+        raise bad_request(f"'logprobs_mode' must be 'raw' or 'processed', got {logprobs_mode!r}", "logprobs_mode")
+    echo = False if chat else _get(body, "echo", (bool,), False)
     presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True)
-    for name_ in ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "response_format"):
+    for name_ in ("tools", "functions"):
         if body.get(name_) not in (None, False, 0, {}, []):
             raise bad_request(f"'{name_}' is not supported by this server", name_)
-    if body.get("echo"):
-        raise bad_request("'echo' is not supported by this server", "echo")
+    response_format = _get(body, "response_format", (dict,), None)
+    if response_format is not None and response_format.get("type") != "text":
+        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported by this server",
+                          "response_format")
+    if max_tokens == 0:   # echo with max_tokens 0: score the prompt; one token is sampled and dropped
+        max_tokens = 1
+    max_tokens = max_tokens or default_max_tokens
     try:   # SamplingParams holds the rules of the engine itself (e.g. the seed must fit in 64 bits)
-        return SamplingParams(max_tokens=max_tokens or default_max_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-                              ignore_eos=ignore_eos, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                              stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                              repetition_penalty=repetition_penalty, n=best_of,
+                              logprobs=logprobs if logprobs is not None else (0 if best_of > n else None),
+                              prompt_logprobs=logprobs if echo and logprobs is not None else None,
+                              logprobs_mode=logprobs_mode, min_tokens=min(min_tokens, max_tokens or min_tokens),
+                              logit_bias=_logit_bias(body))
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0]
         raise bad_request(f"'{field_name}' {str(exc).split(' ', 1)[1]}", field_name) from exc
 
 
-def _common(body: dict, prompt, default_max_tokens: int | None) -> GenerationRequest:
+def _common(body: dict, prompts: list, default_max_tokens: int | None, chat: bool) -> GenerationRequest:
     stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,), {})
     include_usage = _get(options, "include_usage", (bool,), False) if options else False
@@ -120,31 +202,49 @@ def _common(body: dict, prompt, default_max_tokens: int | None) -> GenerationReq
     priority = _get(body, "priority", (int,), 0)
     model = _get(body, "model", (str,), None)
     given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
-    return GenerationRequest(prompt=prompt, params=_sampling(body, default_max_tokens), stream=stream,
-                             include_usage=include_usage, user=user, priority=priority, model=model,
-                             max_tokens_given=given)
+    params = _sampling(body, default_max_tokens, chat)
+    echo = not chat and body.get("echo") is True
+    n = _get(body, "n", (int,), 1)
+    return GenerationRequest(prompt=prompts[0], params=params, stream=stream, include_usage=include_usage,
+                             user=user, priority=priority, model=model, max_tokens_given=given, prompts=prompts,
+                             echo=echo, echo_only=echo and given and _max_tokens(body, True) == 0, n=n,
+                             best_of=params.n, logprobs_requested=body.get("logprobs") not in (None, False))
 
 
 def parse_completion(body: dict, default_max_tokens: int = 16) -> GenerationRequest:
-    """POST /v1/completions. `prompt` is a string or an array of token ids (one prompt per request)."""
+    """POST /v1/completions. `prompt` is a string, an array of token ids, or an array of either (a batch)."""
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("'prompt' is required", "prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]   # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("'prompt' must not be empty", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_token_id(prompt[0])):
+        prompts = [prompt]
     elif isinstance(prompt, list):
-        if not prompt:
+        prompts = prompt
+        if not prompts:
             raise bad_request("'prompt' must not be empty", "prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise bad_request("'prompt' must be a string or an array of token ids; batches of several prompts "
-                              "are not supported (send one request per prompt)", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise bad_request(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
     else:
-        raise bad_request(f"'prompt' must be a string or an array of token ids, got {type(prompt).__name__}",
-                          "prompt")
-    return _common(body, prompt, default_max_tokens)
+        raise bad_request(f"'prompt' must be a string, an array of token ids, or an array of those, got "
+                          f"{type(prompt).__name__}", "prompt")
+    for i, one in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 and one is prompt else f"prompt[{i}]"
+        if isinstance(one, str):
+            if not one:
+                raise bad_request(f"'{where}' must not be empty", "prompt")
+        elif isinstance(one, list):
+            if not one:
+                raise bad_request(f"'{where}' must not be empty", "prompt")
+            if not all(_is_token_id(t) for t in one):
+                raise bad_request(f"'{where}' must be a string or an array of token ids (integers)", "prompt")
+        else:
+            raise bad_request(f"'{where}' must be a string or an array of token ids, got {type(one).__name__}",
+                              "prompt")
+    return _common(body, prompts, default_max_tokens, chat=False)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_messages(body: dict) -> list[dict]:
@@ -182,4 +282,4 @@ def parse_messages(body: dict) -> list[dict]:
 def parse_chat(body: dict) -> tuple[GenerationRequest, list[dict]]:
     """POST /v1/chat/completions; the prompt is rendered from the messages by the caller."""
     messages = parse_messages(body)
-    return _common(body, "", None), messages
+    return _common(body, [""], None, chat=True), messages

@@ -36,6 +36,10 @@ class ShadowKV:
 
     def run(self, plan) -> None:
         bs = self.block_size
+        for src, dst in plan.block_copies:   # copy on write of a forked block, before the step
+            for offset in range(bs):
+                if src * bs + offset in self.slots:
+                    self.slots[dst * bs + offset] = self.slots[src * bs + offset]
         written = set()
         for req, n in plan.scheduled:
             tokens, table, h = req.all_token_ids, req.block_table, 0
@@ -66,6 +70,8 @@ def step(scheduler: Scheduler, token_of=lambda req: 7, kv: ShadowKV | None = Non
         assert len(req.block_table) * bs >= req.num_computed_tokens + n, "blocks must cover the scheduled tokens"
         if req.num_computed_tokens + n == req.num_tokens:
             sampled[req.request_id] = token_of(req)
+            for child in req.forks:   # sequences of the same prompt sample from its last row
+                sampled[child.request_id] = token_of(child)
     finished = scheduler.update_from_output(plan, sampled)
     check_invariants(scheduler)
     return finished, sampled, plan

@@ -17,6 +17,7 @@ class PlanOnlyRunner:
     def __init__(self):
         self.tokens: dict[str, list[int]] = {}
         self.tables: dict[str, list[int]] = {}
+        self.forks: dict[str, tuple[int, list[str]]] = {}   # id -> (prompt length, its forks' ids)
 
     def apply(self, plan) -> None:
         for rid in plan.finished_request_ids + plan.preempted_request_ids:
@@ -28,7 +29,10 @@ class PlanOnlyRunner:
             self.tokens[new.request_id] = new.prompt_token_ids + new.output_token_ids
             self.tables[new.request_id] = list(new.block_ids)
             self.computed[new.request_id] = new.num_computed_tokens
+            self.forks[new.request_id] = (len(new.prompt_token_ids), [rid for rid, _ in new.forks])
         for cached in plan.cached_requests:
+            for index, block in cached.replaced_block_ids:
+                self.tables[cached.request_id][index] = block
             self.tables[cached.request_id].extend(cached.new_block_ids)
             self.computed[cached.request_id] = cached.num_computed_tokens
 
@@ -36,6 +40,9 @@ class PlanOnlyRunner:
         sampled = {}
         for rid, n in plan.num_scheduled_tokens.items():
             if self.computed[rid] + n == len(self.tokens[rid]):
+                prompt_len, forks = self.forks[rid]
+                if self.computed[rid] < prompt_len:   # a prompt ends: its forks draw a first token too
+                    sampled.update((child, token_of(child)) for child in forks)
                 sampled[rid] = token_of(rid)
                 self.tokens[rid].append(sampled[rid])
         return sampled
@@ -83,3 +90,23 @@ def drive(seed: int, policy: str) -> int:
 def test_plan_only_runner_matches_the_scheduler(policy):
     preemptions = [drive(seed, policy) for seed in range(6)]
     assert sum(preemptions) > 0, "the pool is small enough that the workload preempts"
+
+
+def test_forks_and_their_copies_on_write_reach_the_runner():
+    """n > 1: the forks start from the parent's blocks; a shared partial block copied on write under a
+    sequence the runner already holds replaces that entry of its table (CachedRequestData)."""
+    from tests.scheduler.test_fork import forked
+    sched = Scheduler(SchedulerConfig(num_blocks=40, block_size=4, max_num_batched_tokens=64))
+    sched.add_request(forked("a", 10, 4, max_tokens=9))
+    sched.add_request(forked("b", 7, 3, max_tokens=6))
+    runner = PlanOnlyRunner()
+    copies = 0
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        copies += len(plan.block_copies)
+        runner.apply(plan)
+        for req, _ in plan.scheduled:
+            assert runner.tables[req.request_id] == req.block_table
+            assert runner.tokens[req.request_id] == req.all_token_ids
+        sched.update_from_output(plan, runner.sample(plan, lambda rid: 7))
+    assert copies == 3 + 2
