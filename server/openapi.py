@@ -7,6 +7,9 @@ _ERROR = {"description": "Error (OpenAI envelope)", "content": {"application/jso
     "$ref": "#/components/schemas/Error"}}}}
 
 
+_TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
+
+
 def _sampling_properties() -> dict:
     return {
         "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
@@ -15,7 +18,17 @@ def _sampling_properties() -> dict:
         "top_k": {"type": "integer", "minimum": -1}, "seed": {"type": "integer"},
         "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
         "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
-        "n": {"type": "integer", "enum": [1]}, "user": {"type": "string"}, "priority": {"type": "integer"},
+        "n": {"type": "integer", "minimum": 1, "maximum": 16, "description":
+              "Choices per prompt; its sequences share the prompt's KV blocks (not with --engine-process)"},
+        "user": {"type": "string"}, "priority": {"type": "integer"},
+        "logit_bias": {"type": "object", "description": "Token id (as a string) -> bias added to its logit",
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        "min_tokens": {"type": "integer", "minimum": 0,
+                       "description": "End of sequence and stop_token_ids are banned before this many"},
+        "logprobs_mode": {"type": "string", "enum": ["raw", "processed"],
+                          "description": "raw: the model's log-softmax; processed: what was sampled from"},
+        "response_format": {"type": "object", "required": ["type"],
+                            "properties": {"type": {"const": "text"}}},
         "ignore_eos": {"type": "boolean"}, "stream": {"type": "boolean"},
         "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
         "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
@@ -32,8 +45,19 @@ def _post(summary: str, schema: dict, ok: str) -> dict:
 
 def document() -> dict:
     completion = {"type": "object", "required": ["prompt"], "properties": {
-        **_sampling_properties(), "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                                                       {"type": "array", "items": {"type": "integer"}}]}}}
+        **_sampling_properties(),
+        "prompt": {"oneOf": [{"type": "string", "minLength": 1}, _TOKENS,
+                             {"type": "array", "minItems": 1, "maxItems": 64, "description":
+                              "A batch: choices are prompt-major (prompt i, sample j has index i * n + j)",
+                              "items": {"oneOf": [{"type": "string", "minLength": 1}, _TOKENS]}}]},
+        "max_tokens": {"type": "integer", "minimum": 0,
+                       "description": "At least 1; 0 only with echo (score the prompt, generate nothing)"},
+        "echo": {"type": "boolean",
+                 "description": "Return the prompt before the completion (and its logprobs)"},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20,
+                     "description": "Logprob of each token and of this many most likely alternatives"},
+        "best_of": {"type": "integer", "minimum": 1, "maximum": 16, "description":
+                    "Sequences sampled per prompt (>= n); the n with the highest mean logprob return"}}}
     message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
@@ -41,6 +65,9 @@ def document() -> dict:
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}
     chat = {"type": "object", "required": ["messages"], "properties": {
         **_sampling_properties(), "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "logprobs": {"type": "boolean", "description": "Return each generated token's logprob"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20,
+                         "description": "Most likely alternatives per token (needs logprobs: true)"},
         "messages": {"type": "array", "minItems": 1, "items": message}}}
     get = lambda summary: {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}  # noqa: E731
     return {

@@ -66,6 +66,15 @@ def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
         status, body = _post(server.url, {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
 
+        # through the core: batched prompts, logit_bias and min_tokens work; n > 1 and logprobs are a 400
+        status, body = _post(server.url, {"prompt": ["Hello", [1, 2, 3]], "max_tokens": 2, "min_tokens": 2,
+                                          "logit_bias": {"0": -100}})
+        assert status == 200 and [c["index"] for c in json.loads(body)["choices"]] == [0, 1]
+        for field, extra in (("n", {"n": 2}), ("logprobs", {"logprobs": 1}), ("n", {"best_of": 2})):
+            status, body = _post(server.url, {"prompt": "Hello", "max_tokens": 2, **extra})
+            error = json.loads(body)["error"]
+            assert status == 400 and error["param"] == field and "--engine-process" in error["message"], body
+
         # a stream in flight when the core dies ends with an error event and [DONE], not a hang
         req = urllib.request.Request(server.url + "/v1/completions", json.dumps({
             "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}).encode(),
