@@ -125,7 +125,8 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     width = req.best_of
     choices: dict[tuple[int, int], _Choice] = {}
     for i, ids in enumerate(checked):
-        text = req.prompts[i] if isinstance(req.prompts[i], str) else tokenizer.decode(ids)
+        prompt = req.prompts[i]
+        text = prompt if isinstance(prompt, str) else _decode(tokenizer, ids, i) if req.echo else ""
         for j in range(width):
             choices[i, j] = _Choice(i * width + j, ids, text, echo_only=req.echo_only)
     stream = None
@@ -199,6 +200,15 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     body = [_final_choice(state, req, chat, c, k) for k, c in enumerate(returned)]
     return web.json_response({"id": request_id, "object": kind, "created": created, "model": model,
                               "choices": body, "usage": _usage(ordered, outs)})
+
+
+def _decode(tokenizer, ids: list[int], i: int) -> str:
+    """An echoed token prompt's text (before admission, which would name a bad id the same way)."""
+    try:
+        return tokenizer.decode(ids)
+    except Exception as exc:
+        raise bad_request(f"'prompt' {i}: not token ids of this model's vocabulary ({type(exc).__name__})",
+                          "prompt") from exc
 
 
 def _best(choices: list[_Choice], req: GenerationRequest) -> list[_Choice]:
