@@ -54,7 +54,7 @@ class Request:
     num_preemptions: int = 0
     index: int = 0
     """Which of its prompt's n sequences this is (SamplingParams.n)."""
-    forks: list["Request"] = field(default_factory=list)
+    forks: list[Request] = field(default_factory=list)
     """Sequences 1..n-1 of this prompt, not yet running: when this request's prompt is computed they
     sample their first token from its logits and take its KV blocks by reference."""
     stop_reason: int | str | None = None
