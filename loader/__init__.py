@@ -1,6 +1,7 @@
 """loader: a drop-in `torch.utils.data.DataLoader` that plans every epoch's reads, caches
 raw sample bytes in shared memory / local disk (Belady placement), and prefetches in
 exact order."""
+
 from loader.dataloader import DataLoader
 from loader.errors import SampleError
 from loader.file_dataset import FileDataset

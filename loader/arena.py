@@ -2,6 +2,7 @@
 
 Main-process bookkeeping only; workers never allocate, they read ranges the table names.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -12,9 +13,9 @@ ALIGN = 64  # bytes; keeps every sample on its own cache line
 class Arena:
     def __init__(self, size: int):
         self.size = size - size % ALIGN
-        self._starts: list[int] = [0] if self.size else []   # sorted starts of free blocks
+        self._starts: list[int] = [0] if self.size else []  # sorted starts of free blocks
         self._free: dict[int, int] = {0: self.size} if self.size else {}
-        self._used: dict[int, int] = {}                      # offset -> block bytes
+        self._used: dict[int, int] = {}  # offset -> block bytes
         self.used = 0
 
     def alloc(self, nbytes: int) -> int | None:
@@ -39,12 +40,12 @@ class Arena:
         self.used -= size
         position = bisect.bisect_left(self._starts, offset)
         start, end = offset, offset + size
-        if position < len(self._starts) and self._starts[position] == end:   # merge the next block
+        if position < len(self._starts) and self._starts[position] == end:  # merge the next block
             end += self._free.pop(end)
             del self._starts[position]
         if position > 0:
             before = self._starts[position - 1]
-            if before + self._free[before] == start:                          # merge the previous block
+            if before + self._free[before] == start:  # merge the previous block
                 self._free[before] += end - start
                 return
         self._starts.insert(position, start)

@@ -10,21 +10,22 @@ On fast storage (the page cache, an NVMe disk) a thread hand-off costs more than
 itself: the pool is used only while this process's reads take longer than FAST_READ_SECONDS
 (the median read of each batch, averaged as it goes).
 """
+
 from __future__ import annotations
 
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-FAST_READ_SECONDS = 200e-6     # below this a read is not worth a thread hand-off
-_EMA = 0.5                     # weight of the newest batch's median read in the average
-LEARN_READS = 3                # reads made one by one before the first choice
+FAST_READ_SECONDS = 200e-6  # below this a read is not worth a thread hand-off
+_EMA = 0.5  # weight of the newest batch's median read in the average
+LEARN_READS = 3  # reads made one by one before the first choice
 
 
 class BatchReader:
     def __init__(self, threads: int):
-        self.threads = max(1, threads)              # reads in flight in one process
-        self.average: float | None = None           # seconds per read, this process
+        self.threads = max(1, threads)  # reads in flight in one process
+        self.average: float | None = None  # seconds per read, this process
         self._pool: ThreadPoolExecutor | None = None
         self._pid = None
 
@@ -36,7 +37,7 @@ class BatchReader:
         if not indices:
             return []
         if self.average is None and len(indices) > LEARN_READS and self.threads > 1:
-            head = self.read_all(read, indices[:LEARN_READS])          # learn from a few reads alone
+            head = self.read_all(read, indices[:LEARN_READS])  # learn from a few reads alone
             return head + self.read_all(read, indices[LEARN_READS:])
         if self.threads == 1 or len(indices) == 1 or self.average is None or self.average < FAST_READ_SECONDS:
             timed = [_timed(read, i) for i in indices]
@@ -49,7 +50,7 @@ class BatchReader:
         return [raw for raw, _ in timed]
 
     def pool(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pid != os.getpid():   # a forked worker does not inherit threads
+        if self._pool is None or self._pid != os.getpid():  # a forked worker does not inherit threads
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="prescient-read")
             self._pid = os.getpid()
         return self._pool

@@ -6,6 +6,7 @@ so a reader sees a whole sample or none; a reader also checks the length the tab
 recorded. A failed write (disk full, quota, I/O error) turns the tier off with a warning
 and the loader carries on with RAM only: a full disk costs speed, never correctness.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,11 +18,12 @@ from loader.reclaim import reclaim_directories
 
 PREFIX = "prescient-"
 
+
 class DiskTier:
     def __init__(self, root: str, budget: int):
         os.makedirs(root, exist_ok=True)
-        reclaim_directories(root, PREFIX)         # left by loaders that were killed
-        self.budget = budget                      # bytes the tier may hold
+        reclaim_directories(root, PREFIX)  # left by loaders that were killed
+        self.budget = budget  # bytes the tier may hold
         self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
         self.enabled = True
 
@@ -46,10 +48,13 @@ class DiskTier:
                     os.unlink(leftover)
                 except OSError:
                     pass
-            warnings.warn(f"cache_disk: writing a sample to {self.dir} failed ({error}); the disk tier is "
-                          "off for the rest of this run and the loader goes on with the RAM cache only. "
-                          "Free space there or pass a larger volume as cache_disk.", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"cache_disk: writing a sample to {self.dir} failed ({error}); the disk tier is "
+                "off for the rest of this run and the loader goes on with the RAM cache only. "
+                "Free space there or pass a larger volume as cache_disk.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return False
 
     def remove(self, index: int) -> None:

@@ -16,6 +16,7 @@ died too, see reclaim.py); its pages are reserved up front, so several loaders o
 never overcommit /dev/shm; workers started with spawn attach by path
 without registering, so their exit never unlinks what the main process still uses.
 """
+
 from __future__ import annotations
 
 import errno
@@ -40,8 +41,18 @@ PLANNED, DIRECT = 0, 1
 TIER, OFFSET, LENGTH, VERSION = 0, 1, 2, 3
 ABSENT, RAM, DISK, FAILED = 0, 1, 2, 3
 # counter columns
-(SAMPLES, STORAGE_READS, STORAGE_BYTES, RAM_HITS, DISK_HITS, PEER_READS, STALL_NS,
- WAIT_NS, DIRECT_READS, BATCHES) = range(10)
+(
+    SAMPLES,
+    STORAGE_READS,
+    STORAGE_BYTES,
+    RAM_HITS,
+    DISK_HITS,
+    PEER_READS,
+    STALL_NS,
+    WAIT_NS,
+    DIRECT_READS,
+    BATCHES,
+) = range(10)
 COUNTERS = 16
 SNAP_BYTES = 16 + RNG_STATE_BYTES
 
@@ -64,16 +75,22 @@ def _aligned(n: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    samples: int      # rows in the table (len(dataset))
-    rows: int         # counter rows (processes)
-    ring: int         # plan positions that may be in flight at once
-    snap_slots: int   # RNG snapshot slots
-    arena: int        # bytes for sample data
+    samples: int  # rows in the table (len(dataset))
+    rows: int  # counter rows (processes)
+    ring: int  # plan positions that may be in flight at once
+    snap_slots: int  # RNG snapshot slots
+    arena: int  # bytes for sample data
 
     def sections(self) -> dict[str, tuple[int, int]]:
-        sizes = {"header": 16 * 8, "counters": self.rows * COUNTERS * 8, "table": self.samples * 4 * 8,
-                 "ready": self.ring * 8, "done": self.ring * 8, "snaps": self.snap_slots * SNAP_BYTES,
-                 "data": self.arena}
+        sizes = {
+            "header": 16 * 8,
+            "counters": self.rows * COUNTERS * 8,
+            "table": self.samples * 4 * 8,
+            "ready": self.ring * 8,
+            "done": self.ring * 8,
+            "snaps": self.snap_slots * SNAP_BYTES,
+            "data": self.arena,
+        }
         out, offset = {}, 0
         for name, size in sizes.items():
             out[name] = (offset, size)
@@ -93,7 +110,7 @@ class SharedState:
         self.layout = layout
         self._owner = name is None
         if self._owner:
-            reclaim_shared_memory(PREFIX)          # segments of loaders that were killed
+            reclaim_shared_memory(PREFIX)  # segments of loaders that were killed
             self.name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
             self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=layout.total)
             self._reserve(layout.total)
@@ -120,14 +137,15 @@ class SharedState:
             os.posix_fallocate(fd, 0, size)
         except OSError as error:
             if error.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                return                    # a file system that cannot reserve: sized by statvfs alone
+                return  # a file system that cannot reserve: sized by statvfs alone
             self._shm.close()
             self._shm.unlink()
             free = shm_free_bytes()
             raise SharedMemoryFull(
                 f"shared memory: cannot reserve {size:,} bytes in /dev/shm ({error.strerror}; {free:,} bytes "
                 "free, the rest held by other loaders or processes on this node). Lower cache_ram or "
-                "prefetch_bytes, or enlarge /dev/shm (docker run --shm-size=...).") from None
+                "prefetch_bytes, or enlarge /dev/shm (docker run --shm-size=...)."
+            ) from None
         finally:
             os.close(fd)
 
@@ -136,8 +154,9 @@ class SharedState:
 
         def view(name: str, dtype, shape) -> np.ndarray:
             offset, size = sec[name]
-            return np.frombuffer(self._buffer, dtype=dtype, count=size // np.dtype(dtype).itemsize,
-                                 offset=offset).reshape(shape)
+            return np.frombuffer(
+                self._buffer, dtype=dtype, count=size // np.dtype(dtype).itemsize, offset=offset
+            ).reshape(shape)
 
         lay = self.layout
         self.header = view("header", np.int64, (16,))
@@ -147,11 +166,13 @@ class SharedState:
         self.done = view("done", np.int64, (lay.ring,))
         self.snaps = view("snaps", np.uint8, (lay.snap_slots, SNAP_BYTES))
         offset, size = sec["data"]
-        self.data = self._buffer[offset: offset + size]
+        self.data = self._buffer[offset : offset + size]
         # Flat int64 memoryviews of the same bytes: scalar reads and writes on the workers'
         # hot path cost a fraction of numpy's.
-        self.fast = {name: self._buffer[sec[name][0]: sec[name][0] + sec[name][1]].cast("q")
-                     for name in ("header", "counters", "table", "ready", "done")}
+        self.fast = {
+            name: self._buffer[sec[name][0] : sec[name][0] + sec[name][1]].cast("q")
+            for name in ("header", "counters", "table", "ready", "done")
+        }
 
     def __getstate__(self):
         return {"layout": self.layout, "name": self.name}
@@ -162,15 +183,15 @@ class SharedState:
     # --- publishing (main process only) -------------------------------------------------
     def set_entry(self, index: int, tier: int, offset: int = 0, length: int = 0) -> None:
         row = self.table[index]
-        row[VERSION] += 1            # odd: being changed
+        row[VERSION] += 1  # odd: being changed
         row[TIER], row[OFFSET], row[LENGTH] = tier, offset, length
         row[VERSION] += 1
 
     def write(self, offset: int, raw: bytes) -> None:
-        self.data[offset: offset + len(raw)] = raw
+        self.data[offset : offset + len(raw)] = raw
 
     def read(self, offset: int, length: int) -> bytes:
-        return bytes(self.data[offset: offset + length])
+        return bytes(self.data[offset : offset + length])
 
     # --- snapshots -------------------------------------------------------------------------
     def put_snapshot(self, slot: int, tag: int, state: torch.Tensor) -> None:
@@ -178,7 +199,7 @@ class SharedState:
         row = self.snaps[slot]
         head = row[:16].view(np.int64)
         head[0] = 0
-        row[16: 16 + RNG_STATE_BYTES] = state.numpy()
+        row[16 : 16 + RNG_STATE_BYTES] = state.numpy()
         head[1] = RNG_STATE_BYTES
         head[0] = tag
 
@@ -187,7 +208,7 @@ class SharedState:
         head = row[:16].view(np.int64)
         if head[0] != tag:
             return None
-        state = torch.from_numpy(row[16: 16 + RNG_STATE_BYTES].copy())
+        state = torch.from_numpy(row[16 : 16 + RNG_STATE_BYTES].copy())
         return state if head[0] == tag else None
 
     # --- lifetime --------------------------------------------------------------------------
@@ -206,7 +227,7 @@ class SharedState:
         if self._owner:
             try:
                 self._shm.close()
-            except BufferError:   # a numpy view still alive somewhere: the mapping goes with it
+            except BufferError:  # a numpy view still alive somewhere: the mapping goes with it
                 pass
             try:
                 self._shm.unlink()

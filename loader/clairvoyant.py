@@ -54,6 +54,7 @@ left this epoch), the state after its last batch. A new loader replays the sampl
 the saved states, skips the yielded batches, rotates torch's round robin so batch b still
 goes to worker b % num_workers, and each worker restores its state before its first batch.
 """
+
 from __future__ import annotations
 
 import time
@@ -72,43 +73,44 @@ from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
 from loader.resume import EpochStart, ResumePoint, capture, restore
 from loader.source import ByteSource, has_read_decode
-from loader.view import CachedView, CachedItemsView
+from loader.view import CachedItemsView, CachedView
 
-EPOCH_STRIDE = 1 << 40        # plan positions of epoch e start at e * EPOCH_STRIDE
-RING = 1 << 16                # plan positions that may be published and unconsumed at once
+EPOCH_STRIDE = 1 << 40  # plan positions of epoch e start at e * EPOCH_STRIDE
+RING = 1 << 16  # plan positions that may be published and unconsumed at once
 SNAPSHOT_WAIT_SECONDS = 30.0
-FALLBACK_SECONDS = 0.5      # how long state_dict() waits for a start-of-batch snapshot before using the end
-                            # of the worker's previous batch
-SHM_SHARE = 0.8               # of /dev/shm's free space the loader may take (torch's workers need some)
+FALLBACK_SECONDS = 0.5  # how long state_dict() waits for a start-of-batch snapshot before using the end
+# of the worker's previous batch
+SHM_SHARE = 0.8  # of /dev/shm's free space the loader may take (torch's workers need some)
 
 
 @dataclass
 class CacheOptions:
-    cache_ram: int = 0                   # bytes of samples kept in shared memory across epochs
-    cache_disk: str | None = None        # directory for the local-disk tier
-    cache_disk_bytes: int = 0            # bytes the disk tier may hold
-    cache_items: bool = False            # the dataset's items are deterministic: cache them whole
-    prefetch_bytes: int = 64 << 20       # bytes read ahead and not cached, plus reads in flight
-    prefetch_threads: int = 16           # concurrent storage reads
-    horizon_epochs: int = 2              # epochs the placement looks ahead when the order is seeded
-    peer_exchange: bool = False          # fetch samples other ranks hold (torch.distributed, gloo)
-    peer_window: int = 128               # samples per exchange window
+    cache_ram: int = 0  # bytes of samples kept in shared memory across epochs
+    cache_disk: str | None = None  # directory for the local-disk tier
+    cache_disk_bytes: int = 0  # bytes the disk tier may hold
+    cache_items: bool = False  # the dataset's items are deterministic: cache them whole
+    prefetch_bytes: int = 64 << 20  # bytes read ahead and not cached, plus reads in flight
+    prefetch_threads: int = 16  # concurrent storage reads
+    horizon_epochs: int = 2  # epochs the placement looks ahead when the order is seeded
+    peer_exchange: bool = False  # fetch samples other ranks hold (torch.distributed, gloo)
+    peer_window: int = 128  # samples per exchange window
 
 
 @dataclass
 class EpochState:
-    start: EpochStart                    # RNG states at the sampler's first draw
+    start: EpochStart  # RNG states at the sampler's first draw
     plan: EpochPlan | None
-    pos0: int                            # plan position of the epoch's sample 0
-    skipped: int                         # batches skipped because of a resume
+    pos0: int  # plan position of the epoch's sample 0
+    skipped: int  # batches skipped because of a resume
     num_batches: int | None
-    yielded: int = 0                     # batches handed to the caller, skipped ones included
-    batch_first: list[int] = field(default_factory=list)   # sample offset of each dispatched batch
-    expected: list[int] | None = None    # the plan's indices while it still matches the sampler
+    yielded: int = 0  # batches handed to the caller, skipped ones included
+    batch_first: list[int] = field(default_factory=list)  # sample offset of each dispatched batch
+    expected: list[int] | None = None  # the plan's indices while it still matches the sampler
 
 
 class _Resources:
     """What must be released even if the loader is never closed (weakref.finalize calls close)."""
+
     def __init__(self):
         self.shared: SharedState | None = None
         self.prefetcher: Prefetcher | None = None
@@ -145,14 +147,19 @@ class Clairvoyant:
         self.batches = 0
         self.peer_group = None
         if options.peer_exchange and self.source is not None and self.source.items:
-            raise ValueError("peer_exchange: a dataset cached with cache_items=True is cached as pickled "
-                             "items, and bytes from another process are never unpickled; implement "
-                             "read(index) -> bytes and decode(raw, index) to exchange raw samples with peers")
+            raise ValueError(
+                "peer_exchange: a dataset cached with cache_items=True is cached as pickled "
+                "items, and bytes from another process are never unpickled; implement "
+                "read(index) -> bytes and decode(raw, index) to exchange raw samples with peers"
+            )
         if options.peer_exchange and self.source is not None:
             import torch.distributed as dist
+
             if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError("peer_exchange=True needs torch.distributed initialized (e.g. under torchrun, "
-                                 "after dist.init_process_group); build the loader after that")
+                raise ValueError(
+                    "peer_exchange=True needs torch.distributed initialized (e.g. under torchrun, "
+                    "after dist.init_process_group); build the loader after that"
+                )
             # All ranks build the loader together; the loader's collectives get their own group.
             self.peer_group = dist.new_group(backend="gloo")
 
@@ -171,10 +178,14 @@ class Clairvoyant:
         if self.view is None:
             self._start(dataset)
             kind = CachedItemsView if callable(getattr(dataset, "__getitems__", None)) else CachedView
-            self.view = kind(dataset, self.source, self.shared,
-                             self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
-                             max(self.snap_ring, 1),
-                             read_threads=-(-self.options.prefetch_threads // max(1, self.num_workers)))
+            self.view = kind(
+                dataset,
+                self.source,
+                self.shared,
+                self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
+                max(self.snap_ring, 1),
+                read_threads=-(-self.options.prefetch_threads // max(1, self.num_workers)),
+            )
         return self.view
 
     def _start(self, dataset) -> None:
@@ -185,20 +196,32 @@ class Clairvoyant:
         if placing:
             self._fit_shared_memory()
         arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
-        layout = Layout(samples=len(dataset), rows=self.num_workers + 2, ring=RING,
-                        snap_slots=max(self.snap_ring, 1) + self.num_workers, arena=arena)
+        layout = Layout(
+            samples=len(dataset),
+            rows=self.num_workers + 2,
+            ring=RING,
+            snap_slots=max(self.snap_ring, 1) + self.num_workers,
+            arena=arena,
+        )
         self.resources.shared = SharedState(layout)
         if placing:
             disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
             peers = PeerExchange(self.peer_group, opts.peer_window) if self.peer_group is not None else None
-            self.resources.prefetcher = Prefetcher(self.shared, self.source, opts.cache_ram, opts.prefetch_bytes,
-                                                   opts.prefetch_threads, disk, peers)
+            self.resources.prefetcher = Prefetcher(
+                self.shared,
+                self.source,
+                opts.cache_ram,
+                opts.prefetch_bytes,
+                opts.prefetch_threads,
+                disk,
+                peers,
+            )
 
     def _fit_shared_memory(self) -> None:
         """/dev/shm is often small (64 MiB in a default Docker container) and a write beyond it
         is a SIGBUS, not an error: shrink the RAM cache to what is free, with a warning."""
         opts = self.options
-        free = shm_free_bytes()          # what other loaders reserved is already taken off
+        free = shm_free_bytes()  # what other loaders reserved is already taken off
         if free is None:
             return
         free = int(free * SHM_SHARE)
@@ -206,10 +229,13 @@ class Clairvoyant:
             return
         opts.prefetch_bytes = min(opts.prefetch_bytes, max(free // 2, 1 << 20))
         fitted = max(0, free - opts.prefetch_bytes)
-        warnings.warn(f"cache_ram: {opts.cache_ram:,} bytes plus prefetch_bytes do not fit in the free space of "
-                      f"/dev/shm ({free:,} usable bytes); using cache_ram={fitted:,} and prefetch_bytes="
-                      f"{opts.prefetch_bytes:,}. Enlarge /dev/shm (docker run --shm-size=...) to cache more.",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"cache_ram: {opts.cache_ram:,} bytes plus prefetch_bytes do not fit in the free space of "
+            f"/dev/shm ({free:,} usable bytes); using cache_ram={fitted:,} and prefetch_bytes="
+            f"{opts.prefetch_bytes:,}. Enlarge /dev/shm (docker run --shm-size=...) to cache more.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         opts.cache_ram = fitted
 
     # --- epochs -------------------------------------------------------------------------------------
@@ -230,9 +256,12 @@ class Clairvoyant:
         base = self.epochs_begun * EPOCH_STRIDE
         plan = None
         if self.prefetcher is not None:
-            plan = plan_epoch(index_sampler, loader_generator=generator,
-                              new_iterator_each_epoch=not self.persistent,
-                              horizon_epochs=self.options.horizon_epochs)
+            plan = plan_epoch(
+                index_sampler,
+                loader_generator=generator,
+                new_iterator_each_epoch=not self.persistent,
+                horizon_epochs=self.options.horizon_epochs,
+            )
         try:
             num_batches = len(index_sampler)
         except TypeError:
@@ -245,8 +274,15 @@ class Clairvoyant:
         elif self.shared is not None:
             self.shared.header[GEN_BASE] = base
             self.shared.header[MODE] = DIRECT
-        self.epoch = EpochState(start, plan, pos0, skip, num_batches, yielded=skip,
-                                expected=plan.indices.tolist() if plan is not None else None)
+        self.epoch = EpochState(
+            start,
+            plan,
+            pos0,
+            skip,
+            num_batches,
+            yielded=skip,
+            expected=plan.indices.tolist() if plan is not None else None,
+        )
         return self.epoch, after_first_draw
 
     def plan_broken(self) -> None:
@@ -269,8 +305,10 @@ class Clairvoyant:
         if workers == 0 or epoch is None or self.shared is None:
             return {}
         if not in_order:
-            raise ValueError("state_dict: an exact resume needs in_order=True (with in_order=False the "
-                             "assignment of batches to workers is not reproducible)")
+            raise ValueError(
+                "state_dict: an exact resume needs in_order=True (with in_order=False the "
+                "assignment of batches to workers is not reproducible)"
+            )
         done, total = epoch.yielded, epoch.num_batches or len(epoch.batch_first)
         snapshots = {}
         for worker in range(workers):
@@ -281,7 +319,7 @@ class Clairvoyant:
             else:
                 earlier = [b for b in range(max(0, done - workers), done) if b % workers == worker]
                 if not earlier or earlier[-1] < epoch.skipped:
-                    continue                      # this worker had no batch this epoch
+                    continue  # this worker had no batch this epoch
                 batch, slot, end = earlier[-1], self.snap_ring + worker, True
             # The worker's RNG state when its previous batch ended is the same state: the fallback when
             # the worker never starts the upcoming batch (non-persistent workers stop as soon as the
@@ -292,15 +330,22 @@ class Clairvoyant:
             while True:
                 if batch < len(epoch.batch_first):
                     payload = self.shared.get_snapshot(slot, epoch.pos0 + epoch.batch_first[batch] + 1)
-                    if payload is None and previous is not None and time.monotonic() - started > FALLBACK_SECONDS:
-                        payload = self.shared.get_snapshot(self.snap_ring + worker,
-                                                           epoch.pos0 + epoch.batch_first[previous] + 1)
+                    if (
+                        payload is None
+                        and previous is not None
+                        and time.monotonic() - started > FALLBACK_SECONDS
+                    ):
+                        payload = self.shared.get_snapshot(
+                            self.snap_ring + worker, epoch.pos0 + epoch.batch_first[previous] + 1
+                        )
                     if payload is not None:
                         snapshots[worker] = payload
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"state_dict: worker {worker} did not {'finish' if end else 'start'} "
-                                       f"batch {batch} within {SNAPSHOT_WAIT_SECONDS:.0f} s")
+                    raise RuntimeError(
+                        f"state_dict: worker {worker} did not {'finish' if end else 'start'} "
+                        f"batch {batch} within {SNAPSHOT_WAIT_SECONDS:.0f} s"
+                    )
                 time.sleep(0.001)
         return snapshots
 

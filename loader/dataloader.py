@@ -7,6 +7,7 @@ observed (the epoch is planned at its first draw and indices go out as Tickets),
 dataset the workers get is a view that reads planned samples from shared memory, and the
 time the caller waits in `__next__` is measured.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,7 +24,6 @@ from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
 from loader.view import FIRST, LAST, NEAR_END, PLANNED_READ, Ticket, TicketBatch
-
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -55,11 +55,11 @@ class PlannedSampler:
             if batch < epoch.skipped:
                 offset, batch = offset + len(keys), batch + 1
                 continue
-            planned = epoch.expected is not None and keys == epoch.expected[offset: offset + len(keys)]
+            planned = epoch.expected is not None and keys == epoch.expected[offset : offset + len(keys)]
             if epoch.expected is not None and not planned:
                 self.engine.plan_broken()
             if not all(type(k) is int for k in keys):
-                yield item                     # not dataset indices we can reason about
+                yield item  # not dataset indices we can reason about
             else:
                 flag = PLANNED_READ if planned else 0
                 if epoch.num_batches is None or batch >= epoch.num_batches - self.engine.num_workers:
@@ -136,19 +136,58 @@ class DataLoader(tud.DataLoader[T_co]):
     when the loader starts. The protocol between processes is described in clairvoyant.py.
     """
 
-    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
-                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
-                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
-                 prefetch_factor=None, persistent_workers=False, pin_memory_device="", in_order=True,
-                 cache_ram: int | str | None = None, cache_disk: str | None = None,
-                 cache_disk_bytes: int | str | None = None, cache_items: bool = False,
-                 prefetch_bytes: int | str = "64MiB", prefetch_threads: int = 16, peer_exchange: bool = False,
-                 peer_window: int = 128, name: str | None = None):
-        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-                         pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                         pin_memory_device=pin_memory_device, in_order=in_order)
-        options = _options(cache_ram, cache_disk, cache_disk_bytes, cache_items, prefetch_bytes, prefetch_threads)
+    def __init__(
+        self,
+        dataset,
+        batch_size=1,
+        shuffle=None,
+        sampler=None,
+        batch_sampler=None,
+        num_workers=0,
+        collate_fn=None,
+        pin_memory=False,
+        drop_last=False,
+        timeout=0,
+        worker_init_fn=None,
+        multiprocessing_context=None,
+        generator=None,
+        *,
+        prefetch_factor=None,
+        persistent_workers=False,
+        pin_memory_device="",
+        in_order=True,
+        cache_ram: int | str | None = None,
+        cache_disk: str | None = None,
+        cache_disk_bytes: int | str | None = None,
+        cache_items: bool = False,
+        prefetch_bytes: int | str = "64MiB",
+        prefetch_threads: int = 16,
+        peer_exchange: bool = False,
+        peer_window: int = 128,
+        name: str | None = None,
+    ):
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        options = _options(
+            cache_ram, cache_disk, cache_disk_bytes, cache_items, prefetch_bytes, prefetch_threads
+        )
         if not isinstance(peer_window, int) or isinstance(peer_window, bool) or peer_window < 1:
             raise ValueError(f"peer_window: expected an int >= 1 (samples per exchange), got {peer_window!r}")
         options.peer_exchange, options.peer_window = bool(peer_exchange), peer_window
@@ -174,7 +213,7 @@ class DataLoader(tud.DataLoader[T_co]):
         engine = self._engine
         if engine.resume is None:
             return super().__iter__()
-        if self._iterator is not None:      # persistent workers from before the resume: restart them
+        if self._iterator is not None:  # persistent workers from before the resume: restart them
             self._iterator._shutdown_workers()
             self._iterator = None
         callers = torch.get_rng_state()
@@ -188,7 +227,7 @@ class DataLoader(tud.DataLoader[T_co]):
             if engine.view is not None:
                 engine.view.resume_rng = None
         if self.generator is None:
-            torch.set_rng_state(callers)    # the new iterator's base-seed draw was made in the past run
+            torch.set_rng_state(callers)  # the new iterator's base-seed draw was made in the past run
         return iterator
 
     # --- beyond torch -------------------------------------------------------------------------
@@ -200,8 +239,10 @@ class DataLoader(tud.DataLoader[T_co]):
     def state_dict(self) -> dict:
         """Where this loader is: resume with load_state_dict in a new process (same arguments)."""
         if not self._engine.map_style:
-            raise ValueError("state_dict: resuming is supported for map-style datasets; an IterableDataset "
-                             "owns its own position")
+            raise ValueError(
+                "state_dict: resuming is supported for map-style datasets; an IterableDataset "
+                "owns its own position"
+            )
         engine = self._engine
         epoch = engine.epoch
         point = None
@@ -213,7 +254,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`: the next iteration yields the rest of that epoch."""
         point, now = from_dict(state, len(self.dataset), self.num_workers)
-        if point is None:   # between epochs: only the generators move on
+        if point is None:  # between epochs: only the generators move on
             restore(replace(now, global_rng=None, sampler_epoch=None), self.generator, super()._index_sampler)
         self._engine.resume = point
 
@@ -231,7 +272,9 @@ class DataLoader(tud.DataLoader[T_co]):
         self.close()
 
 
-def _options(cache_ram, cache_disk, cache_disk_bytes, cache_items, prefetch_bytes, prefetch_threads) -> CacheOptions:
+def _options(
+    cache_ram, cache_disk, cache_disk_bytes, cache_items, prefetch_bytes, prefetch_threads
+) -> CacheOptions:
     if cache_disk is not None and not isinstance(cache_disk, str):
         cache_disk = str(cache_disk)
     disk_bytes = parse_size(cache_disk_bytes, "cache_disk_bytes")
@@ -246,6 +289,11 @@ def _options(cache_ram, cache_disk, cache_disk_bytes, cache_items, prefetch_byte
     staging = parse_size(prefetch_bytes, "prefetch_bytes")
     if staging < 1:
         raise ValueError("prefetch_bytes: must be > 0 (at least the largest sample)")
-    return CacheOptions(cache_ram=parse_size(cache_ram, "cache_ram") or 0, cache_disk=cache_disk,
-                        cache_disk_bytes=disk_bytes or 0, cache_items=cache_items, prefetch_bytes=staging,
-                        prefetch_threads=prefetch_threads)
+    return CacheOptions(
+        cache_ram=parse_size(cache_ram, "cache_ram") or 0,
+        cache_disk=cache_disk,
+        cache_disk_bytes=disk_bytes or 0,
+        cache_items=cache_items,
+        prefetch_bytes=staging,
+        prefetch_threads=prefetch_threads,
+    )

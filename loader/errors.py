@@ -1,4 +1,5 @@
 """The one error a sample can raise: which sample (index and path), what failed, what to do."""
+
 from __future__ import annotations
 
 
@@ -11,7 +12,12 @@ class SampleError(RuntimeError):
 
 
 def sample_error(index: int, where: str, stage: str, cause: BaseException) -> SampleError:
-    hint = ("check that the file exists and is readable" if stage == "read"
-            else "check the bytes and the decode/transform functions")
-    return SampleError(f"sample {index} ({where}): {stage} failed with "
-                       f"{type(cause).__name__}: {cause}; {hint}, or leave index {index} out of the sampler")
+    hint = (
+        "check that the file exists and is readable"
+        if stage == "read"
+        else "check the bytes and the decode/transform functions"
+    )
+    return SampleError(
+        f"sample {index} ({where}): {stage} failed with "
+        f"{type(cause).__name__}: {cause}; {hint}, or leave index {index} out of the sampler"
+    )

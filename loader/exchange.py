@@ -15,6 +15,7 @@ no further agreement is needed. Bytes a rank will serve are copied when it answe
 All ranks must construct the loader together and iterate whole epochs (as DDP does): the
 collectives pair up window by window.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,12 +27,12 @@ import torch.distributed as dist
 class PeerExchange:
     def __init__(self, group, window: int):
         self.group = group
-        self.window = window                      # samples per exchange window
+        self.window = window  # samples per exchange window
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.phase: str | None = None             # None: idle
+        self.phase: str | None = None  # None: idle
         self.work = None
-        self.sent = 0                             # samples this rank served to peers
+        self.sent = 0  # samples this rank served to peers
 
     @property
     def busy(self) -> bool:
@@ -41,7 +42,7 @@ class PeerExchange:
         """Begin a window: `needs` are the indices this rank has no copy of (at most `window`)."""
         mine = torch.full((self.window + 1,), -1, dtype=torch.int64)
         mine[0] = len(needs)
-        mine[1: 1 + len(needs)] = torch.as_tensor(needs, dtype=torch.int64)
+        mine[1 : 1 + len(needs)] = torch.as_tensor(needs, dtype=torch.int64)
         self._gathered = [torch.empty_like(mine) for _ in range(self.world)]
         self.work = dist.all_gather(self._gathered, mine, group=self.group, async_op=True)
         self.phase = "needs"
@@ -52,7 +53,7 @@ class PeerExchange:
             return None
         self.work.wait()
         if self.phase == "needs":
-            self.requests = [g[1: 1 + int(g[0])].tolist() for g in self._gathered]
+            self.requests = [g[1 : 1 + int(g[0])].tolist() for g in self._gathered]
             self._serve: dict[int, bytes] = {}
             flags = torch.zeros(sum(len(r) for r in self.requests), dtype=torch.uint8)
             at = 0
@@ -69,8 +70,8 @@ class PeerExchange:
             self.phase = "holders"
             return None
         if self.phase == "holders":
-            self.incoming = [[] for _ in range(self.world)]   # per sender: indices I receive, in order
-            outgoing = [[] for _ in range(self.world)]        # per receiver: indices I send
+            self.incoming = [[] for _ in range(self.world)]  # per sender: indices I receive, in order
+            outgoing = [[] for _ in range(self.world)]  # per receiver: indices I send
             at = 0
             for rank, wanted in enumerate(self.requests):
                 for index in wanted:
@@ -83,35 +84,47 @@ class PeerExchange:
                             outgoing[rank].append(index)
                     at += 1
             self._outgoing = outgoing
-            sizes_out = torch.tensor([len(self._serve[i]) for dest in outgoing for i in dest], dtype=torch.int64)
+            sizes_out = torch.tensor(
+                [len(self._serve[i]) for dest in outgoing for i in dest], dtype=torch.int64
+            )
             self._sizes_in = torch.empty(sum(len(s) for s in self.incoming), dtype=torch.int64)
-            self.work = dist.all_to_all_single(self._sizes_in, sizes_out, [len(s) for s in self.incoming],
-                                               [len(d) for d in outgoing], group=self.group, async_op=True)
+            self.work = dist.all_to_all_single(
+                self._sizes_in,
+                sizes_out,
+                [len(s) for s in self.incoming],
+                [len(d) for d in outgoing],
+                group=self.group,
+                async_op=True,
+            )
             self.phase = "sizes"
             return None
         if self.phase == "sizes":
             chunks = [self._serve[i] for dest in self._outgoing for i in dest]
-            payload = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if chunks else \
-                torch.empty(0, dtype=torch.uint8)
+            payload = (
+                torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+                if chunks
+                else torch.empty(0, dtype=torch.uint8)
+            )
             sizes = self._sizes_in.tolist()
             per_sender, at = [], 0
             for sender in range(self.world):
                 count = len(self.incoming[sender])
-                per_sender.append(sum(sizes[at: at + count]))
+                per_sender.append(sum(sizes[at : at + count]))
                 at += count
             self._sizes = sizes
             self._payload_in = torch.empty(sum(sizes), dtype=torch.uint8)
             out_split = [sum(len(self._serve[i]) for i in dest) for dest in self._outgoing]
             self.sent += sum(len(d) for d in self._outgoing)
-            self.work = dist.all_to_all_single(self._payload_in, payload, per_sender, out_split,
-                                               group=self.group, async_op=True)
+            self.work = dist.all_to_all_single(
+                self._payload_in, payload, per_sender, out_split, group=self.group, async_op=True
+            )
             self.phase = "payload"
             return None
         received, offset = {}, 0
         data = self._payload_in.numpy().tobytes()
         order = [i for sender in self.incoming for i in sender]
         for index, size in zip(order, self._sizes):
-            received[index] = data[offset: offset + size]
+            received[index] = data[offset : offset + size]
             offset += size
         self.phase, self.work, self._serve = None, None, {}
         return received

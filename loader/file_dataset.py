@@ -5,6 +5,7 @@ labels numbering the sorted class names; with files directly under root each sam
 just the decoded file. `read` returns the file's bytes (what the loader caches); `decode`
 runs the user's decode and transform (random augmentation stays fresh every epoch).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,13 @@ def raw_tensor(raw: bytes) -> torch.Tensor:
 
 
 class FileDataset(Dataset):
-    def __init__(self, root: str | os.PathLike, decode: Callable[[bytes], object] | None = None,
-                 transform: Callable[[object], object] | None = None, extensions: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        decode: Callable[[bytes], object] | None = None,
+        transform: Callable[[object], object] | None = None,
+        extensions: tuple[str, ...] | None = None,
+    ):
         self.root = os.fspath(root)
         if not os.path.isdir(self.root):
             raise FileNotFoundError(f"FileDataset: root {self.root!r} is not a directory")
@@ -43,8 +49,10 @@ class FileDataset(Dataset):
         else:
             self.paths = list(_walk(self.root, wanted))
         if not self.paths:
-            raise FileNotFoundError(f"FileDataset: no files under {self.root!r}"
-                                    + (f" with extensions {wanted}" if wanted else ""))
+            raise FileNotFoundError(
+                f"FileDataset: no files under {self.root!r}"
+                + (f" with extensions {wanted}" if wanted else "")
+            )
         self.sizes = [os.path.getsize(p) for p in self.paths]
 
     def __len__(self) -> int:

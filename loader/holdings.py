@@ -7,6 +7,7 @@ not keep are "staged": read ahead for one use and freed after it (they count aga
 prefetch budget, not the cache budget). A sample the RAM tier lets go may be kept on disk.
 Used only by the prefetch coordinator thread.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,10 +21,11 @@ from loader.placement import NEVER, BeladyCache
 @dataclass
 class _Held:
     """A sample's bytes in the shared data area."""
+
     offset: int
     size: int
-    pending: int = 0          # published positions not yet consumed
-    next_use: int = NEVER     # plan position of its next use after the last one published
+    pending: int = 0  # published positions not yet consumed
+    next_use: int = NEVER  # plan position of its next use after the last one published
 
 
 class Holdings:
@@ -77,7 +79,7 @@ class Holdings:
         """Put a fresh read in shared memory, pinned for its use. Returns its tier, or None when
         it must wait for consumption to free room (only if `can_wait`)."""
         if isinstance(raw, BaseException):
-            self.shared.set_entry(index, FAILED)          # the worker re-reads and raises with index and path
+            self.shared.set_entry(index, FAILED)  # the worker re-reads and raises with index and path
             return ABSENT
         offset = self.arena.alloc(len(raw))
         while offset is None and not can_wait and self._evict_one():
@@ -85,7 +87,7 @@ class Holdings:
         if offset is None:
             if can_wait:
                 return None
-            self.shared.set_entry(index, ABSENT)          # larger than the whole area: the worker reads it
+            self.shared.set_entry(index, ABSENT)  # larger than the whole area: the worker reads it
             return ABSENT
         self.shared.write(offset, raw)
         self.held[index] = _Held(offset, len(raw), pending=1, next_use=upcoming)
@@ -122,17 +124,23 @@ class Holdings:
 
     def usage(self) -> dict:
         disk = self.disk_set
-        return {"cache_ram_bytes": self.ram.used, "cache_ram_peak_bytes": self.ram.peak,
-                "cache_ram_samples": len(self.ram), "staging_bytes": self.staged_bytes,
-                "staging_peak_bytes": self.staged_peak, "cache_disk_bytes": disk.used if disk else 0,
-                "cache_disk_peak_bytes": disk.peak if disk else 0, "cache_disk_samples": len(disk) if disk else 0,
-                "disk_tier_enabled": bool(self.disk and self.disk.enabled)}
+        return {
+            "cache_ram_bytes": self.ram.used,
+            "cache_ram_peak_bytes": self.ram.peak,
+            "cache_ram_samples": len(self.ram),
+            "staging_bytes": self.staged_bytes,
+            "staging_peak_bytes": self.staged_peak,
+            "cache_disk_bytes": disk.used if disk else 0,
+            "cache_disk_peak_bytes": disk.peak if disk else 0,
+            "cache_disk_samples": len(disk) if disk else 0,
+            "disk_tier_enabled": bool(self.disk and self.disk.enabled),
+        }
 
     # --- eviction ------------------------------------------------------------------------------
     def _evict(self, victims: list[int]) -> None:
         for victim in victims:
             held = self.held[victim]
-            self._add_staged(held.size)       # out of the cache set; its bytes stay while pinned
+            self._add_staged(held.size)  # out of the cache set; its bytes stay while pinned
             if held.pending == 0:
                 self._drop(victim)
 
@@ -152,8 +160,9 @@ class Holdings:
         self.staged_bytes -= held.size
         tier = ABSENT
         if self.disk_set is not None and self.disk.enabled:
-            victims = self.disk_set.offer(index, held.size, held.next_use,
-                                          can_evict=lambda victim: not self.disk_pending.get(victim))
+            victims = self.disk_set.offer(
+                index, held.size, held.next_use, can_evict=lambda victim: not self.disk_pending.get(victim)
+            )
             if victims is not None:
                 for victim in victims:
                     self.shared.set_entry(victim, ABSENT)

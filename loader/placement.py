@@ -5,6 +5,7 @@ then the samples used farthest ahead are evicted until it fits. With equal sampl
 this is the optimal policy (fewest storage reads), so simulating it over the plan gives
 the number of reads no cache of that size can beat. Pure bookkeeping: no I/O.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -36,10 +37,10 @@ class BeladyCache:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.used = 0                              # bytes of kept samples
-        self.peak = 0                              # the most bytes ever kept
+        self.used = 0  # bytes of kept samples
+        self.peak = 0  # the most bytes ever kept
         self.kept: dict[int, tuple[int, int]] = {}  # index -> (size, next use)
-        self._heap: list[tuple[int, int]] = []     # (-next use, index); stale rows skipped lazily
+        self._heap: list[tuple[int, int]] = []  # (-next use, index); stale rows skipped lazily
 
     def __contains__(self, index: int) -> bool:
         return index in self.kept
@@ -53,8 +54,9 @@ class BeladyCache:
         self.kept[index] = (size, next_use_at)
         heapq.heappush(self._heap, (-next_use_at, index))
 
-    def offer(self, index: int, size: int, next_use_at: int,
-              can_evict: Callable[[int], bool] | None = None) -> list[int] | None:
+    def offer(
+        self, index: int, size: int, next_use_at: int, can_evict: Callable[[int], bool] | None = None
+    ) -> list[int] | None:
         """Keep a sample just read? Returns the evicted indices, or None to bypass it.
 
         A sample with no known next use is kept only in free space (the future beyond the

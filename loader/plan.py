@@ -11,6 +11,7 @@ A RandomSampler without a generator reseeds from the global RNG every epoch, whi
 training step also draws from, so only the current epoch is known (computed when the
 epoch's first index is drawn). Unknown sampler types get no plan.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils.data import (BatchSampler, DistributedSampler, RandomSampler, SequentialSampler,
-                              SubsetRandomSampler, WeightedRandomSampler)
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 _SEEDED = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
@@ -27,8 +34,9 @@ _SEEDED = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 @dataclass
 class EpochPlan:
     """What this rank reads in one epoch, in order, and what it will probably read next."""
-    indices: np.ndarray                     # int64, flat stream of dataset indices, in read order
-    batch_size: int | None                  # samples per batch (the last may be short); None: one index per step
+
+    indices: np.ndarray  # int64, flat stream of dataset indices, in read order
+    batch_size: int | None  # samples per batch (the last may be short); None: one index per step
     following: list[np.ndarray] = field(default_factory=list)  # predicted streams of the next epochs
 
     def batch_bounds(self, batch: int) -> tuple[int, int]:
@@ -106,8 +114,13 @@ class _Replay:
         return list(iter(self.clone))
 
 
-def plan_epoch(index_sampler, *, loader_generator: torch.Generator | None = None,
-               new_iterator_each_epoch: bool = True, horizon_epochs: int = 2) -> EpochPlan | None:
+def plan_epoch(
+    index_sampler,
+    *,
+    loader_generator: torch.Generator | None = None,
+    new_iterator_each_epoch: bool = True,
+    horizon_epochs: int = 2,
+) -> EpochPlan | None:
     """The stream the next `iter(index_sampler)` yields, plus up to `horizon_epochs - 1` more.
 
     Call it just before the epoch's first index is drawn (the loader does, from inside the

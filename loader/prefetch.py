@@ -8,6 +8,7 @@ A position is published in the `ready` ring once its bytes are in place; a worke
 it in the `done` ring after copying, and only then may the bytes go. Staged bytes (read
 ahead but not cached) plus reads in flight stay under `staging` bytes.
 """
+
 from __future__ import annotations
 
 import queue
@@ -17,25 +18,42 @@ import warnings
 import numpy as np
 
 from loader.cache_disk import DiskTier
-from loader.cache_ram import (ABSENT, DIRECT, GEN_BASE, MODE, PEER_READS, PLANNED, STORAGE_BYTES, STORAGE_READS,
-                              SharedState)
+from loader.cache_ram import (
+    ABSENT,
+    DIRECT,
+    GEN_BASE,
+    MODE,
+    PEER_READS,
+    PLANNED,
+    STORAGE_BYTES,
+    STORAGE_READS,
+    SharedState,
+)
 from loader.exchange import PeerExchange
 from loader.holdings import Holdings
 from loader.placement import first_use, next_use
 from loader.source import ByteSource
 
-BUSY_POLL_SECONDS = 0.001   # how often to look at the done ring while workers hold positions
+BUSY_POLL_SECONDS = 0.001  # how often to look at the done ring while workers hold positions
 IDLE_WAIT_SECONDS = 0.05
 
 
 class Prefetcher:
-    def __init__(self, shared: SharedState, source: ByteSource, cache_ram: int, staging: int,
-                 threads: int, disk: DiskTier | None, peers: PeerExchange | None = None):
+    def __init__(
+        self,
+        shared: SharedState,
+        source: ByteSource,
+        cache_ram: int,
+        staging: int,
+        threads: int,
+        disk: DiskTier | None,
+        peers: PeerExchange | None = None,
+    ):
         self.shared, self.source, self.disk, self.peers = shared, source, disk, peers
-        self.windows_started = 0              # peer-exchange windows of this epoch begun
+        self.windows_started = 0  # peer-exchange windows of this epoch begun
         self.staging = staging
         self.holdings = Holdings(shared, cache_ram, disk)
-        self.inflight: dict[int, int] = {}        # index -> estimated bytes, read asked and not yet placed
+        self.inflight: dict[int, int] = {}  # index -> estimated bytes, read asked and not yet placed
         self.inflight_bytes = 0
         self.results: dict[int, bytes | BaseException] = {}
         self.read_bytes = self.read_count = 0
@@ -52,8 +70,10 @@ class Prefetcher:
         self.wakeup = threading.Event()
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.delivered: queue.SimpleQueue = queue.SimpleQueue()
-        self.readers = [threading.Thread(target=self._read_loop, name=f"prescient-reader-{n}", daemon=True)
-                        for n in range(threads)]
+        self.readers = [
+            threading.Thread(target=self._read_loop, name=f"prescient-reader-{n}", daemon=True)
+            for n in range(threads)
+        ]
         self.coordinator = threading.Thread(target=self._run, name="prescient-prefetch", daemon=True)
         for thread in self.readers + [self.coordinator]:
             thread.start()
@@ -64,13 +84,13 @@ class Prefetcher:
         (larger than any position used before, so old ring entries never match)."""
         with self.lock:
             if self.peers is not None:
-                self.peers.finish(self.holdings.copy_of)     # every rank ends the window in flight alike
+                self.peers.finish(self.holdings.copy_of)  # every rank ends the window in flight alike
             self.windows_started = 0
-            self.shared.header[GEN_BASE] = base    # first: workers stop trusting older positions
+            self.shared.header[GEN_BASE] = base  # first: workers stop trusting older positions
             self.shared.header[MODE] = PLANNED if self.failure is None else DIRECT
-            for position in range(self.consumed, self.done):   # published, never consumed: a break
+            for position in range(self.consumed, self.done):  # published, never consumed: a break
                 self.holdings.release(int(self.stream[position]), int(self.holder[position]))
-            while True:                                         # reads not started yet: not needed now
+            while True:  # reads not started yet: not needed now
                 try:
                     self.requests.get_nowait()
                 except queue.Empty:
@@ -107,7 +127,7 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             while True:
-                self.wakeup.clear()       # before working: a wake-up during the work is not lost
+                self.wakeup.clear()  # before working: a wake-up during the work is not lost
                 with self.lock:
                     if self.closed:
                         return
@@ -122,14 +142,18 @@ class Prefetcher:
         except BaseException as error:  # noqa: BLE001 - workers must never wait on a dead thread
             self.failure = error
             self.shared.header[MODE] = DIRECT
-            warnings.warn(f"prescient loader: the prefetch thread failed ({type(error).__name__}: {error}); "
-                          "workers now read from storage directly", RuntimeWarning, stacklevel=1)
+            warnings.warn(
+                f"prescient loader: the prefetch thread failed ({type(error).__name__}: {error}); "
+                "workers now read from storage directly",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
     def _schedule(self) -> bool:
         progressed = False
         ring = len(self.shared.ready)
         end = len(self.stream)
-        if self.peers is not None:            # only where the window's peers were asked first
+        if self.peers is not None:  # only where the window's peers were asked first
             end = min(end, self.windows_started * self.peers.window)
         while self.sched < end and self.sched - self.consumed < ring:
             index = int(self.stream[self.sched])
@@ -151,13 +175,14 @@ class Prefetcher:
             tier = self.holdings.use(index, upcoming)
             if tier == ABSENT:
                 if index not in self.results:
-                    if index not in self.inflight:    # held earlier in the window, since freed: read again
+                    if index not in self.inflight:  # held earlier in the window, since freed: read again
                         self._request(index, self.source.nbytes(index) or self._average())
                     break
-                tier = self.holdings.place(index, self.results[index], upcoming,
-                                           can_wait=self.consumed < self.done)
+                tier = self.holdings.place(
+                    index, self.results[index], upcoming, can_wait=self.consumed < self.done
+                )
                 if tier is None:
-                    break                             # consumption will free room
+                    break  # consumption will free room
                 del self.results[index]
                 self.inflight_bytes -= self.inflight.pop(index)
             self.holder[position] = tier
@@ -194,7 +219,7 @@ class Prefetcher:
                     self.shared.counters[0, PEER_READS] += 1
             for index in self._asked:
                 if index not in received:
-                    self.requests.put(index)      # no peer holds it: storage
+                    self.requests.put(index)  # no peer holds it: storage
             return True
         size = peers.window
         windows = -(-len(self.stream) // size)
@@ -202,7 +227,7 @@ class Prefetcher:
         if self.windows_started >= windows or self.sched < start - size:
             return False
         needs = []
-        for index in dict.fromkeys(self.stream[start: start + size].tolist()):
+        for index in dict.fromkeys(self.stream[start : start + size].tolist()):
             if not (index in self.inflight or self.holdings.has(index)):
                 estimate = self.source.nbytes(index) or self._average()
                 self.inflight[index] = estimate

@@ -7,6 +7,7 @@ unlinks a segment when the owner is SIGKILLed; only a killed tracker (OOM killer
 process group) or a SIGKILLed disk tier leaves something behind. The next loader to start
 on the node removes those whose owner pid no longer runs.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:         # another user's process
+    except PermissionError:  # another user's process
         return True
     return True
 
@@ -46,7 +47,7 @@ def reclaim_shared_memory(prefix: str) -> list[str]:
         try:
             os.unlink(os.path.join(SHM_DIR, name))
             removed.append(name)
-        except OSError:             # its tracker got there first, or not ours to remove
+        except OSError:  # its tracker got there first, or not ours to remove
             pass
     return removed
 

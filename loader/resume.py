@@ -8,6 +8,7 @@ batches already trained on, and leave every generator where the uninterrupted ru
 have left it. Workers' RNG states at batch edges (see view.py) make the decode-time random
 augmentation of the remaining batches identical too.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -26,6 +27,7 @@ FORMAT = "prescient.loader/2"
 @dataclass
 class EpochStart:
     """RNG states at the epoch's first draw (uint8 tensors) and the DistributedSampler epoch."""
+
     loader_generator: torch.Tensor | None
     sampler_generator: torch.Tensor | None
     global_rng: torch.Tensor | None
@@ -35,8 +37,8 @@ class EpochStart:
 @dataclass
 class ResumePoint:
     start: EpochStart
-    batches_done: int                          # batches already yielded in that epoch
-    worker_rng: dict[int, torch.Tensor] = field(default_factory=dict)   # worker id -> state (rng_state.py)
+    batches_done: int  # batches already yielded in that epoch
+    worker_rng: dict[int, torch.Tensor] = field(default_factory=dict)  # worker id -> state (rng_state.py)
 
 
 def _base_sampler(index_sampler):
@@ -50,11 +52,13 @@ def capture(loader_generator: torch.Generator | None, index_sampler) -> EpochSta
         loader_generator=loader_generator.get_state() if loader_generator is not None else None,
         sampler_generator=own.get_state() if own is not None and own is not loader_generator else None,
         global_rng=torch.get_rng_state() if uses_global_rng(index_sampler) else None,
-        sampler_epoch=base.epoch if isinstance(base, DistributedSampler) else None)
+        sampler_epoch=base.epoch if isinstance(base, DistributedSampler) else None,
+    )
 
 
-def restore(start: EpochStart, loader_generator: torch.Generator | None,
-            index_sampler) -> Callable[[], None] | None:
+def restore(
+    start: EpochStart, loader_generator: torch.Generator | None, index_sampler
+) -> Callable[[], None] | None:
     """Put the epoch-start states back before the sampler's first draw.
 
     Returns a function to call right after that draw which gives the caller back its own
@@ -62,9 +66,11 @@ def restore(start: EpochStart, loader_generator: torch.Generator | None,
     """
     base = _base_sampler(index_sampler)
     if start.sampler_epoch is not None and getattr(base, "epoch", None) != start.sampler_epoch:
-        raise ValueError(f"load_state_dict: the checkpoint was taken in DistributedSampler epoch "
-                         f"{start.sampler_epoch} but the sampler is at epoch {getattr(base, 'epoch', None)}; "
-                         f"call sampler.set_epoch({start.sampler_epoch}) before iterating")
+        raise ValueError(
+            f"load_state_dict: the checkpoint was taken in DistributedSampler epoch "
+            f"{start.sampler_epoch} but the sampler is at epoch {getattr(base, 'epoch', None)}; "
+            f"call sampler.set_epoch({start.sampler_epoch}) before iterating"
+        )
     if start.loader_generator is not None and loader_generator is not None:
         loader_generator.set_state(start.loader_generator)
     own = sampler_generator(index_sampler)
@@ -77,18 +83,29 @@ def restore(start: EpochStart, loader_generator: torch.Generator | None,
     return lambda: torch.set_rng_state(callers)
 
 
-def to_dict(point: ResumePoint | None, generators_now: EpochStart, dataset_len: int,
-            num_workers: int) -> dict:
+def to_dict(
+    point: ResumePoint | None, generators_now: EpochStart, dataset_len: int, num_workers: int
+) -> dict:
     """A plain dict of strings, ints, None and uint8 tensors: loads with torch.load(weights_only=True)
     and resumes without unpickling anything (the format is documented in the README)."""
+
     def states(start: EpochStart) -> dict:
-        return {"loader_generator": start.loader_generator, "sampler_generator": start.sampler_generator,
-                "global_rng": start.global_rng, "sampler_epoch": start.sampler_epoch}
-    return {"format": FORMAT, "dataset_len": dataset_len, "num_workers": num_workers,
-            "epoch_start": states(point.start) if point else None,
-            "batches_done": point.batches_done if point else 0,
-            "worker_rng": dict(point.worker_rng) if point else {},
-            "generators_now": states(generators_now)}
+        return {
+            "loader_generator": start.loader_generator,
+            "sampler_generator": start.sampler_generator,
+            "global_rng": start.global_rng,
+            "sampler_epoch": start.sampler_epoch,
+        }
+
+    return {
+        "format": FORMAT,
+        "dataset_len": dataset_len,
+        "num_workers": num_workers,
+        "epoch_start": states(point.start) if point else None,
+        "batches_done": point.batches_done if point else 0,
+        "worker_rng": dict(point.worker_rng) if point else {},
+        "generators_now": states(generators_now),
+    }
 
 
 def _int(state: dict, key: str, minimum: int = 0) -> int:
@@ -99,14 +116,21 @@ def _int(state: dict, key: str, minimum: int = 0) -> int:
 
 
 def _states(value, key: str) -> EpochStart:
-    if not isinstance(value, dict) or set(value) != {"loader_generator", "sampler_generator", "global_rng",
-                                                     "sampler_epoch"}:
-        raise ValueError(f"load_state_dict: {key} must be a dict of loader_generator, sampler_generator, "
-                         f"global_rng and sampler_epoch")
+    if not isinstance(value, dict) or set(value) != {
+        "loader_generator",
+        "sampler_generator",
+        "global_rng",
+        "sampler_epoch",
+    }:
+        raise ValueError(
+            f"load_state_dict: {key} must be a dict of loader_generator, sampler_generator, "
+            f"global_rng and sampler_epoch"
+        )
     for name in ("loader_generator", "sampler_generator", "global_rng"):
         tensor = value[name]
-        if tensor is not None and not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8
-                                       and tensor.dim() == 1):
+        if tensor is not None and not (
+            isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8 and tensor.dim() == 1
+        ):
             raise ValueError(f"load_state_dict: {key}.{name} must be None or a uint8 RNG state tensor")
     if value["sampler_epoch"] is not None and type(value["sampler_epoch"]) is not int:
         raise ValueError(f"load_state_dict: {key}.sampler_epoch must be None or an int")
@@ -116,11 +140,15 @@ def _states(value, key: str) -> EpochStart:
 def from_dict(state: dict, dataset_len: int, num_workers: int) -> tuple[ResumePoint | None, EpochStart]:
     """Check every field's type before anything is used: a checkpoint is data, never code."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"load_state_dict: not a loader state (expected format {FORMAT!r}); pass what "
-                         "DataLoader.state_dict() returned")
+        raise ValueError(
+            f"load_state_dict: not a loader state (expected format {FORMAT!r}); pass what "
+            "DataLoader.state_dict() returned"
+        )
     if _int(state, "dataset_len") != dataset_len:
-        raise ValueError(f"load_state_dict: the checkpoint's dataset had {state['dataset_len']} samples, "
-                         f"this one has {dataset_len}; resume with the same dataset")
+        raise ValueError(
+            f"load_state_dict: the checkpoint's dataset had {state['dataset_len']} samples, "
+            f"this one has {dataset_len}; resume with the same dataset"
+        )
     worker_rng = state.get("worker_rng")
     if not isinstance(worker_rng, dict) or not all(type(k) is int for k in worker_rng):
         raise ValueError("load_state_dict: worker_rng must be a dict from worker id (int) to a uint8 tensor")
@@ -128,9 +156,13 @@ def from_dict(state: dict, dataset_len: int, num_workers: int) -> tuple[ResumePo
     if worker_rng and _int(state, "num_workers") != num_workers:
         # Every remaining sample still comes exactly once, in the same batches; only the workers' random
         # augmentation differs, as it does whenever torch's num_workers changes.
-        warnings.warn(f"load_state_dict: the checkpoint used num_workers={state['num_workers']}, this loader "
-                      f"has {num_workers}: the rest of the epoch has the same samples and batches, but the "
-                      "workers' random augmentation follows new RNG streams", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"load_state_dict: the checkpoint used num_workers={state['num_workers']}, this loader "
+            f"has {num_workers}: the rest of the epoch has the same samples and batches, but the "
+            "workers' random augmentation follows new RNG streams",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         worker_rng = {}
     now = _states(state.get("generators_now"), "generators_now")
     if state.get("epoch_start") is None:

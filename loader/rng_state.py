@@ -9,6 +9,7 @@ Layout (little-endian), RNG_STATE_BYTES in all:
   random  int64[627]           version, 624 state words and the position, has_gauss; then float64 gauss
   numpy   uint32[624]          MT19937 key; then int64 pos, int64 has_gauss, float64 cached_gaussian
 """
+
 from __future__ import annotations
 
 import random
@@ -17,9 +18,15 @@ import numpy as np
 import torch
 
 TORCH_BYTES = int(torch.get_rng_state().numel())
-_PY_WORDS = 627             # version, 625 words of random.getstate()[1], has_gauss
-_SECTIONS = [("torch", np.uint8, TORCH_BYTES), ("py", "<i8", _PY_WORDS), ("py_gauss", "<f8", 1),
-             ("np_key", "<u4", 624), ("np_pos", "<i8", 2), ("np_gauss", "<f8", 1)]
+_PY_WORDS = 627  # version, 625 words of random.getstate()[1], has_gauss
+_SECTIONS = [
+    ("torch", np.uint8, TORCH_BYTES),
+    ("py", "<i8", _PY_WORDS),
+    ("py_gauss", "<f8", 1),
+    ("np_key", "<u4", 624),
+    ("np_pos", "<i8", 2),
+    ("np_gauss", "<f8", 1),
+]
 RNG_STATE_BYTES = sum(np.dtype(dtype).itemsize * count for _, dtype, count in _SECTIONS)
 
 
@@ -27,7 +34,7 @@ def _split(buffer: np.ndarray) -> dict[str, np.ndarray]:
     out, offset = {}, 0
     for name, dtype, count in _SECTIONS:
         size = np.dtype(dtype).itemsize * count
-        out[name] = buffer[offset: offset + size].view(dtype)
+        out[name] = buffer[offset : offset + size].view(dtype)
         offset += size
     return out
 
@@ -38,7 +45,7 @@ def capture_rng() -> torch.Tensor:
     parts = _split(buffer)
     parts["torch"][:] = torch.get_rng_state().numpy()
     version, words, gauss = random.getstate()
-    parts["py"][0], parts["py"][1: 626], parts["py"][626] = version, words, gauss is not None
+    parts["py"][0], parts["py"][1:626], parts["py"][626] = version, words, gauss is not None
     parts["py_gauss"][0] = gauss or 0.0
     kind, key, pos, has_gauss, cached = np.random.get_state()
     parts["np_key"][:] = key
@@ -59,10 +66,19 @@ def restore_rng(state: torch.Tensor) -> None:
 
 def check_rng(state, field: str) -> torch.Tensor:
     """`state` if it is a worker RNG state of the right type and size; ValueError naming `field` if not."""
-    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1 \
-            or state.numel() != RNG_STATE_BYTES:
-        got = f"{state.dtype} tensor of shape {tuple(state.shape)}" if isinstance(state, torch.Tensor) \
+    if (
+        not isinstance(state, torch.Tensor)
+        or state.dtype != torch.uint8
+        or state.dim() != 1
+        or state.numel() != RNG_STATE_BYTES
+    ):
+        got = (
+            f"{state.dtype} tensor of shape {tuple(state.shape)}"
+            if isinstance(state, torch.Tensor)
             else type(state).__name__
-        raise ValueError(f"load_state_dict: {field} must hold uint8 tensors of {RNG_STATE_BYTES} bytes, got "
-                         f"{got}; pass what DataLoader.state_dict() returned")
+        )
+        raise ValueError(
+            f"load_state_dict: {field} must hold uint8 tensors of {RNG_STATE_BYTES} bytes, got "
+            f"{got}; pass what DataLoader.state_dict() returned"
+        )
     return state.contiguous()

@@ -6,6 +6,7 @@ augmentation) still runs every epoch in the workers, as it would without a cache
 map-style dataset built with `cache_items=True` is declared deterministic: its items are
 pickled whole. Every failure names the sample (index and path).
 """
+
 from __future__ import annotations
 
 import pickle
@@ -20,7 +21,7 @@ def has_read_decode(dataset) -> bool:
 class ByteSource:
     def __init__(self, dataset, items: bool):
         self.dataset = dataset
-        self.items = items        # True: bytes are pickled items of a deterministic dataset
+        self.items = items  # True: bytes are pickled items of a deterministic dataset
 
     def where(self, index: int) -> str:
         path = getattr(self.dataset, "path", None)
@@ -51,8 +52,10 @@ class ByteSource:
         except Exception as error:
             raise sample_error(index, self.where(index), "read", error) from error
         if not isinstance(raw, (bytes, bytearray, memoryview)):
-            raise SampleError(f"sample {index} ({self.where(index)}): read() returned "
-                              f"{type(raw).__name__}; it must return bytes (decode turns them into the sample)")
+            raise SampleError(
+                f"sample {index} ({self.where(index)}): read() returned "
+                f"{type(raw).__name__}; it must return bytes (decode turns them into the sample)"
+            )
         return bytes(raw)
 
     def decode(self, raw: bytes, index: int):

@@ -8,13 +8,22 @@ text format (`generate_latest()`, as deploy/examples/train/train.py does): the O
 of prometheus_client 0.26, which its `start_http_server` sends to Prometheus, writes the sample
 names with `_` for `:`.
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
 
-from loader.cache_ram import (DIRECT_READS, DISK_HITS, PEER_READS, RAM_HITS, SAMPLES,
-                              STORAGE_BYTES, STORAGE_READS, WAIT_NS)
+from loader.cache_ram import (
+    DIRECT_READS,
+    DISK_HITS,
+    PEER_READS,
+    RAM_HITS,
+    SAMPLES,
+    STORAGE_BYTES,
+    STORAGE_READS,
+    WAIT_NS,
+)
 
 PREFIX = "prescient:loader_"
 _COUNTERS = {  # stats key -> (counter column, Prometheus help)
@@ -37,8 +46,16 @@ def collect_stats(engine) -> dict:
     out["batches"] = engine.batches
     out["epochs"] = engine.epochs_begun
     usage = engine.prefetcher.usage() if engine.prefetcher is not None else {}
-    for key in ("cache_ram_bytes", "cache_ram_peak_bytes", "cache_ram_samples", "staging_bytes",
-                "staging_peak_bytes", "cache_disk_bytes", "cache_disk_peak_bytes", "cache_disk_samples"):
+    for key in (
+        "cache_ram_bytes",
+        "cache_ram_peak_bytes",
+        "cache_ram_samples",
+        "staging_bytes",
+        "staging_peak_bytes",
+        "cache_disk_bytes",
+        "cache_disk_peak_bytes",
+        "cache_disk_samples",
+    ):
         out[key] = usage.get(key, 0)
     out["disk_tier_enabled"] = usage.get("disk_tier_enabled", False)
     out["shared_memory_bytes"] = shared.layout.arena if shared is not None else 0
@@ -55,19 +72,29 @@ class _Collector:
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         loaders = list(_loaders)
-        families = {key: CounterMetricFamily(PREFIX + key, help_, labels=["loader"])
-                    for key, (_, help_) in _COUNTERS.items()}
+        families = {
+            key: CounterMetricFamily(PREFIX + key, help_, labels=["loader"])
+            for key, (_, help_) in _COUNTERS.items()
+        }
         families["stall_seconds"] = CounterMetricFamily(
-            PREFIX + "stall_seconds", "Seconds the training loop waited for a batch.", labels=["loader"])
+            PREFIX + "stall_seconds", "Seconds the training loop waited for a batch.", labels=["loader"]
+        )
         families["batches"] = CounterMetricFamily(
-            PREFIX + "batches", "Batches delivered to the training loop.", labels=["loader"])
+            PREFIX + "batches", "Batches delivered to the training loop.", labels=["loader"]
+        )
         families["epochs"] = CounterMetricFamily(
-            PREFIX + "epochs", "Epochs begun (per-epoch rates divide by its increase).", labels=["loader"])
-        gauges = {key: GaugeMetricFamily(PREFIX + key, help_, labels=["loader"]) for key, help_ in {
-            "cache_ram_bytes": "Bytes of samples cached in shared memory.",
-            "cache_disk_bytes": "Bytes of samples cached on the local disk tier.",
-            "staging_bytes": "Bytes read ahead and not cached."}.items()}
+            PREFIX + "epochs", "Epochs begun (per-epoch rates divide by its increase).", labels=["loader"]
+        )
+        gauges = {
+            key: GaugeMetricFamily(PREFIX + key, help_, labels=["loader"])
+            for key, help_ in {
+                "cache_ram_bytes": "Bytes of samples cached in shared memory.",
+                "cache_disk_bytes": "Bytes of samples cached on the local disk tier.",
+                "staging_bytes": "Bytes read ahead and not cached.",
+            }.items()
+        }
         for dl in loaders:
             try:
                 stats = dl.stats()

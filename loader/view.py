@@ -8,6 +8,7 @@ the dataset would. Anything else is passed to the dataset untouched, exactly as 
 does. At batch edges a worker also records its RNG states, so that a resumed run can
 restore them and decode with the same random augmentation.
 """
+
 from __future__ import annotations
 
 import multiprocessing.util
@@ -19,20 +20,36 @@ from torch.utils.data import Dataset, get_worker_info
 
 from loader.batch_reads import BatchReader
 from loader.cache_disk import read_file
-from loader.cache_ram import (COUNTERS, DIRECT_READS, DISK, GEN_BASE, LENGTH, MODE, OFFSET, PLANNED, RAM, SAMPLES,
-                              STORAGE_BYTES, STORAGE_READS, TIER, WAIT_NS, SharedState)
+from loader.cache_ram import (
+    COUNTERS,
+    DIRECT_READS,
+    DISK,
+    GEN_BASE,
+    LENGTH,
+    MODE,
+    OFFSET,
+    PLANNED,
+    RAM,
+    SAMPLES,
+    STORAGE_BYTES,
+    STORAGE_READS,
+    TIER,
+    WAIT_NS,
+    SharedState,
+)
 from loader.rng_state import capture_rng, restore_rng
 from loader.source import ByteSource
 
 # Ticket.edge bits: first / last of its batch; covered by the plan; among the epoch's last num_workers batches
 FIRST, LAST, PLANNED_READ, NEAR_END = 1, 2, 4, 8
-POLL_SECONDS = 0.0002       # how often a worker looks for a position it waits on
+POLL_SECONDS = 0.0002  # how often a worker looks for a position it waits on
 PARENT_CHECK_SECONDS = 0.5  # after this long waiting, a worker also checks that the main process lives
 
 
 class Ticket:
     """A planned read: dataset `index` at global plan position `pos`, in batch `batch`
     (numbered within the epoch) whose first sample is at position `first`."""
+
     __slots__ = ("index", "pos", "batch", "first", "edge")
 
     def __init__(self, index: int, pos: int, batch: int, first: int, edge: int):
@@ -48,6 +65,7 @@ class Ticket:
 class TicketBatch:
     """A batch of Tickets as it travels to a worker: plain ints (a list of 64 Tickets pickles ~20x
     slower, which on fast storage is most of what a worker does per batch)."""
+
     __slots__ = ("indices", "first", "batch", "flags")
 
     def __init__(self, indices: tuple, first: int, batch: int, flags: int):
@@ -64,25 +82,35 @@ class TicketBatch:
 
     def tickets(self) -> list[Ticket]:
         first, batch, flags, last = self.first, self.batch, self.flags, len(self.indices) - 1
-        return [Ticket(index, first + j, batch, first,
-                       flags | (FIRST if j == 0 else 0) | (LAST if j == last else 0))
-                for j, index in enumerate(self.indices)]
+        return [
+            Ticket(
+                index, first + j, batch, first, flags | (FIRST if j == 0 else 0) | (LAST if j == last else 0)
+            )
+            for j, index in enumerate(self.indices)
+        ]
 
 
 class CachedView(Dataset):
-    def __init__(self, dataset, source: ByteSource | None, shared: SharedState | None,
-                 disk_dir: str | None, snap_ring: int, read_threads: int = 1):
+    def __init__(
+        self,
+        dataset,
+        source: ByteSource | None,
+        shared: SharedState | None,
+        disk_dir: str | None,
+        snap_ring: int,
+        read_threads: int = 1,
+    ):
         self.dataset = dataset
-        self.reader = BatchReader(read_threads)     # storage reads in flight in one worker
+        self.reader = BatchReader(read_threads)  # storage reads in flight in one worker
         self.source = source
         self.shared = shared
         self.disk_dir = disk_dir
-        self.snap_ring = snap_ring                 # start-of-batch snapshot slots; then one end slot per worker
-        self.resume_rng: dict[int, torch.Tensor] | None = None   # worker id -> RNG state to start from
+        self.snap_ring = snap_ring  # start-of-batch snapshot slots; then one end slot per worker
+        self.resume_rng: dict[int, torch.Tensor] | None = None  # worker id -> RNG state to start from
         self._resumed = False
-        self._parent = os.getpid()               # the main process: workers are its children
-        self._exit_hook: int | None = None       # pid that registered the exit snapshot
-        self._last_end: int | None = None        # tag of this worker's last finished batch
+        self._parent = os.getpid()  # the main process: workers are its children
+        self._exit_hook: int | None = None  # pid that registered the exit snapshot
+        self._last_end: int | None = None  # tag of this worker's last finished batch
 
     def __getattr__(self, name: str):
         # worker_init_fn and collate functions reach the dataset through get_worker_info().dataset
@@ -107,8 +135,9 @@ class CachedView(Dataset):
         fetched = iter(self.reader.read_all(self.source.read, direct))
         raws = [self._planned_raw(k, row) if k.edge & PLANNED_READ else next(fetched) for k in keys]
         if direct:
-            self._count_direct(row, len(direct), sum(len(raws[j]) for j, k in enumerate(keys)
-                                                     if not k.edge & PLANNED_READ))
+            self._count_direct(
+                row, len(direct), sum(len(raws[j]) for j, k in enumerate(keys) if not k.edge & PLANNED_READ)
+            )
         samples = [self.source.decode(raw, k.index) for raw, k in zip(raws, keys)]
         self.shared.fast["counters"][row * COUNTERS + SAMPLES] += len(keys)
         self._batch_end(keys[-1], worker)
@@ -148,7 +177,7 @@ class CachedView(Dataset):
             return
         if ticket.edge & NEAR_END:
             self.shared.put_snapshot(self.snap_ring + worker, ticket.first + 1, capture_rng())
-            self._last_end = None                 # the exit must not overwrite it with an older batch's
+            self._last_end = None  # the exit must not overwrite it with an older batch's
             return
         if self._exit_hook != os.getpid():
             self._exit_hook = os.getpid()
@@ -171,13 +200,13 @@ class CachedView(Dataset):
         waited = None
         while True:
             if header[MODE] != PLANNED or header[GEN_BASE] > ticket.pos:
-                return self._direct(ticket.index, row)     # the plan no longer covers this read
+                return self._direct(ticket.index, row)  # the plan no longer covers this read
             if ready[slot] == ticket.pos + 1:
                 break
             if waited is None:
                 waited = time.perf_counter()
             elif time.perf_counter() - waited > PARENT_CHECK_SECONDS and os.getppid() != self._parent:
-                os._exit(1)                                   # the main process is gone: nothing will come
+                os._exit(1)  # the main process is gone: nothing will come
             time.sleep(POLL_SECONDS)
         if waited is not None:
             fast["counters"][row * COUNTERS + WAIT_NS] += int((time.perf_counter() - waited) * 1e9)
@@ -190,7 +219,7 @@ class CachedView(Dataset):
             elif tier == DISK:
                 raw = read_file(f"{self.disk_dir}/{ticket.index}", length)
             if raw is not None and header[GEN_BASE] > ticket.pos:
-                raw = None                                   # released while we copied: do not trust it
+                raw = None  # released while we copied: do not trust it
             return raw if raw is not None else self._direct(ticket.index, row)
         finally:
             fast["done"][slot] = ticket.pos + 1

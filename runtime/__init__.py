@@ -1,6 +1,12 @@
 """Prescient's model runtime: a Llama-family model on a paged KV cache with continuous batching."""
-from runtime.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestAbortedError,
-                                  RequestFailedError)
+
+from runtime.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from runtime.config import CacheConfig, EngineConfig, ModelSettings, ParallelConfig
 from runtime.engine import Engine
 from runtime.engine_client import EngineClient
@@ -8,6 +14,19 @@ from runtime.engine_core_client import EngineCoreClient
 from runtime.outputs import RequestOutput
 from scheduler import SamplingParams
 
-__all__ = ["AsyncEngine", "CacheConfig", "Engine", "EngineClient", "EngineConfig", "EngineCoreClient", "EngineDeadError",
-           "ModelSettings", "ParallelConfig", "QueueFullError", "RequestAbortedError", "RequestFailedError",
-           "RequestOutput", "SamplingParams"]
+__all__ = [
+    "AsyncEngine",
+    "CacheConfig",
+    "Engine",
+    "EngineClient",
+    "EngineConfig",
+    "EngineCoreClient",
+    "EngineDeadError",
+    "ModelSettings",
+    "ParallelConfig",
+    "QueueFullError",
+    "RequestAbortedError",
+    "RequestFailedError",
+    "RequestOutput",
+    "SamplingParams",
+]

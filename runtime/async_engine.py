@@ -8,6 +8,7 @@ with call_soon_threadsafe. A consumer that stops iterating (client gone, task
 cancelled) aborts its request at once, which frees its KV blocks. The whole
 hand-off is described in Note [Engine thread <-> event loop] below.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -130,6 +131,7 @@ class _Sink:
 @dataclass
 class _Add:
     """One admitted request on its way from the event loop to the engine thread."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -199,10 +201,18 @@ class AsyncEngine:
         with self._lock:
             return dict(self._stats)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                       clamp_max_tokens: bool = False,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        tenant: str = "default",
+        weight: float = 1.0,
+        priority: int = 0,
+        clamp_max_tokens: bool = False,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield snapshots of the request's output as tokens arrive; the last one has finished=True.
 
         The request is admitted here, before anything is queued: InvalidRequestError (naming the
@@ -220,7 +230,7 @@ class AsyncEngine:
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
         with self._lock:
-            if self.error is not None:   # it died since the check above: never queue into a dead engine
+            if self.error is not None:  # it died since the check above: never queue into a dead engine
                 raise EngineDeadError("the engine stopped after an internal error")
             # Requests in flight that will not be in the running batch: those beyond what runs now, or
             # beyond max_num_seqs (a burst arrives before the engine thread has admitted anyone).
@@ -235,7 +245,7 @@ class AsyncEngine:
             self._adds.append(_Add(request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
             self._wake.notify()
         finished = False
-        remaining = params.n   # sequences still running; the last one to finish ends the stream
+        remaining = params.n  # sequences still running; the last one to finish ends the stream
         try:
             while True:
                 with self._lock:
@@ -284,7 +294,7 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self.abort_all("the engine has shut down")   # nobody may wait on a stopped engine
+        self.abort_all("the engine has shut down")  # nobody may wait on a stopped engine
 
     # ---- engine thread --------------------------------------------------------------------------
 
@@ -293,8 +303,9 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
-                    while not (self._stopping or self._adds or self._aborts
-                               or engine.has_unfinished_requests()):
+                    while not (
+                        self._stopping or self._adds or self._aborts or engine.has_unfinished_requests()
+                    ):
                         self._wake.wait()
                     if self._stopping:
                         return
@@ -304,20 +315,39 @@ class AsyncEngine:
                 for add in adds:
                     self._unfinished[add.request_id] = add.params.n
                     try:
-                        engine.enqueue(add.request_id, add.prompt_ids, add.params, tenant=add.tenant,
-                                       weight=add.weight, priority=add.priority,
-                                       arrival_time=add.arrival_time, cache_salt=add.cache_salt)
+                        engine.enqueue(
+                            add.request_id,
+                            add.prompt_ids,
+                            add.params,
+                            tenant=add.tenant,
+                            weight=add.weight,
+                            priority=add.priority,
+                            arrival_time=add.arrival_time,
+                            cache_salt=add.cache_salt,
+                        )
                     except ValueError as exc:
                         self._unfinished.pop(add.request_id, None)
                         self._deliver(add.request_id, exc, final=True)
-                    except Exception as exc:   # a bug adding this one request: fail it, not the engine
+                    except Exception as exc:  # a bug adding this one request: fail it, not the engine
                         log.exception("adding request %s failed", add.request_id)
                         engine.abort_request(add.request_id)
                         self._unfinished.pop(add.request_id, None)
-                        self._deliver(add.request_id, RequestFailedError(RequestOutput(
-                            add.request_id, list(add.prompt_ids), [], "", True, "abort",
-                            arrival_time=add.arrival_time,
-                            error=f"{type(exc).__name__} while adding the request")), final=True)
+                        self._deliver(
+                            add.request_id,
+                            RequestFailedError(
+                                RequestOutput(
+                                    add.request_id,
+                                    list(add.prompt_ids),
+                                    [],
+                                    "",
+                                    True,
+                                    "abort",
+                                    arrival_time=add.arrival_time,
+                                    error=f"{type(exc).__name__} while adding the request",
+                                )
+                            ),
+                            final=True,
+                        )
                 for request_id in aborts:
                     engine.abort_request(request_id)
                     self._unfinished.pop(request_id, None)
@@ -326,8 +356,8 @@ class AsyncEngine:
                 with self._lock:
                     self._stats = stats
                 for out in outputs:
-                    final = out.error is not None   # a failed request ends at once, all its sequences with it
-                    if out.finished and not final:   # the last of a request's n sequences ends its stream
+                    final = out.error is not None  # a failed request ends at once, all its sequences with it
+                    if out.finished and not final:  # the last of a request's n sequences ends its stream
                         left = self._unfinished.get(out.request_id, 1) - 1
                         self._unfinished[out.request_id] = left
                         final = left <= 0
@@ -336,7 +366,7 @@ class AsyncEngine:
                     self._deliver(out.request_id, out, final=final)
         except BaseException as exc:  # keep serving errors visible instead of hanging clients
             log.exception("engine thread failed")
-            with self._lock:   # with the error set under the lock, no request can slip in after the sweep
+            with self._lock:  # with the error set under the lock, no request can slip in after the sweep
                 self.error = exc
                 sinks, self._sinks = self._sinks, {}
                 self._adds.clear()

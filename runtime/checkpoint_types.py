@@ -1,6 +1,7 @@
 """What every checkpoint reader returns: a ModelConfig, float32 weights under Hugging Face Llama names,
 and what the tokenizer needs. Shared by checkpoint.py (which picks a reader) and the readers
 (gguf_checkpoint.py, hf_checkpoint.py), so that none of them imports another."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ DEFAULT_CONTEXT_LENGTH = 2048
 @dataclass
 class TokenizerSource:
     """Either a tokenizer.json path, or the GGUF's BPE vocabulary and merges."""
+
     tokenizer_json: str | None = None
     tokens: list[str] = field(default_factory=list)
     merges: list[str] = field(default_factory=list)

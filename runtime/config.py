@@ -12,6 +12,7 @@ per field) both read it; neither restates a default. Each field's docstring
 is its help text. Flat keyword names (`max_num_seqs=8`) address a nested field
 through `EngineConfig.replace`, so every field name is unique across sections.
 """
+
 from __future__ import annotations
 
 import ast
@@ -49,8 +50,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         size = parse_size(self.kv_cache_bytes, "kv_cache_bytes")
         if size is None or size <= 0:
-            raise ValueError(f"kv_cache_bytes: must be a positive number of bytes, "
-                             f"got {self.kv_cache_bytes!r}")
+            raise ValueError(
+                f"kv_cache_bytes: must be a positive number of bytes, got {self.kv_cache_bytes!r}"
+            )
         self.kv_cache_bytes = size
 
 
@@ -82,8 +84,13 @@ class EngineConfig:
                 raise ValueError(f"{name}: not an engine setting; known: {', '.join(sorted(sections))}")
             if value is not None:
                 changes.setdefault(sections[name], {})[name] = value
-        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **values)
-                                            for section, values in changes.items()})
+        return dataclasses.replace(
+            self,
+            **{
+                section: dataclasses.replace(getattr(self, section), **values)
+                for section, values in changes.items()
+            },
+        )
 
     def settings(self) -> dict[str, object]:
         """Every setting by its field name, flattened over the sections."""
@@ -109,8 +116,12 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) \
-                and isinstance(following.value.value, str):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs

@@ -5,6 +5,7 @@ complete character, plus the few before them for context) and appends the differ
 tokens costs O(n) decoding in all, not O(n^2). Two things are held back until more tokens arrive: a
 trailing incomplete UTF-8 character, and a tail that could still grow into a stop string.
 """
+
 from __future__ import annotations
 
 from runtime.tokenizer import Tokenizer
@@ -25,16 +26,16 @@ class Detokenizer:
         self.stop_reason: str | None = None
         self._decoded = ""
         """Text of token_ids[:_read]: whole characters only until the request finishes."""
-        self._prefix = 0   # token_ids[_prefix:_read]: already decoded, kept as context for the next window
+        self._prefix = 0  # token_ids[_prefix:_read]: already decoded, kept as context for the next window
         self._read = 0
 
     def _decode_new(self, token_ids: list[int], finished: bool) -> None:
         decode = self.tokenizer.decode
-        known = decode(token_ids[self._prefix:self._read])
-        window = decode(token_ids[self._prefix:])
+        known = decode(token_ids[self._prefix : self._read])
+        window = decode(token_ids[self._prefix :])
         # A window ending in U+FFFD stops in the middle of a character: wait for its next bytes.
         if len(window) > len(known) and (finished or not window.endswith("\ufffd")):
-            self._decoded += window[len(known):]
+            self._decoded += window[len(known) :]
             self._prefix, self._read = self._read, len(token_ids)
 
     def update(self, token_ids: list[int], finished: bool) -> bool:
@@ -50,7 +51,7 @@ class Detokenizer:
                 self.text = full[:index]
                 return True
         if not finished and self._hold:
-            full = full[:max(len(self.text), len(full) - self._hold)]
+            full = full[: max(len(self.text), len(full) - self._hold)]
         if len(full) > len(self.text):
             self.text = full
         return False

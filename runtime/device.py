@@ -8,6 +8,7 @@ faster). A dtype the CPU has no instructions for (bfloat16 without AVX-512
 BF16 or AMX, float16 without AVX-512 FP16 or AMX-FP16) is emulated by
 PyTorch and never a candidate, however the measurement came out.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,16 +18,22 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 log = logging.getLogger("prescient.runtime")
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
@@ -97,8 +104,17 @@ def fastest_cpu_dtype(measure: Callable[[torch.dtype], float] = time_matmul) -> 
     native = native_cpu_dtypes(flags)
     if len(native) == 1:
         return torch.float32
-    key = hashlib.sha256(" ".join([platform.processor(), _cpu_model(), *sorted(flags), torch.__version__,
-                                   str(torch.get_num_threads())]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        " ".join(
+            [
+                platform.processor(),
+                _cpu_model(),
+                *sorted(flags),
+                torch.__version__,
+                str(torch.get_num_threads()),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     path = _cache_dir() / f"dtype-{key}.json"
     try:
         return DTYPES[json.loads(path.read_text())["dtype"]]
@@ -130,5 +146,6 @@ def _cpu_model() -> str:
 
 def _cache_dir() -> Path:
     root = os.environ.get("PRESCIENT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "prescient")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "prescient"
+    )
     return Path(root)

@@ -5,6 +5,7 @@ runner turns that plan into tensors and samples; the scheduler then books the
 new tokens (stops, frees blocks, charges tenants). Stop strings are found here
 because they need the detokenizer.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,8 +45,15 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig | None = None, *,
-                 model_name: str | None = None, **settings):
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        *,
+        model_name: str | None = None,
+        **settings,
+    ):
         """An engine over an already loaded model; from_pretrained is the usual way in.
 
         settings: EngineConfig fields by name (e.g. num_blocks=256, max_num_seqs=8), over `config`.
@@ -60,12 +68,13 @@ class Engine:
         self.tokenizer = tokenizer
         self.kv = KVCache(model.config, num_blocks, sched.block_size, model.dtype, model.device)
         context = model.config.max_model_len
-        sched = replace(sched, num_blocks=num_blocks,
-                        max_model_len=min(sched.max_model_len or context, context))
+        sched = replace(
+            sched, num_blocks=num_blocks, max_model_len=min(sched.max_model_len or context, context)
+        )
         self.config = replace(config, scheduler=sched)
         self.max_model_len = sched.max_model_len
         self.vocab_size = model.config.vocab_size
-        self.admission = sched.admission   # the one rule, over this pool and context
+        self.admission = sched.admission  # the one rule, over this pool and context
         self.scheduler = Scheduler(sched)
         self.runner = ModelRunner(model, self.kv)
         self.model_name = model_name or model.config.name
@@ -76,8 +85,9 @@ class Engine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None,
-                        **settings) -> Engine:
+    def from_pretrained(
+        cls, model: str | None = None, config: EngineConfig | None = None, **settings
+    ) -> Engine:
         """Load a checkpoint and build an engine over it.
 
         model: None for the default SmolLM2-135M-Instruct GGUF, a .gguf file, or a Hugging Face directory.
@@ -97,59 +107,108 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, *, tenant: str = "default", weight: float = 1.0,
-                    priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> Request:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        tenant: str = "default",
+        weight: float = 1.0,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
         """Admit and queue one request; raises InvalidRequestError (a ValueError) naming the field.
         cache_salt: the prefix-cache namespace (default: the tenant's own, see Request.cache_salt)."""
         ids, params = self.admit(prompt, params or SamplingParams())
-        return self.enqueue(request_id, ids, params, tenant=tenant, weight=weight, priority=priority,
-                            arrival_time=arrival_time, cache_salt=cache_salt)
+        return self.enqueue(
+            request_id,
+            ids,
+            params,
+            tenant=tenant,
+            weight=weight,
+            priority=priority,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+        )
 
-    def admit(self, prompt: str | list[int], params: SamplingParams, *,
-              clamp_max_tokens: bool = False) -> tuple[list[int], SamplingParams]:
+    def admit(
+        self, prompt: str | list[int], params: SamplingParams, *, clamp_max_tokens: bool = False
+    ) -> tuple[list[int], SamplingParams]:
         """The admission rule, where a request enters: its prompt ids and its params with max_tokens
         resolved (None: as many as fit; clamp_max_tokens: a default lowered to what fits), or
         InvalidRequestError naming the field. Reads only what never changes: safe from any thread."""
         ids = self._prompt_ids(prompt)
         max_tokens = self.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
-        if max_tokens != params.max_tokens:   # min_tokens never above what may be generated
+        if max_tokens != params.max_tokens:  # min_tokens never above what may be generated
             params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         return ids, params
 
-    def enqueue(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams, *,
-                tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+    def enqueue(
+        self,
+        request_id: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        tenant: str = "default",
+        weight: float = 1.0,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
         """Queue a request that admit() accepted (an engine client admits on its caller's thread)."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
         if params.n > 1 and any(f"{request_id}#{j}" in self._tracked for j in range(1, params.n)):
-            raise InvalidRequestError("request_id",
-                                      f"{request_id!r} collides with another request's sequence ids")
-        request = Request(request_id, prompt_ids, params, eos_token_id=self.tokenizer.eos_token_id,
-                          tenant=tenant, weight=weight, priority=priority, cache_salt=cache_salt)
+            raise InvalidRequestError(
+                "request_id", f"{request_id!r} collides with another request's sequence ids"
+            )
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            eos_token_id=self.tokenizer.eos_token_id,
+            tenant=tenant,
+            weight=weight,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
         if arrival_time is not None:
             request.arrival_time = arrival_time
         # Sequences 1..n-1 fork from this one once its prompt is computed; each has its own seed stream.
         for j in range(1, params.n):
             seed = None if params.seed is None else params.seed + j
             if seed is not None and seed >= SEED_RANGE[1]:
-                seed -= 1 << 64   # stay in what a generator takes
+                seed -= 1 << 64  # stay in what a generator takes
             child_params = replace(params, n=1, prompt_logprobs=None, seed=seed)
-            request.forks.append(Request(f"{request_id}#{j}", prompt_ids, child_params,
-                                         eos_token_id=request.eos_token_id, tenant=tenant, weight=weight,
-                                         priority=priority, index=j, arrival_time=request.arrival_time,
-                                         cache_salt=request.cache_salt))
-        self.scheduler.add_request(request, admitted=True)   # refuses an id in use
+            request.forks.append(
+                Request(
+                    f"{request_id}#{j}",
+                    prompt_ids,
+                    child_params,
+                    eos_token_id=request.eos_token_id,
+                    tenant=tenant,
+                    weight=weight,
+                    priority=priority,
+                    index=j,
+                    arrival_time=request.arrival_time,
+                    cache_salt=request.cache_salt,
+                )
+            )
+        self.scheduler.add_request(request, admitted=True)  # refuses an id in use
         self._groups[request_id] = [request_id] + [child.request_id for child in request.forks]
         for seq in [request, *request.forks]:
             p = seq.sampling_params
-            self._tracked[seq.request_id] = _Tracked(seq, Detokenizer(self.tokenizer, p.stop), [],
-                                                     [] if p.logprobs is not None else None,
-                                                     [None] if p.prompt_logprobs is not None else None,
-                                                     group_id=request_id)
+            self._tracked[seq.request_id] = _Tracked(
+                seq,
+                Detokenizer(self.tokenizer, p.stop),
+                [],
+                [] if p.logprobs is not None else None,
+                [None] if p.prompt_logprobs is not None else None,
+                group_id=request_id,
+            )
         return request
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -162,8 +221,9 @@ class Engine:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise InvalidRequestError("prompt", f"token {i} is {t!r}, not a token id in [0, {vocab})")
         else:
-            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got "
-                                                f"{type(prompt).__name__}")
+            raise InvalidRequestError(
+                "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty")
         return ids
@@ -175,8 +235,8 @@ class Engine:
         for seq_id in self._groups.pop(request_id, []):
             tracked = self._tracked.pop(seq_id, None)
             if tracked is None:
-                continue   # that sequence had finished
-            self.scheduler.abort_request(seq_id)   # the runner forgets it with the next plan
+                continue  # that sequence had finished
+            self.scheduler.abort_request(seq_id)  # the runner forgets it with the next plan
             tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
             out = self._output(tracked)
             first = first or out
@@ -191,13 +251,16 @@ class Engine:
         """Run one iteration; returns an output for every request that got a token or finished."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            self.runner.update_states(plan)   # still forget what finished
+            self.runner.update_states(plan)  # still forget what finished
             return []
         try:
             result = self.runner.execute(plan)
-        except Exception as exc:   # the model or the sampler failed: fail this step's requests only
-            log.exception("engine step failed; failing its %d requests: %s", len(plan.scheduled),
-                          ", ".join(r.request_id for r, _ in plan.scheduled))
+        except Exception as exc:  # the model or the sampler failed: fail this step's requests only
+            log.exception(
+                "engine step failed; failing its %d requests: %s",
+                len(plan.scheduled),
+                ", ".join(r.request_id for r, _ in plan.scheduled),
+            )
             groups = dict.fromkeys(self._tracked[r.request_id].group_id for r, _ in plan.scheduled)
             return [self._fail(group, exc) for group in groups]
         sampled = result.sampled
@@ -205,13 +268,13 @@ class Engine:
         for request_id, scores in result.prompt_logprobs.items():
             kept = self._tracked[request_id].prompt_logprobs
             for pos, score in scores:
-                if pos == len(kept):   # a recompute after preemption repeats positions
+                if pos == len(kept):  # a recompute after preemption repeats positions
                     kept.append(score)
         lengths = {rid: self._tracked[rid].request.num_output_tokens for rid in result.logprobs}
         finished = self.scheduler.update_from_output(plan, sampled)
         for request_id, score in result.logprobs.items():
             tracked = self._tracked[request_id]
-            if tracked.request.num_output_tokens > lengths[request_id]:   # the scheduler took the token
+            if tracked.request.num_output_tokens > lengths[request_id]:  # the scheduler took the token
                 tracked.logprobs.append(score)
         done = {r.request_id for r in finished}
         outputs = []
@@ -246,22 +309,35 @@ class Engine:
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request
         return RequestOutput(
-            request_id=tracked.group_id, index=req.index, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=tracked.detokenizer.text,
-            finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            num_cached_tokens=max(req.num_cached_tokens, 0), arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
-            finished_time=req.finished_time, token_times=list(tracked.token_times),
+            request_id=tracked.group_id,
+            index=req.index,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=tracked.detokenizer.text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+            token_times=list(tracked.token_times),
             num_preemptions=req.num_preemptions,
             logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
-            prompt_logprobs=list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None)
+            prompt_logprobs=list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None,
+        )
 
-    def generate(self, prompts: str | list[int] | list[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion (continuous batching); outputs in the order of the prompts, and
         for a prompt with n > 1 its n sequences in order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -269,8 +345,9 @@ class Engine:
         for i, prompt in enumerate(prompts):
             p = params[i] if isinstance(params, list) else params
             ids.append(self.add_request(f"generate-{next(self._ids)}", prompt, p).request_id)
-        widths = [(params[i] if isinstance(params, list) else params or SamplingParams()).n
-                  for i in range(len(ids))]
+        widths = [
+            (params[i] if isinstance(params, list) else params or SamplingParams()).n for i in range(len(ids))
+        ]
         keys = [(request_id, j) for request_id, n in zip(ids, widths) for j in range(n)]
         results: dict[tuple[str, int], RequestOutput] = {}
         while len(results) < len(keys):
@@ -290,18 +367,22 @@ class Engine:
         num_blocks = (len(ids) + bs - 1) // bs
         scratch = KVCache(self.model.config, num_blocks, bs, self.model.dtype, self.model.device)
         device = self.model.device
-        meta = AttentionMetadata(slot_mapping=torch.arange(len(ids), device=device),
-                                 prefills=[PrefillChunk(0, len(ids), len(ids),
-                                                        torch.arange(num_blocks, device=device))])
-        hidden = self.model.forward(torch.tensor(ids, device=device), torch.arange(len(ids), device=device),
-                                    meta, scratch)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(len(ids), device=device),
+            prefills=[PrefillChunk(0, len(ids), len(ids), torch.arange(num_blocks, device=device))],
+        )
+        hidden = self.model.forward(
+            torch.tensor(ids, device=device), torch.arange(len(ids), device=device), meta, scratch
+        )
         return self.model.logits(hidden)
 
     def describe(self) -> str:
         """One line for the log: model, dtype, device, KV pool, context, policy."""
         sched = self.config.scheduler
-        return (f"model {self.model_name} ({self.model.dtype}, {self.model.device}): {self.kv.num_blocks} KV "
-                f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}")
+        return (
+            f"model {self.model_name} ({self.model.dtype}, {self.model.device}): {self.kv.num_blocks} KV "
+            f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}"
+        )
 
     def stats(self) -> dict:
         return self.scheduler.stats()

@@ -7,6 +7,7 @@ made of plain values (token ids, SamplingParams, RequestOutput snapshots, a
 stats dict), an engine core in its own process, with this client speaking to
 it over a pipe or socket, can replace it without touching the server.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -38,9 +39,17 @@ class EngineClient(Protocol):
     def num_in_flight(self) -> int:
         """Requests added and not yet handed their final output."""
 
-    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                 *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                 clamp_max_tokens: bool = False) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        tenant: str = "default",
+        weight: float = 1.0,
+        priority: int = 0,
+        clamp_max_tokens: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
         """Snapshots of one request's output, the last with finished=True. Raises
         scheduler.InvalidRequestError (with .param) for a request that cannot run, QueueFullError
         when too many wait. Leaving the iteration early aborts the request."""

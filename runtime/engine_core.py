@@ -26,6 +26,7 @@ added, then aborted. The core dies with the server: prctl(PR_SET_PDEATHSIG)
 where Linux has it, and in any case an end-of-file on the requests pipe or a
 changed parent pid, checked at least once a second, ends it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -48,6 +49,7 @@ IDLE_POLL_SECONDS = 1.0
 @dataclass
 class CoreInfo:
     """What the server process needs to know about the loaded engine (sent once, with "ready")."""
+
     tokenizer: Tokenizer
     admission: object
     """The engine's AdmissionRule: the client admits requests with it on the server's side."""
@@ -67,6 +69,7 @@ class CoreInfo:
 @dataclass
 class Delta:
     """What a step added to one request's output."""
+
     request_id: str
     new_token_ids: list[int]
     new_text: str
@@ -85,25 +88,42 @@ class Delta:
     """The request was refused on admission (error is then the ValueError's message)."""
 
 
-def run_engine_core(requests: Connection, outputs: Connection, settings: dict, parent_pid: int,
-                    log_level: str = "INFO") -> None:
+def run_engine_core(
+    requests: Connection, outputs: Connection, settings: dict, parent_pid: int, log_level: str = "INFO"
+) -> None:
     """The core process's entry point: load the engine, say ready, run the loop until stopped."""
     _die_with_parent()
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s",
+    )
     try:
         engine = Engine.from_pretrained(**settings)
-    except BaseException as exc:   # report why, so the server can exit with the message instead of hanging
+    except BaseException as exc:  # report why, so the server can exit with the message instead of hanging
         outputs.send(("failed", str(exc), type(exc).__name__))
         return
     config = engine.scheduler.config
-    outputs.send(("ready", CoreInfo(
-        tokenizer=engine.tokenizer, admission=engine.admission, description=engine.describe(),
-        model_name=engine.model_name, max_model_len=engine.max_model_len,
-        kv_capacity_tokens=engine.admission.kv_capacity_tokens, vocab_size=engine.model.config.vocab_size,
-        max_num_seqs=config.max_num_seqs, num_blocks=engine.kv.num_blocks, block_size=engine.kv.block_size,
-        dtype=str(engine.model.dtype).removeprefix("torch."), device=str(engine.model.device),
-        stats=engine.stats())))
+    outputs.send(
+        (
+            "ready",
+            CoreInfo(
+                tokenizer=engine.tokenizer,
+                admission=engine.admission,
+                description=engine.describe(),
+                model_name=engine.model_name,
+                max_model_len=engine.max_model_len,
+                kv_capacity_tokens=engine.admission.kv_capacity_tokens,
+                vocab_size=engine.model.config.vocab_size,
+                max_num_seqs=config.max_num_seqs,
+                num_blocks=engine.kv.num_blocks,
+                block_size=engine.kv.block_size,
+                dtype=str(engine.model.dtype).removeprefix("torch."),
+                device=str(engine.model.device),
+                stats=engine.stats(),
+            ),
+        )
+    )
     try:
         _CoreLoop(engine, requests, outputs, parent_pid).run()
     except BaseException as exc:
@@ -135,7 +155,7 @@ class _CoreLoop:
             while self.requests.poll(0):
                 try:
                     message = self.requests.recv()
-                except EOFError:   # the server closed its end (or died): nothing more will come
+                except EOFError:  # the server closed its end (or died): nothing more will come
                     return
                 if message[0] == "stop":
                     return
@@ -157,11 +177,20 @@ class _CoreLoop:
         except ValueError as exc:
             deltas.append(Delta(request_id, [], "", None, True, "abort", error=str(exc), rejected=True))
             return
-        except Exception as exc:   # a bug adding this one request: fail it, not the engine
+        except Exception as exc:  # a bug adding this one request: fail it, not the engine
             log.exception("adding request %s failed", request_id)
             self.engine.abort_request(request_id)
-            deltas.append(Delta(request_id, [], "", None, True, "abort",
-                                error=f"{type(exc).__name__} while adding the request"))
+            deltas.append(
+                Delta(
+                    request_id,
+                    [],
+                    "",
+                    None,
+                    True,
+                    "abort",
+                    error=f"{type(exc).__name__} while adding the request",
+                )
+            )
             return
         self._sent[request_id] = (0, 0)
 
@@ -169,10 +198,21 @@ class _CoreLoop:
         tokens, chars = self._sent.pop(out.request_id, (0, 0))
         if not out.finished:
             self._sent[out.request_id] = (len(out.token_ids), len(out.text))
-        return Delta(out.request_id, out.token_ids[tokens:], out.text[chars:],
-                     out.token_times[-1] if out.token_times else None, out.finished, out.finish_reason,
-                     out.stop_reason, out.num_cached_tokens, out.first_scheduled_time, out.first_token_time,
-                     out.finished_time, out.num_preemptions, out.error)
+        return Delta(
+            out.request_id,
+            out.token_ids[tokens:],
+            out.text[chars:],
+            out.token_times[-1] if out.token_times else None,
+            out.finished,
+            out.finish_reason,
+            out.stop_reason,
+            out.num_cached_tokens,
+            out.first_scheduled_time,
+            out.first_token_time,
+            out.finished_time,
+            out.num_preemptions,
+            out.error,
+        )
 
 
 def _die_with_parent() -> None:
@@ -184,4 +224,4 @@ def _die_with_parent() -> None:
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
-        pass   # the pipe's end-of-file and the parent-pid check still end the core
+        pass  # the pipe's end-of-file and the parent-pid check still end the core

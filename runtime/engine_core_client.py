@@ -13,6 +13,7 @@ step for all requests; each request's state is updated in place and its
 consumer woken once, so a consumer slower than the engine gets one output
 carrying every token since its last one instead of a backlog of snapshots.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +48,7 @@ a team in a non-main thread (which libgomp throttles itself) at 4-7."""
 
 class _Stream:
     """One request's output as the server sees it, updated in place by each step's delta."""
+
     __slots__ = ("output", "wake", "failure")
 
     def __init__(self, output: RequestOutput):
@@ -56,8 +58,14 @@ class _Stream:
 
 
 class EngineCoreClient:
-    def __init__(self, process: multiprocessing.process.BaseProcess, requests, outputs, info: CoreInfo,
-                 max_waiting: int | None = None):
+    def __init__(
+        self,
+        process: multiprocessing.process.BaseProcess,
+        requests,
+        outputs,
+        info: CoreInfo,
+        max_waiting: int | None = None,
+    ):
         self._process = process
         self._requests = requests
         self._outputs = outputs
@@ -76,17 +84,27 @@ class EngineCoreClient:
         self.error: BaseException | None = None
 
     @classmethod
-    def launch(cls, settings: dict, *, max_waiting: int | None = None, log_level: str = "INFO",
-               startup_timeout: float = STARTUP_TIMEOUT_SECONDS) -> EngineCoreClient:
+    def launch(
+        cls,
+        settings: dict,
+        *,
+        max_waiting: int | None = None,
+        log_level: str = "INFO",
+        startup_timeout: float = STARTUP_TIMEOUT_SECONDS,
+    ) -> EngineCoreClient:
         """Start a core process with Engine.from_pretrained(**settings) and wait until it is ready.
         A core that cannot load raises here: ValueError for a bad setting or path, RuntimeError otherwise."""
-        ctx = multiprocessing.get_context("spawn")   # never fork a process that has torch threads running
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that has torch threads running
         requests_read, requests_write = ctx.Pipe(duplex=False)
         outputs_read, outputs_write = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=run_engine_core, name="prescient-engine-core", daemon=True,
-                              args=(requests_read, outputs_write, settings, os.getpid(), log_level))
+        process = ctx.Process(
+            target=run_engine_core,
+            name="prescient-engine-core",
+            daemon=True,
+            args=(requests_read, outputs_write, settings, os.getpid(), log_level),
+        )
         spin = None if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ) else CORE_GOMP_SPINCOUNT
-        if spin is not None:   # the spawned core reads its environment when torch loads libgomp
+        if spin is not None:  # the spawned core reads its environment when torch loads libgomp
             os.environ["GOMP_SPINCOUNT"] = spin
         try:
             process.start()
@@ -113,8 +131,9 @@ class EngineCoreClient:
 
     # ---- what the server asks of the engine ---------------------------------------------------
 
-    def admit(self, prompt: str | list[int], params: SamplingParams, *,
-              clamp_max_tokens: bool = False) -> tuple[list[int], SamplingParams]:
+    def admit(
+        self, prompt: str | list[int], params: SamplingParams, *, clamp_max_tokens: bool = False
+    ) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and params with max_tokens resolved, or InvalidRequestError naming the field
         (the engine's own rule, Engine.admit, run here on the server's side)."""
         if isinstance(prompt, str):
@@ -123,21 +142,29 @@ class EngineCoreClient:
             ids = list(prompt)
             for i, t in enumerate(ids):
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise InvalidRequestError("prompt", f"token {i} is {t!r}, not a token id in "
-                                                        f"[0, {self.vocab_size})")
+                    raise InvalidRequestError(
+                        "prompt", f"token {i} is {t!r}, not a token id in [0, {self.vocab_size})"
+                    )
         else:
-            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got "
-                                                f"{type(prompt).__name__}")
+            raise InvalidRequestError(
+                "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         # The core's deltas carry one sequence's tokens and text: several sequences and logprobs stay
         # with the in-process engine for now.
         if params.n > 1:
-            raise InvalidRequestError("n", f"{params.n} sequences per prompt (n or best_of above 1) are not "
-                                           f"served with --engine-process; send n=1, or run without it")
+            raise InvalidRequestError(
+                "n",
+                f"{params.n} sequences per prompt (n or best_of above 1) are not "
+                f"served with --engine-process; send n=1, or run without it",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None:
                 field = "logprobs" if name == "logprobs" else "echo"
-                raise InvalidRequestError(field, f"{field} with logprobs is not served with --engine-process "
-                                                 f"yet; leave it out, or run without --engine-process")
+                raise InvalidRequestError(
+                    field,
+                    f"{field} with logprobs is not served with --engine-process "
+                    f"yet; leave it out, or run without --engine-process",
+                )
         max_tokens = self.info.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
         if max_tokens != params.max_tokens:
             params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
@@ -171,9 +198,18 @@ class EngineCoreClient:
         """The engine's stats as of its last step."""
         return dict(self._stats)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       *, tenant: str = "default", weight: float = 1.0, priority: int = 0,
-                       clamp_max_tokens: bool = False, **options) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        tenant: str = "default",
+        weight: float = 1.0,
+        priority: int = 0,
+        clamp_max_tokens: bool = False,
+        **options,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output as tokens arrive (each a snapshot); the last one has finished=True."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
@@ -206,7 +242,7 @@ class EngineCoreClient:
                     raise RequestFailedError(replace(out))
                 snapshot = replace(out, token_ids=list(out.token_ids), token_times=list(out.token_times))
                 yield snapshot
-                if snapshot.finished:   # not out.finished: that may have turned true while the consumer ran
+                if snapshot.finished:  # not out.finished: that may have turned true while the consumer ran
                     finished = True
                     return
         finally:
@@ -245,7 +281,7 @@ class EngineCoreClient:
         while (message := self._outbox.get()) is not None:
             try:
                 self._requests.send(message)
-            except OSError:   # the core is gone; the reader reports it
+            except OSError:  # the core is gone; the reader reports it
                 return
 
     def _on_outputs(self) -> None:
@@ -256,7 +292,7 @@ class EngineCoreClient:
                     self._stats = message[2]
                     for delta in message[1]:
                         self._apply(delta)
-                else:   # "dead"
+                else:  # "dead"
                     self._core_died(f"the engine core failed: {message[1]}")
                     return
         except (EOFError, OSError):
@@ -264,7 +300,7 @@ class EngineCoreClient:
 
     def _apply(self, delta: Delta) -> None:
         stream = self._streams.get(delta.request_id)
-        if stream is None:   # aborted by its consumer
+        if stream is None:  # aborted by its consumer
             return
         out = stream.output
         if delta.rejected:
@@ -274,8 +310,17 @@ class EngineCoreClient:
             out.text += delta.new_text
             if delta.token_time is not None:
                 out.token_times.extend([delta.token_time] * len(delta.new_token_ids))
-            for name in ("finished", "finish_reason", "stop_reason", "num_cached_tokens", "num_preemptions",
-                         "error", "first_scheduled_time", "first_token_time", "finished_time"):
+            for name in (
+                "finished",
+                "finish_reason",
+                "stop_reason",
+                "num_cached_tokens",
+                "num_preemptions",
+                "error",
+                "first_scheduled_time",
+                "first_token_time",
+                "finished_time",
+            ):
                 setattr(out, name, getattr(delta, name))
         if delta.finished:
             del self._streams[delta.request_id]

@@ -7,6 +7,7 @@ pairing still yields fluent text, which is why the tests compare logits.
 Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (runtime.quantization.GGUFBlocks):
 the model decides whether to run them packed or dequantized.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -107,8 +108,9 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
     types = list(meta("tokenizer.ggml.token_type", []))
     model_kind = meta("tokenizer.ggml.model")
     if model_kind != "gpt2":
-        raise ValueError(f"model: GGUF tokenizer {model_kind!r} is not supported "
-                         "(only byte-level BPE, 'gpt2')")
+        raise ValueError(
+            f"model: GGUF tokenizer {model_kind!r} is not supported (only byte-level BPE, 'gpt2')"
+        )
     source = TokenizerSource(
         tokens=tokens,
         merges=[str(m) for m in meta("tokenizer.ggml.merges", [])],

@@ -1,4 +1,5 @@
 """Read a Hugging Face Llama-family checkpoint directory into a Checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,14 @@ def read_hf_dir(path: Path) -> Checkpoint:
     """config.json, *.safetensors and tokenizer.json (+ tokenizer_config.json, generation_config.json)."""
     cfg = json.loads((path / "config.json").read_text())
     archs = cfg.get("architectures") or []
-    if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES or (archs and archs[0]
-                                                               not in SUPPORTED_ARCHITECTURES):
-        raise ValueError(f"model: unsupported architecture {archs or cfg.get('model_type')!r} in "
-                         f"{path / 'config.json'}; supported: Llama-family decoders "
-                         f"{SUPPORTED_ARCHITECTURES}")
+    if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES or (
+        archs and archs[0] not in SUPPORTED_ARCHITECTURES
+    ):
+        raise ValueError(
+            f"model: unsupported architecture {archs or cfg.get('model_type')!r} in "
+            f"{path / 'config.json'}; supported: Llama-family decoders "
+            f"{SUPPORTED_ARCHITECTURES}"
+        )
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {str(path)!r}")
@@ -63,9 +67,13 @@ def read_hf_dir(path: Path) -> Checkpoint:
     if gen_cfg_path.exists():
         gen_eos = json.loads(gen_cfg_path.read_text()).get("eos_token_id")
         eos = gen_eos[0] if isinstance(gen_eos, list) else (gen_eos if gen_eos is not None else eos)
-    source = TokenizerSource(tokenizer_json=str(path / "tokenizer.json"), chat_template=template,
-                             bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
-                             add_bos_token=bool(tok_cfg.get("add_bos_token", False)))
+    source = TokenizerSource(
+        tokenizer_json=str(path / "tokenizer.json"),
+        chat_template=template,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos,
+        add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
+    )
     return Checkpoint(config, weights, source)
 
 
@@ -73,4 +81,5 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
     """bf16 has no numpy dtype: read through torch, then hand back float32 numpy arrays."""
     import torch
     from safetensors.torch import load_file
+
     return {name: t.to(torch.float32).numpy() for name, t in load_file(str(path)).items()}

@@ -4,6 +4,7 @@ Which block belongs to which sequence is the scheduler's bookkeeping
 (scheduler.BlockManager); this file only owns the memory. A token's K and V
 live at flat slot `block_id * block_size + offset`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,16 +19,27 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ):
         if num_blocks < 1:
-            raise ValueError("kv_cache_bytes: too small to hold even one KV block "
-                             f"({bytes_per_block(config, block_size, dtype)} bytes)")
+            raise ValueError(
+                "kv_cache_bytes: too small to hold even one KV block "
+                f"({bytes_per_block(config, block_size, dtype)} bytes)"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         # [layer, k/v, block, offset in block, kv head, head dim]
-        self.pool = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
-                                config.head_dim, dtype=dtype, device=device)
+        self.pool = torch.zeros(
+            config.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -2,6 +2,7 @@
 
 Applied in place, only to the rows of requests that set them; other rows are not touched.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,12 @@ from scheduler import SamplingParams
 
 
 @torch.inference_mode()
-def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list[int],
-                            eos_token_ids: list[int | None]) -> None:
+def apply_logits_processors(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    num_outputs: list[int],
+    eos_token_ids: list[int | None],
+) -> None:
     """logits: float32 [rows, vocab], edited in place; per row its params, the tokens it has generated
     so far and its end-of-sequence id."""
     vocab = logits.shape[-1]
@@ -20,8 +25,9 @@ def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams], 
             continue
         if p.logit_bias:
             ids = [t for t in p.logit_bias if 0 <= t < vocab]
-            logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype,
-                                           device=logits.device)
+            logits[i, ids] += torch.tensor(
+                [p.logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device
+            )
         if num_outputs[i] < p.min_tokens:
             banned = [t for t in [eos_token_ids[i], *p.stop_token_ids] if t is not None and 0 <= t < vocab]
             logits[i, banned] = float("-inf")

@@ -4,6 +4,7 @@ Always float32 log-softmax over the whole vocabulary. 'raw' logprobs (the defaul
 from the model's logits before anything edits them; 'processed' ones from the logits the token was
 drawn from (after logit_bias, min_tokens, penalties and temperature).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import torch
 @dataclass
 class TokenLogprob:
     """One position: the token that is there, its log-probability, its rank, and the top alternatives."""
+
     token_id: int
     logprob: float
     rank: int

@@ -5,6 +5,7 @@ Tokens of all sequences in a step arrive flattened: input_ids [T], positions
 Q/K/V and gate/up projections are fused into one matmul each. Projection
 weights are dense tensors or packed quantized ones (runtime.quantization).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -57,8 +58,14 @@ class Layer:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray | GGUFBlocks], dtype: torch.dtype,
-                 device: torch.device, quantization: str = "none"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, np.ndarray | GGUFBlocks],
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str = "none",
+    ):
         """quantization: as resolved by runtime.quantization.resolve_quantization ('none', 'gguf', 'int8',
         'int4')."""
         self.config = config
@@ -86,19 +93,26 @@ class LlamaModel:
         embed = source("model.embed_tokens.weight")
         if quantization != "none" and (config.tie_word_embeddings or isinstance(embed, GGUFBlocks)):
             # looked up row by row: only the rows a step reads are dequantized
-            self.embed = BlockEmbedding(embed, dtype) if isinstance(embed, GGUFBlocks) else tensor(
-                "model.embed_tokens.weight")
+            self.embed = (
+                BlockEmbedding(embed, dtype)
+                if isinstance(embed, GGUFBlocks)
+                else tensor("model.embed_tokens.weight")
+            )
             head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
             self.lm_head = proj([head], "int8" if quantization == "int4" else quantization)
         else:
             self.embed = tensor("model.embed_tokens.weight")
             self.lm_head = self.embed if config.tie_word_embeddings else proj(["lm_head.weight"])
         self.norm = tensor("model.norm.weight")
-        self.layers = [Layer(lambda s, i=i: tensor(f"model.layers.{i}.{s}"),
-                             lambda names, i=i: proj([f"model.layers.{i}.{s}" for s in names]))
-                       for i in range(config.num_layers)]
+        self.layers = [
+            Layer(
+                lambda s, i=i: tensor(f"model.layers.{i}.{s}"),
+                lambda names, i=i: proj([f"model.layers.{i}.{s}" for s in names]),
+            )
+            for i in range(config.num_layers)
+        ]
         self.rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, dtype, device)
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
 
     @property
     def weight_bytes(self) -> int:
@@ -112,8 +126,11 @@ class LlamaModel:
     def layer_parameters(self) -> int:
         """Projection parameters every token multiplies by (2 FLOP each), the LM head aside."""
         c = self.config
-        per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size \
+        per_layer = (
+            c.hidden_size * (c.q_size + 2 * c.kv_size)
+            + c.q_size * c.hidden_size
             + 3 * c.hidden_size * c.intermediate_size
+        )
         return c.num_layers * per_layer
 
     @property
@@ -121,8 +138,9 @@ class LlamaModel:
         return self.config.vocab_size * self.config.hidden_size
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: KVCache) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+    ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normalised), one row per input token."""
         c = self.config
         t = input_ids.shape[0]
@@ -130,9 +148,9 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv)
-            q = qkv[:, :c.q_size].view(t, c.num_heads, c.head_dim)
-            k = qkv[:, c.q_size:c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
-            v = qkv[:, c.q_size + c.kv_size:].view(t, c.num_kv_heads, c.head_dim)
+            q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
+            k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
+            v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
             q, k = self.rope(positions, q, k)
             k_cache, v_cache = kv.layer(i)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)

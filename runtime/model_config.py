@@ -1,4 +1,5 @@
 """Shape of a Llama-family decoder, read from a GGUF header or a config.json."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ Rows of the flattened batch: first one token for each decoding sequence, then
 each prefill chunk. Only the rows whose sequence reaches its end this step
 (a decode, or the last chunk of a prefill) go through the LM head.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from scheduler import SamplingParams, SchedulerOutput
 @dataclass
 class _Sequence:
     """What the runner knows of one resident request."""
+
     token_ids: list[int]
     """Prompt then generated tokens, including those this runner sampled."""
     num_prompt_tokens: int
@@ -42,6 +44,7 @@ class _Sequence:
 @dataclass
 class _Row:
     """One sampled row: a scheduled sequence, or a fork drawing from its parent's row."""
+
     request_id: str
     params: SamplingParams
     seq: _Sequence
@@ -50,6 +53,7 @@ class _Row:
 @dataclass
 class _Work:
     """One scheduled sequence this step."""
+
     request_id: str
     seq: _Sequence
     num_tokens: int
@@ -107,8 +111,9 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(slots, device=self.device)
         hidden = self.run(ids, positions, meta)
         out = ModelRunnerOutput()
-        scored = [w for w in prefills
-                  if w.seq.params.prompt_logprobs is not None and self._prompt_rows(w) > 0]
+        scored = [
+            w for w in prefills if w.seq.params.prompt_logprobs is not None and self._prompt_rows(w) > 0
+        ]
         if scored:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prefills, scored)
         to_sample = decodes + [w for w in prefills if w.samples]
@@ -120,7 +125,7 @@ class ModelRunner:
         source = []
         for k, w in enumerate(to_sample):
             if w.seq.num_computed_tokens >= w.seq.num_prompt_tokens:
-                continue   # only a prompt's last chunk starts its forks
+                continue  # only a prompt's last chunk starts its forks
             for child_id, child_params in w.seq.forks:
                 if child_params.seed is not None and child_id not in self._generators:
                     self._generators[child_id] = torch.Generator(self.device).manual_seed(child_params.seed)
@@ -131,12 +136,18 @@ class ModelRunner:
         params = [r.params for r in rows]
         raw = [i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "raw"]
         raw_logits = logits[raw].clone() if raw else None
-        apply_logits_processors(logits, params, [len(r.seq.token_ids) - r.seq.num_prompt_tokens
-                                                 for r in rows], [r.seq.eos_token_id for r in rows])
+        apply_logits_processors(
+            logits,
+            params,
+            [len(r.seq.token_ids) - r.seq.num_prompt_tokens for r in rows],
+            [r.seq.eos_token_id for r in rows],
+        )
         histories = None
         if any(p.penalized for p in params):
-            histories = [(r.seq.token_ids[:r.seq.num_prompt_tokens],
-                          r.seq.token_ids[r.seq.num_prompt_tokens:]) for r in rows]
+            histories = [
+                (r.seq.token_ids[: r.seq.num_prompt_tokens], r.seq.token_ids[r.seq.num_prompt_tokens :])
+                for r in rows
+            ]
         tokens = sample(logits, params, [self._generators.get(r.request_id) for r in rows], histories)
         for w, token in zip(to_sample, tokens):
             w.seq.token_ids.append(token)
@@ -144,13 +155,17 @@ class ModelRunner:
         if raw:
             scores = token_logprobs(raw_logits, [tokens[i] for i in raw], [params[i].logprobs for i in raw])
             out.logprobs.update((rows[i].request_id, s) for i, s in zip(raw, scores))
-        processed = [i for i, p in enumerate(params)
-                     if p.logprobs is not None and p.logprobs_mode == "processed"]
+        processed = [
+            i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "processed"
+        ]
         if processed:
             # sample() applied the penalties to `logits` in place; temperature divides what it drew from
             scale = torch.tensor([params[i].temperature or 1.0 for i in processed], device=logits.device)
-            scores = token_logprobs(logits[processed] / scale.unsqueeze(1), [tokens[i] for i in processed],
-                                    [params[i].logprobs for i in processed])
+            scores = token_logprobs(
+                logits[processed] / scale.unsqueeze(1),
+                [tokens[i] for i in processed],
+                [params[i].logprobs for i in processed],
+            )
             out.logprobs.update((rows[i].request_id, s) for i, s in zip(processed, scores))
         return out
 
@@ -168,8 +183,8 @@ class ModelRunner:
         out = {}
         for w in scored:
             n, start, row = self._prompt_rows(w), w.seq.num_computed_tokens, first_row[w.request_id]
-            logits = self.model.logits(hidden[row:row + n])
-            targets = w.seq.token_ids[start + 1:start + 1 + n]
+            logits = self.model.logits(hidden[row : row + n])
+            targets = w.seq.token_ids[start + 1 : start + 1 + n]
             scores = token_logprobs(logits, targets, [w.seq.params.prompt_logprobs] * n)
             out[w.request_id] = [(start + 1 + i, s) for i, s in enumerate(scores)]
         return out
@@ -179,24 +194,36 @@ class ModelRunner:
         for rid in plan.finished_request_ids:
             self._seqs.pop(rid, None)
             self._generators.pop(rid, None)
-        for rid in plan.preempted_request_ids:   # recomputed later from its tokens; its generator stays
+        for rid in plan.preempted_request_ids:  # recomputed later from its tokens; its generator stays
             self._seqs.pop(rid, None)
         for new in plan.new_requests:
             self._seqs[new.request_id] = _Sequence(
-                new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids), list(new.block_ids),
-                new.sampling_params, new.num_computed_tokens, new.eos_token_id, list(new.forks))
+                new.prompt_token_ids + new.output_token_ids,
+                len(new.prompt_token_ids),
+                list(new.block_ids),
+                new.sampling_params,
+                new.num_computed_tokens,
+                new.eos_token_id,
+                list(new.forks),
+            )
             seed = new.sampling_params.seed
             if seed is not None and new.request_id not in self._generators:
                 self._generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
         for cached in plan.cached_requests:
             seq = self._seqs[cached.request_id]
-            for index, block in cached.replaced_block_ids:   # a copy on write: the copy is its own now
+            for index, block in cached.replaced_block_ids:  # a copy on write: the copy is its own now
                 seq.block_table[index] = block
             seq.block_table.extend(cached.new_block_ids)
             seq.num_computed_tokens = cached.num_computed_tokens
 
-    def prepare_decode(self, decodes: list[_Work], ids: list[int], positions: list[int], slots: list[int],
-                       meta: AttentionMetadata) -> None:
+    def prepare_decode(
+        self,
+        decodes: list[_Work],
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        meta: AttentionMetadata,
+    ) -> None:
         """One row per decoding sequence (its last token); their padded block tables and lengths."""
         if not decodes:
             return
@@ -211,14 +238,23 @@ class ModelRunner:
         tables = [w.seq.block_table[:width] + [0] * (width - len(w.seq.block_table[:width])) for w in decodes]
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=self.device)
         meta.decode_context_lens = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        if not self.native_decode:   # PyTorch's decode masks the padding with an additive bias
+        if not self.native_decode:  # PyTorch's decode masks the padding with an additive bias
             span = torch.arange(width * bs, device=self.device).unsqueeze(0)
             visible = span < meta.decode_context_lens.unsqueeze(1)
-            meta.decode_bias = torch.zeros(visible.shape, dtype=torch.float32, device=self.device) \
-                .masked_fill_(~visible, float("-inf")).view(len(decodes), 1, 1, -1)
+            meta.decode_bias = (
+                torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
+                .masked_fill_(~visible, float("-inf"))
+                .view(len(decodes), 1, 1, -1)
+            )
 
-    def prepare_prefill(self, prefills: list[_Work], ids: list[int], positions: list[int], slots: list[int],
-                        meta: AttentionMetadata) -> list[int]:
+    def prepare_prefill(
+        self,
+        prefills: list[_Work],
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        meta: AttentionMetadata,
+    ) -> list[int]:
         """A chunk of rows per prefilling sequence; returns the rows to sample (chunks that end a prompt)."""
         bs = self.block_size
         sample_rows = []
@@ -228,8 +264,14 @@ class ModelRunner:
             ids.extend(w.seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            meta.prefills.append(PrefillChunk(row, row + w.num_tokens, end,
-                                              torch.tensor(table[:(end + bs - 1) // bs], device=self.device)))
+            meta.prefills.append(
+                PrefillChunk(
+                    row,
+                    row + w.num_tokens,
+                    end,
+                    torch.tensor(table[: (end + bs - 1) // bs], device=self.device),
+                )
+            )
             if w.samples:
                 sample_rows.append(row + w.num_tokens - 1)
         return sample_rows
@@ -241,11 +283,14 @@ class ModelRunner:
         generators = [self._generators.get(w.request_id) for w in rows]
         histories = None
         if any(p.penalized for p in params):
-            histories = [(w.seq.token_ids[:w.seq.num_prompt_tokens],
-                          w.seq.token_ids[w.seq.num_prompt_tokens:]) for w in rows]
+            histories = [
+                (w.seq.token_ids[: w.seq.num_prompt_tokens], w.seq.token_ids[w.seq.num_prompt_tokens :])
+                for w in rows
+            ]
         return params, generators, histories
 
     def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
         """The model over the flattened batch: hidden states [rows, hidden]."""
-        return self.model.forward(torch.tensor(ids, device=self.device),
-                                  torch.tensor(positions, device=self.device), meta, self.kv)
+        return self.model.forward(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv
+        )

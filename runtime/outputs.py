@@ -1,4 +1,5 @@
 """What the engine hands back for each request: a snapshot after every step that produced tokens."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -4,6 +4,7 @@ It draws only when its stream is a TTY and logging is not configured (the root l
 handler): under the server, in CI, or in a pipe it stays silent, so logs are never interleaved
 with carriage returns. `PRESCIENT_PROGRESS=0` turns it off, `=1` forces it on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,9 @@ def progress_enabled(stream: IO[str]) -> bool:
 class Progress:
     """`with Progress("loading weights", total=n) as p: ... p.update()` draws `label: k/n (pct) t s`."""
 
-    def __init__(self, label: str, total: int | None = None, stream: IO[str] | None = None,
-                 min_interval: float = 0.1):
+    def __init__(
+        self, label: str, total: int | None = None, stream: IO[str] | None = None, min_interval: float = 0.1
+    ):
         self.label, self.total, self.done = label, total, 0
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = progress_enabled(self.stream)

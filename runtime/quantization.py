@@ -14,6 +14,7 @@ With float32 activations the packed matmul computes the dequantized weights'
 function (to float rounding); torch's kernels are fast only with bfloat16
 activations, where the scales are rounded to bfloat16 too.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ perplexity on this model)."""
 class GGUFBlocks:
     """A GGUF Q4_0 / Q4_1 / Q8_0 matrix as its block fields, rows in the matrix's row order.
     codes [N, K] (uint8 0..15 for Q4_*, int8 for Q8_0); scale, minimum [N, K / 32] float32."""
+
     kind: str
     codes: np.ndarray
     scale: np.ndarray
@@ -45,7 +47,7 @@ class GGUFBlocks:
         return self.codes.shape
 
     @classmethod
-    def parse(cls, kind: str, raw: np.ndarray, shape: tuple[int, int]) -> "GGUFBlocks":
+    def parse(cls, kind: str, raw: np.ndarray, shape: tuple[int, int]) -> GGUFBlocks:
         """raw: the tensor's bytes as ggml stores them (blocks of 32 along each row)."""
         n, k = shape
         if kind == "Q8_0":
@@ -59,7 +61,7 @@ class GGUFBlocks:
         minimum = None
         if kind == "Q4_1":
             minimum = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, k // GROUP)
-        qs = blocks[:, size - 16:]
+        qs = blocks[:, size - 16 :]
         # byte j holds element j in its low nibble and element j + 16 in its high nibble
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
         return cls(kind, codes.reshape(n, k), scale, minimum)
@@ -75,18 +77,22 @@ class GGUFBlocks:
             w = codes * self.scale[..., None]
         return w.reshape(n, k)
 
-    def take_rows(self, order: np.ndarray) -> "GGUFBlocks":
-        pick = (lambda a: None if a is None else np.ascontiguousarray(a[order]))
+    def take_rows(self, order: np.ndarray) -> GGUFBlocks:
+        pick = lambda a: None if a is None else np.ascontiguousarray(a[order])
         return GGUFBlocks(self.kind, pick(self.codes), pick(self.scale), pick(self.minimum))
 
     @staticmethod
-    def stack(parts: list["GGUFBlocks"]) -> "GGUFBlocks | None":
+    def stack(parts: list[GGUFBlocks]) -> GGUFBlocks | None:
         """Row-wise concatenation (fused projections); None when the parts differ in kind."""
         if len({p.kind for p in parts}) != 1:
             return None
-        cat = (lambda xs: None if xs[0] is None else np.concatenate(xs))
-        return GGUFBlocks(parts[0].kind, cat([p.codes for p in parts]), cat([p.scale for p in parts]),
-                          cat([p.minimum for p in parts]))
+        cat = lambda xs: None if xs[0] is None else np.concatenate(xs)
+        return GGUFBlocks(
+            parts[0].kind,
+            cat([p.codes for p in parts]),
+            cat([p.scale for p in parts]),
+            cat([p.minimum for p in parts]),
+        )
 
     def int4_fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(codes 0..15 [R, K], scale [R, K/32], zero [R, K/32]) with w = (code - 8) * scale + zero;
@@ -106,8 +112,14 @@ class Int4Linear:
     """y = x W^T with W as 4-bit codes, a scale and a zero per group of 32 inputs (torch's CPU int4 kernel).
     `halves`: W is the sum of two stacked row blocks (the Q8_0 split)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
-                 halves: bool = False):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        dtype: torch.dtype,
+        halves: bool = False,
+    ):
         rows, k = codes.shape
         self.out_features = rows // 2 if halves else rows
         self.in_features = k
@@ -115,15 +127,18 @@ class Int4Linear:
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
         # [K / group, rows, 2]: scale and zero of each group for each output row
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-        self.nbytes = self.packed.numel() * self.packed.element_size() + \
-            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+        self.nbytes = (
+            self.packed.numel() * self.packed.element_size()
+            + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed, GROUP,
-                                              self.scales_and_zeros)
+        y = torch._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features), self.packed, GROUP, self.scales_and_zeros
+        )
         if self.halves:
-            y = y[:, :self.out_features] + y[:, self.out_features:]
+            y = y[:, : self.out_features] + y[:, self.out_features :]
         return y.view(*lead, self.out_features)
 
 
@@ -145,21 +160,25 @@ class BlockEmbedding:
         return rows.view(n, -1).to(self.dtype)
 
 
-
-def linear(x: torch.Tensor, w: "torch.Tensor | Int4Linear") -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
     """x W^T for a dense weight tensor or a packed one."""
     return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)
 
 
-def weight_nbytes(w: "torch.Tensor | Int4Linear") -> int:
+def weight_nbytes(w: torch.Tensor | Int4Linear) -> int:
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
 
 
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype) -> Int4Linear:
     """The GGUF's blocks as they are, in the int4 kernel's layout."""
     codes, scale, zero = blocks.int4_fields()
-    return Int4Linear(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(zero), dtype,
-                      halves=blocks.kind == "Q8_0")
+    return Int4Linear(
+        torch.from_numpy(codes),
+        torch.from_numpy(scale),
+        torch.from_numpy(zero),
+        dtype,
+        halves=blocks.kind == "Q8_0",
+    )
 
 
 def quantize_int4(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
@@ -184,11 +203,14 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
 def check_quantization(quantization: str | None, device: torch.device) -> str:
     q = quantization or "auto"
     if q not in QUANTIZATIONS:
-        raise ValueError(f"quantization: {quantization!r} is not supported; "
-                         f"choose one of {list(QUANTIZATIONS)}")
+        raise ValueError(
+            f"quantization: {quantization!r} is not supported; choose one of {list(QUANTIZATIONS)}"
+        )
     if q not in ("auto", "none") and device.type != "cpu":
-        raise ValueError(f"quantization: {q!r} runs on CPU only (torch's weight-only kernels); "
-                         f"use 'none' or 'auto' on {device.type}")
+        raise ValueError(
+            f"quantization: {q!r} runs on CPU only (torch's weight-only kernels); "
+            f"use 'none' or 'auto' on {device.type}"
+        )
     return q
 
 
@@ -201,8 +223,9 @@ def resolve_quantization(quantization: str | None, dtype: torch.dtype, device: t
     return q
 
 
-def make_linear(source, quantization: str, dtype: torch.dtype,
-                device: torch.device) -> "torch.Tensor | Int4Linear":
+def make_linear(
+    source, quantization: str, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | Int4Linear:
     """A projection weight [N, K] from a numpy array or GGUFBlocks, packed or dense as `quantization` says
     (already resolved: 'gguf' keeps blocks, 'none' dequantizes, 'int8' / 'int4' re-quantize)."""
     if isinstance(source, GGUFBlocks) and quantization == "gguf" and source.shape[1] % GROUP == 0:

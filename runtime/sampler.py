@@ -9,6 +9,7 @@ draws by inverse CDF with one uniform number: a request with a seed takes its
 number from its own generator, so its tokens do not depend on what else is in
 the batch; the rest share one draw from the global generator.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,12 @@ CANDIDATES = 256
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           histories: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: list[tuple[list[int], list[int]]] | None = None,
+) -> list[int]:
     """logits: float32 [N, vocab]; histories: (prompt ids, output ids) per row, needed by penalties.
     Returns N token ids."""
     penalized = [i for i, p in enumerate(params) if p.penalized]
@@ -65,8 +70,9 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _sample_cut(logits: torch.Tensor, top_k: list[int], top_p: list[float],
-                uniform: torch.Tensor) -> torch.Tensor:
+def _sample_cut(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], uniform: torch.Tensor
+) -> torch.Tensor:
     """Rows with a top-k and/or top-p cut (top_k = vocab: none): draw among the largest logits only.
     top-p applies to the distribution left after top-k, as it did with a full sort."""
     vocab = logits.shape[-1]
@@ -96,26 +102,33 @@ def _sample_cut(logits: torch.Tensor, top_k: list[int], top_p: list[float],
     return order.gather(1, _inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
 
 
-def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
-              histories: list[tuple[list[int], list[int]]]) -> None:
+def _penalize(
+    logits: torch.Tensor,
+    rows: list[int],
+    params: list[SamplingParams],
+    histories: list[tuple[list[int], list[int]]],
+) -> None:
     """In place, on the penalized rows; token counts for all of them come from one scatter."""
     device = logits.device
     vocab = logits.shape[-1]
     sub = logits[rows]
     outputs = [histories[i][1] for i in rows]
-    row_of = torch.repeat_interleave(torch.arange(len(rows), device=device),
-                                     torch.tensor([len(o) for o in outputs], device=device))
+    row_of = torch.repeat_interleave(
+        torch.arange(len(rows), device=device), torch.tensor([len(o) for o in outputs], device=device)
+    )
     flat = torch.tensor([t for o in outputs for t in o], dtype=torch.int64, device=device)
     counts = torch.zeros(len(rows), vocab, dtype=sub.dtype, device=device)
     counts.index_put_((row_of, flat), torch.ones_like(flat, dtype=sub.dtype), accumulate=True)
+
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=sub.dtype, device=device).unsqueeze(1)
 
     rep = column([params[i].repetition_penalty for i in rows])
     if (rep != 1).any():
         prompts = [histories[i][0] for i in rows]
-        prow = torch.repeat_interleave(torch.arange(len(rows), device=device),
-                                       torch.tensor([len(x) for x in prompts], device=device))
+        prow = torch.repeat_interleave(
+            torch.arange(len(rows), device=device), torch.tensor([len(x) for x in prompts], device=device)
+        )
         seen = counts > 0
         seen[prow, torch.tensor([t for x in prompts for t in x], dtype=torch.int64, device=device)] = True
         penalized = torch.where(sub > 0, sub / rep, sub * rep)

@@ -1,4 +1,5 @@
 """Text <-> token ids, built with the `tokenizers` library from a GGUF vocabulary or a tokenizer.json."""
+
 from __future__ import annotations
 
 import re
@@ -49,37 +50,48 @@ class Tokenizer:
         if piece is None:
             return b""
         decoder = _byte_decoder()
-        if all(c in decoder for c in piece):   # byte-level BPE (GPT-2 style): one char per byte
+        if all(c in decoder for c in piece):  # byte-level BPE (GPT-2 style): one char per byte
             return bytes(decoder[c] for c in piece)
         byte = _SENTENCEPIECE_BYTE.fullmatch(piece)
         if byte:
             return bytes([int(byte.group(1), 16)])
         return piece.replace("\u2581", " ").encode()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str | list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
         """tokenize=True: the ids the model sees. Special tokens typed inside a message's content are
         tokenized as the text they are (so a user cannot forge a system turn); the template's own
         special tokens become their ids."""
-        text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token)
+        text = render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
         if not tokenize:
             return text
         forged = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self.special_tokens)]
-        if not forged:   # the common case: one pass over the text, exactly as transformers tokenizes it
+        if not forged:  # the common case: one pass over the text, exactly as transformers tokenizes it
             return _encode(self._tok, text)
         return self._encode_with_literal_contents(messages, add_generation_prompt, text, forged[0])
 
-    def _encode_with_literal_contents(self, messages: list[dict], add_generation_prompt: bool, text: str,
-                                      first_forged: int) -> list[int]:
+    def _encode_with_literal_contents(
+        self, messages: list[dict], add_generation_prompt: bool, text: str, first_forged: int
+    ) -> list[int]:
         """Render again with a unique marker in place of each content, encode the template's pieces with
         special tokens and each content as plain text."""
         nonce = uuid.uuid4().hex
         markers = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
-        marked = render_chat(self.chat_template, [dict(m, content=k) for m, k in zip(messages, markers)],
-                             add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-                             eos_token=self.eos_token)
-        pieces: list[tuple[str, bool]] = []   # (text, is user content)
+        marked = render_chat(
+            self.chat_template,
+            [dict(m, content=k) for m, k in zip(messages, markers)],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+        pieces: list[tuple[str, bool]] = []  # (text, is user content)
         rest = marked
         for marker, message in zip(markers, messages):
             before, found, rest_ = rest.partition(marker)
@@ -89,15 +101,17 @@ class Tokenizer:
             rest = rest_
         else:
             pieces.append((rest, False))
-            if "".join(p for p, _ in pieces) == text:   # the template inserts contents verbatim: split
+            if "".join(p for p, _ in pieces) == text:  # the template inserts contents verbatim: split
                 ids: list[int] = []
                 for piece, literal in pieces:
                     if piece:
                         ids += _encode(self._text_tok if literal else self._tok, piece)
                 return ids
         token = next(s for s in self.special_tokens if s in messages[first_forged]["content"])
-        raise ValueError(f"messages: messages[{first_forged}].content contains special-token text ({token!r}) "
-                         f"that this model's chat template does not insert verbatim; remove it")
+        raise ValueError(
+            f"messages: messages[{first_forged}].content contains special-token text ({token!r}) "
+            f"that this model's chat template does not insert verbatim; remove it"
+        )
 
 
 def _encode(tok: HFTokenizer, text: str) -> list[int]:
@@ -115,8 +129,9 @@ def _byte_level_bpe(source: TokenizerSource) -> HFTokenizer:
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(source.tokens[i], special=True, normalized=False)
-                            for i in source.special_ids])
+    tok.add_special_tokens(
+        [AddedToken(source.tokens[i], special=True, normalized=False) for i in source.special_ids]
+    )
     return tok
 
 
@@ -126,8 +141,11 @@ _SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """Byte-level BPE's alphabet: printable bytes stand for themselves, the others are shifted past 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     chars = {b: chr(b) for b in printable}
     shift = 0
     for b in range(256):

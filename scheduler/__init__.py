@@ -1,4 +1,5 @@
 """Pure scheduling logic over integers: requests, KV blocks, admission policies. No tensors, no I/O."""
+
 from scheduler.admission import AdmissionRule, InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.config import POLICIES, SchedulerConfig
@@ -11,6 +12,21 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.vtc import VTCPolicy
 
-__all__ = ["AdmissionRule", "BlockManager", "CachedRequestData", "FCFSPolicy", "InvalidRequestError",
-           "NewRequestData", "POLICIES", "Policy", "PriorityPolicy", "Request", "RequestStatus",
-           "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "VTCPolicy"]
+__all__ = [
+    "AdmissionRule",
+    "BlockManager",
+    "CachedRequestData",
+    "FCFSPolicy",
+    "InvalidRequestError",
+    "NewRequestData",
+    "POLICIES",
+    "Policy",
+    "PriorityPolicy",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "VTCPolicy",
+]

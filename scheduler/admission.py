@@ -10,6 +10,7 @@ that breaks it could never finish, whatever else runs, so it is refused before
 it is queued. A refusal is an InvalidRequestError whose `param` names the
 field to change, which the server hands to the client as OpenAI's `param`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,27 +42,44 @@ class AdmissionRule:
         if p < 1:
             raise InvalidRequestError("prompt", "must not be empty")
         if p >= limit:
-            raise InvalidRequestError("prompt", f"{p} tokens does not fit this model's context of {limit} "
-                                      "tokens (and at least one token must be generated)")
+            raise InvalidRequestError(
+                "prompt",
+                f"{p} tokens does not fit this model's context of {limit} "
+                "tokens (and at least one token must be generated)",
+            )
         room = self.room(p)
         if p + m > limit:
-            raise InvalidRequestError("max_tokens", f"this model's maximum context length is {limit} tokens, "
-                                      f"but {p} prompt tokens + max_tokens {m} = {p + m}; "
-                                      f"{self._advice(room)}")
+            raise InvalidRequestError(
+                "max_tokens",
+                f"this model's maximum context length is {limit} tokens, "
+                f"but {p} prompt tokens + max_tokens {m} = {p + m}; "
+                f"{self._advice(room)}",
+            )
         if p > capacity:
-            raise InvalidRequestError("prompt", f"{p} tokens do not fit the KV cache's capacity of "
-                                      f"{capacity} tokens; raise kv_cache_bytes or send a shorter prompt")
+            raise InvalidRequestError(
+                "prompt",
+                f"{p} tokens do not fit the KV cache's capacity of "
+                f"{capacity} tokens; raise kv_cache_bytes or send a shorter prompt",
+            )
         if p + m - 1 > capacity:
-            raise InvalidRequestError("max_tokens", f"prompt ({p}) + max_tokens ({m}) needs {p + m - 1} "
-                                      f"tokens of KV cache, more than its capacity of {capacity} tokens; "
-                                      f"{self._advice(room)}")
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({p}) + max_tokens ({m}) needs {p + m - 1} "
+                f"tokens of KV cache, more than its capacity of {capacity} tokens; "
+                f"{self._advice(room)}",
+            )
 
     def _advice(self, room: int) -> str:
         if room < 1:
-            return (f"the prompt alone fills the KV cache ({self.kv_capacity_tokens} tokens); "
-                    "raise kv_cache_bytes")
-        bound = " (the KV cache's capacity; raise kv_cache_bytes for more)" \
-            if self.kv_capacity_tokens + 1 < self.max_model_len else ""
+            return (
+                f"the prompt alone fills the KV cache ({self.kv_capacity_tokens} tokens); "
+                "raise kv_cache_bytes"
+            )
+        bound = (
+            " (the KV cache's capacity; raise kv_cache_bytes for more)"
+            if self.kv_capacity_tokens + 1 < self.max_model_len
+            else ""
+        )
         return f"lower max_tokens to at most {room}{bound}"
 
     def admit(self, num_prompt_tokens: int, max_tokens: int | None, *, clamp: bool = False) -> int:

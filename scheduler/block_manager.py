@@ -11,6 +11,7 @@ its hash (eviction). Blocks without reusable contents go to the front, so they
 are taken first; cached blocks go to the back, so the least recently used
 cached block is the one evicted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,8 +39,12 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
 @lru_cache(maxsize=4096)
 def salt_root(salt: str) -> int:
     """The parent id of a request's first block within a prefix-cache namespace (see Request.cache_salt)."""
-    return int.from_bytes(hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16,
-                                          person=b"prescient-salt").digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(
+            salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"prescient-salt"
+        ).digest(),
+        "little",
+    )
 
 
 class BlockManager:
@@ -56,7 +61,7 @@ class BlockManager:
         """Sum over blocks of max(ref count - 1, 0): extra tables pointing at an already held block."""
         # Unreferenced blocks in eviction order: the front is taken first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}                 # block hash -> block id
+        self._cached: dict[int, int] = {}  # block hash -> block id
         self._hash: list[int | None] = [None] * num_blocks  # block id -> its hash while cached
         self.copies: list[tuple[int, int]] = []
         """(source, destination) block copies owed to the KV pool before the next step runs: a shared
@@ -99,7 +104,7 @@ class BlockManager:
             salt = request.cache_salt if request.cache_salt is not None else request.tenant
             for i in range(len(hashes), index + 1):
                 parent = hashes[i - 1] if i else salt_root(salt)
-                hashes.append(block_hash(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+                hashes.append(block_hash(parent, tuple(tokens[i * bs : (i + 1) * bs])))
         return hashes[index]
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -147,7 +152,9 @@ class BlockManager:
         return fresh + revived
 
     def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        need = self.num_blocks_to_allocate(request, request.num_computed_tokens + num_new_tokens, cached_blocks)
+        need = self.num_blocks_to_allocate(
+            request, request.num_computed_tokens + num_new_tokens, cached_blocks
+        )
         return need <= len(self._free)
 
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
@@ -157,9 +164,11 @@ class BlockManager:
         (from find_cached_prefix, for a request with an empty table) are attached first.
         """
         table = request.block_table
-        fresh = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table) - len(cached_blocks)
+        fresh = (
+            self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table) - len(cached_blocks)
+        )
         ref_counts = self.ref_counts
-        write = request.num_computed_tokens // self.block_size   # the block the next token goes into
+        write = request.num_computed_tokens // self.block_size  # the block the next token goes into
         if write < len(table) and ref_counts[table[write]] > 1 and not cached_blocks:
             return self._copy_on_write(request, write, max(fresh, 0))
         if not cached_blocks and fresh <= 0:
@@ -236,6 +245,8 @@ class BlockManager:
         assert counts == self.ref_counts, "ref counts disagree with block tables"
         assert set(self._free) == {b for b in range(self.num_blocks) if counts[b] == 0}, "free queue is wrong"
         assert self.num_shared_refs == sum(max(c - 1, 0) for c in counts), "shared reference count is wrong"
-        assert len(self._cached) == sum(h is not None for h in self._hash), "cache map and block hashes disagree"
+        assert len(self._cached) == sum(h is not None for h in self._hash), (
+            "cache map and block hashes disagree"
+        )
         for h, block in self._cached.items():
             assert self._hash[block] == h, "cache map and block hashes disagree"

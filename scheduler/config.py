@@ -4,6 +4,7 @@ These are also the engine's scheduling defaults: `runtime.EngineConfig` nests
 this dataclass, and the CLI builds its flags from it, so each default is
 written here and nowhere else.
 """
+
 from __future__ import annotations
 
 import sys
@@ -46,8 +47,14 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "max_idle_tenants"):
+        for name in (
+            "num_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "max_idle_tenants",
+        ):
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "max_model_len"):
                 continue

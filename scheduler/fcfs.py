@@ -1,4 +1,5 @@
 """First come, first served: admit by arrival; preempt the newest running request."""
+
 from __future__ import annotations
 
 from scheduler.policy import OrderedQueue, Policy

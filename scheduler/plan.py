@@ -19,6 +19,7 @@ the same tokens in update_from_output, so both agree without sharing a list.
 `scheduled` and `preempted` (scheduler Requests) are the scheduler's own
 bookkeeping for update_from_output, not for the runner.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

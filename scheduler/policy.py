@@ -3,6 +3,7 @@
 The scheduler asks the policy who is admitted next and who is preempted when
 memory runs out, and tells it what was served; it never knows which policy runs.
 """
+
 from __future__ import annotations
 
 import bisect

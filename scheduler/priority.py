@@ -1,4 +1,5 @@
 """Priority scheduling: lower `priority` first, then arrival; preempt the least urgent, newest request."""
+
 from __future__ import annotations
 
 from scheduler.fcfs import FCFSPolicy

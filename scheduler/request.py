@@ -3,6 +3,7 @@
 The request owns its block table and its count of computed tokens; the block
 manager and the policies only do bookkeeping over those integers.
 """
+
 from __future__ import annotations
 
 import enum
@@ -22,8 +23,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
 
 
 @dataclass(eq=False)
@@ -92,8 +96,9 @@ class Request:
         anew, or a direct append to output_token_ids, is noticed and the list
         rebuilt (editing the prompt list in place is not).
         """
-        if self.prompt_token_ids is not self._prompt_of_token_ids \
-                or len(self._token_ids) != len(self.prompt_token_ids) + len(self.output_token_ids):
+        if self.prompt_token_ids is not self._prompt_of_token_ids or len(self._token_ids) != len(
+            self.prompt_token_ids
+        ) + len(self.output_token_ids):
             self._rebuild_token_ids()
         return self._token_ids
 

@@ -4,6 +4,7 @@ Plain data with validation. The scheduler reads the stop conditions that are
 about token ids and lengths; the runtime reads the sampling knobs and the stop
 strings (which need the detokenizer).
 """
+
 from __future__ import annotations
 
 import math
@@ -94,8 +95,9 @@ class SamplingParams:
             if len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters, got {len(s)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
-                             f"got {len(self.stop_token_ids)}")
+            raise ValueError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
+            )
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
         for name in ("presence_penalty", "frequency_penalty"):
@@ -118,7 +120,9 @@ class SamplingParams:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         _check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
         self.logit_bias = dict(self.logit_bias or {})
         for token, bias in self.logit_bias.items():
             _check_int("logit_bias", token)
@@ -150,7 +154,7 @@ def _check_number(name: str, value) -> None:
         raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         finite = math.isfinite(value)
-    except OverflowError:   # an int too large for a float
+    except OverflowError:  # an int too large for a float
         finite = False
     if not finite:
         raise ValueError(f"{name} must be a finite number, got {str(value)[:20]}")

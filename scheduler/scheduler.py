@@ -12,6 +12,7 @@ blocks can run the pool dry. When that happens the policy picks a victim to
 preempt: its blocks are freed and it is recomputed later from its prompt and
 the tokens it already generated (the prefix cache may serve part of that).
 """
+
 from __future__ import annotations
 
 import math
@@ -64,8 +65,8 @@ class Scheduler:
         """Every unfinished request (waiting, preempted or running) by id."""
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
-        self.prefix_hits = 0     # of those, tokens found there
-        self.num_computed_tokens = 0   # tokens run through the model (prefill chunks and decodes)
+        self.prefix_hits = 0  # of those, tokens found there
+        self.num_computed_tokens = 0  # tokens run through the model (prefill chunks and decodes)
         self.num_generated_tokens = 0  # tokens sampled
         self._tenants: dict[str, _TenantTally] = {}
         self._idle: OrderedDict[str, None] = OrderedDict()
@@ -87,8 +88,11 @@ class Scheduler:
         if not admitted:
             self.config.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         if 1 + len(request.forks) > self.config.max_num_seqs:
-            raise InvalidRequestError("n", f"{1 + len(request.forks)} sequences can never run at once; this "
-                                      f"engine runs at most max_num_seqs={self.config.max_num_seqs}")
+            raise InvalidRequestError(
+                "n",
+                f"{1 + len(request.forks)} sequences can never run at once; this "
+                f"engine runs at most max_num_seqs={self.config.max_num_seqs}",
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         tally = self._tenants.get(request.tenant)
@@ -115,8 +119,9 @@ class Scheduler:
         else:
             self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
 
-    def finish_request(self, request_id: str, status: RequestStatus,
-                       stop_reason: int | str | None = None) -> None:
+    def finish_request(
+        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
         """End a request for a reason only the runtime sees (a stop string); no-op if unknown."""
         if not status.finished:
             raise ValueError(f"status: {status} is not a finished status")
@@ -210,14 +215,23 @@ class Scheduler:
             table = request.block_table
             known = sent.get(rid)
             if known is None:
-                out.new_requests.append(NewRequestData(
-                    rid, list(request.prompt_token_ids), list(request.output_token_ids),
-                    request.sampling_params, list(table), request.num_computed_tokens, request.eos_token_id,
-                    [(c.request_id, c.sampling_params) for c in request.forks]))
+                out.new_requests.append(
+                    NewRequestData(
+                        rid,
+                        list(request.prompt_token_ids),
+                        list(request.output_token_ids),
+                        request.sampling_params,
+                        list(table),
+                        request.num_computed_tokens,
+                        request.eos_token_id,
+                        [(c.request_id, c.sampling_params) for c in request.forks],
+                    )
+                )
             else:
                 replaced = [(i, table[i]) for i in bm.rewritten.get(rid, ()) if i < known]
-                out.cached_requests.append(CachedRequestData(rid, table[known:], request.num_computed_tokens,
-                                                             replaced))
+                out.cached_requests.append(
+                    CachedRequestData(rid, table[known:], request.num_computed_tokens, replaced)
+                )
             sent[rid] = len(table)
             out.num_scheduled_tokens[rid] = n
         out.preempted_request_ids = [r.request_id for r in out.preempted]
@@ -233,7 +247,7 @@ class Scheduler:
         for r in running:
             reserved += max(bm.blocks_needed(r.num_tokens) - len(r.block_table), 0)
         max_num_seqs = self.config.max_num_seqs
-        seqs = len(running) + sum(len(r.forks) for r in running)   # with forks due when their prompt ends
+        seqs = len(running) + sum(len(r.forks) for r in running)  # with forks due when their prompt ends
         while budget > 0 and seqs < max_num_seqs:
             request = self.policy.peek()
             if request is None or seqs + 1 + len(request.forks) > max_num_seqs:
@@ -318,8 +332,11 @@ class Scheduler:
         max_len = self.config.max_model_len or sys.maxsize
         for request_id, token in sampled.items():
             request = self.requests.get(request_id)
-            if request is None or request.status is not _RUNNING \
-                    or request.num_computed_tokens != request.num_tokens:
+            if (
+                request is None
+                or request.status is not _RUNNING
+                or request.num_computed_tokens != request.num_tokens
+            ):
                 continue  # gone, or not at its end: no token is due
             request.append_output_token(token)
             self.num_generated_tokens += 1
@@ -334,8 +351,9 @@ class Scheduler:
             elif params.stop_token_ids and token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
-            elif request.num_tokens >= max_len or (params.max_tokens is not None
-                                                   and request.num_output_tokens >= params.max_tokens):
+            elif request.num_tokens >= max_len or (
+                params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+            ):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self._finish(request, status)
@@ -354,20 +372,39 @@ class Scheduler:
         bm = self.block_manager
         bs = bm.block_size
         live = sum(r.num_computed_tokens for r in self.running) - bm.num_shared_refs * bs
-        partial = {r.block_table[-1]: r.num_computed_tokens % bs for r in self.running
-                   if r.num_computed_tokens % bs and bm.ref_counts[r.block_table[-1]] > 1}
-        live += sum((bm.ref_counts[b] - 1) * (bs - filled) for b, filled in partial.items())   # forked, not full
+        partial = {
+            r.block_table[-1]: r.num_computed_tokens % bs
+            for r in self.running
+            if r.num_computed_tokens % bs and bm.ref_counts[r.block_table[-1]] > 1
+        }
+        live += sum(
+            (bm.ref_counts[b] - 1) * (bs - filled) for b, filled in partial.items()
+        )  # forked, not full
         counters = self.policy.counters()
-        tenants = {t: {"counter": counters.get(t, 0.0), "service_tokens": tally.service_tokens,
-                       "waiting": tally.waiting, "running": tally.running}
-                   for t, tally in self._tenants.items()}
+        tenants = {
+            t: {
+                "counter": counters.get(t, 0.0),
+                "service_tokens": tally.service_tokens,
+                "waiting": tally.waiting,
+                "running": tally.running,
+            }
+            for t, tally in self._tenants.items()
+        }
         return {
-            "num_running": len(self.running), "num_waiting": self.num_waiting,
-            "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks, "kv_usage": bm.usage,
+            "num_running": len(self.running),
+            "num_waiting": self.num_waiting,
+            "num_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "kv_usage": bm.usage,
             "num_cached_blocks": bm.num_cached_blocks,
-            "live_token_slots": live, "allocated_token_slots": bm.num_used_blocks * bs,
-            "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
-            "num_preemptions": self.num_preemptions, "computed_tokens": self.num_computed_tokens,
-            "generated_tokens": self.num_generated_tokens, "policy": self.policy.name, "tenants": tenants,
+            "live_token_slots": live,
+            "allocated_token_slots": bm.num_used_blocks * bs,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+            "num_preemptions": self.num_preemptions,
+            "computed_tokens": self.num_computed_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "policy": self.policy.name,
+            "tenants": tenants,
             "retired_service_tokens": self.retired_service_tokens,
         }

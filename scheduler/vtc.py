@@ -10,6 +10,7 @@ empty to non-empty is lifted to the smallest counter among backlogged tenants
 banked as credit. Then two backlogged tenants' weighted service never differs
 by more than 2U, U = max(w_p x longest prompt, w_q x tokens that fit in a batch).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

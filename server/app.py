@@ -1,4 +1,5 @@
 """The aiohttp application: routes, the error middleware, and the engine thread's lifetime."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,11 @@ async def errors_as_envelopes(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        message = {404: f"No route {request.method} {request.path}; see GET /openapi.json.",
-                   405: f"Method {request.method} is not allowed on {request.path}.",
-                   413: f"Request body too large: the limit is {request.app['max_body_bytes']} bytes."}
+        message = {
+            404: f"No route {request.method} {request.path}; see GET /openapi.json.",
+            405: f"Method {request.method} is not allowed on {request.path}.",
+            413: f"Request body too large: the limit is {request.app['max_body_bytes']} bytes.",
+        }
         return APIError(exc.status, message.get(exc.status, exc.reason)).response()
     except (asyncio.CancelledError, ConnectionResetError):
         raise
@@ -49,18 +52,23 @@ async def count_responses(request: web.Request, handler):
     metrics = request.app["state"].metrics
     try:
         response = await handler(request)
-    except web.HTTPException as exc:   # what errors_as_envelopes lets through (redirects)
+    except web.HTTPException as exc:  # what errors_as_envelopes lets through (redirects)
         metrics.count_response(route, exc.status)
         raise
     metrics.count_response(route, response.status)
     return response
 
 
-def build_app(client: EngineClient | Engine, *, api_keys: dict[str, Tenant] | None = None,
-              max_body_bytes: int = ServerConfig.max_body_bytes, served_model_name: str | None = None,
-              throughput_log_seconds: float = ServerConfig.throughput_log_seconds,
-              metrics_auth: bool = ServerConfig.metrics_auth,
-              tenant_metrics: bool = ServerConfig.tenant_metrics) -> web.Application:
+def build_app(
+    client: EngineClient | Engine,
+    *,
+    api_keys: dict[str, Tenant] | None = None,
+    max_body_bytes: int = ServerConfig.max_body_bytes,
+    served_model_name: str | None = None,
+    throughput_log_seconds: float = ServerConfig.throughput_log_seconds,
+    metrics_auth: bool = ServerConfig.metrics_auth,
+    tenant_metrics: bool = ServerConfig.tenant_metrics,
+) -> web.Application:
     """The app over an engine client (an Engine is wrapped in AsyncEngine, the in-process client);
     it starts the client's loop with the app and stops it after. metrics_auth: /metrics answers only
     with one of api_keys; tenant_metrics: export per-tenant series."""
@@ -68,8 +76,7 @@ def build_app(client: EngineClient | Engine, *, api_keys: dict[str, Tenant] | No
         raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
     if isinstance(client, Engine):
         client = AsyncEngine(client, max_waiting=ServerConfig.max_waiting)
-    app = web.Application(middlewares=[count_responses, errors_as_envelopes],
-                          client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[count_responses, errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
     state = ServerState(client, api_keys, served_model_name, tenant_metrics=tenant_metrics)
     state.metrics_auth = metrics_auth
@@ -97,6 +104,7 @@ def build_app(client: EngineClient | Engine, *, api_keys: dict[str, Tenant] | No
 
 async def _log_throughput(state: ServerState, every: float) -> None:
     """A line every few seconds while there is work: tokens/s, batch, queue, KV usage."""
+
     def snapshot():
         stats = state.client.stats()
         return time.monotonic(), stats.get("generated_tokens", 0), stats.get("computed_tokens", 0), stats
@@ -109,8 +117,13 @@ async def _log_throughput(state: ServerState, every: float) -> None:
         if stats.get("num_running") or stats.get("num_waiting") or now[1] != last[1]:
             span = now[0] - last[0]
             generated = now[1] - last[1]
-            log.info("throughput: %.1f generated tokens/s, %.1f prompt tokens/s; running %d, waiting %d, "
-                     "KV usage %.1f%%", generated / span, (now[2] - last[2] - generated) / span,
-                     stats.get("num_running", 0), stats.get("num_waiting", 0),
-                     100 * stats.get("kv_usage", 0.0))
+            log.info(
+                "throughput: %.1f generated tokens/s, %.1f prompt tokens/s; running %d, waiting %d, "
+                "KV usage %.1f%%",
+                generated / span,
+                (now[2] - last[2] - generated) / span,
+                stats.get("num_running", 0),
+                stats.get("num_waiting", 0),
+                100 * stats.get("kv_usage", 0.0),
+            )
         last = now

@@ -5,6 +5,7 @@ The keys file is a JSON object {"sk-...": {"tenant": "a", "weight": 2}}; optiona
 tenant's cache is its own) and "priority_range": [-10, 100] (the request priorities it may use; by
 default [0, 2**20]: a client may only make its own requests less urgent). Without keys, the tenant is the request's `user` field, else "default".
 """
+
 from __future__ import annotations
 
 import hmac
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.errors import APIError
-
 
 PRIORITY_MAX = 1 << 20
 
@@ -52,18 +52,26 @@ def load_api_keys(path: str | Path) -> dict[str, Tenant]:
             raise ValueError(f"--api-keys: tenant {entry['tenant']!r}: weight must be a positive number")
         group = entry.get("prefix_cache_group")
         if group is not None and (not isinstance(group, str) or not group):
-            raise ValueError(f"--api-keys: tenant {entry['tenant']!r}: prefix_cache_group must be a "
-                             f"non-empty string (tenants naming the same group share cached prompt blocks)")
+            raise ValueError(
+                f"--api-keys: tenant {entry['tenant']!r}: prefix_cache_group must be a "
+                f"non-empty string (tenants naming the same group share cached prompt blocks)"
+            )
         keys[key] = Tenant(entry["tenant"], float(weight), _priority_range(entry), group)
     return keys
 
 
 def _priority_range(entry: dict) -> tuple[int, int]:
     given = entry.get("priority_range", [0, PRIORITY_MAX])
-    if not (isinstance(given, list) and len(given) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in given) and given[0] <= given[1]):
-        raise ValueError(f"--api-keys: tenant {entry['tenant']!r}: priority_range must be [lowest, highest] "
-                         f"integers (lower runs first)")
+    if not (
+        isinstance(given, list)
+        and len(given) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in given)
+        and given[0] <= given[1]
+    ):
+        raise ValueError(
+            f"--api-keys: tenant {entry['tenant']!r}: priority_range must be [lowest, highest] "
+            f"integers (lower runs first)"
+        )
     return given[0], given[1]
 
 
@@ -81,7 +89,7 @@ def check_key(keys: dict[str, Tenant] | None, authorization: str | None) -> Tena
     if not authorization or not authorization.startswith("Bearer "):
         raise APIError(401, "Missing API key: send 'Authorization: Bearer YOUR_KEY'.", code="invalid_api_key")
     # aiohttp keeps undecodable header bytes as surrogates; encode them back instead of failing on them
-    given = authorization[len("Bearer "):].strip().encode("utf-8", "surrogateescape")
+    given = authorization[len("Bearer ") :].strip().encode("utf-8", "surrogateescape")
     for key, tenant in keys.items():
         if hmac.compare_digest(key.encode(), given):
             return tenant

@@ -1,4 +1,5 @@
 """`python -m server`: load the model, serve the OpenAI API, drain on SIGTERM."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     for section in dataclasses.fields(EngineConfig):
         _add_flags(p.add_argument_group(section.name), section.default_factory, getattr(engine, section.name))
     # The older spelling of --no-enable-prefix-caching.
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help=argparse.SUPPRESS)
+    p.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS
+    )
     return p
 
 
@@ -57,12 +59,19 @@ def _add_flags(group, cls: type, defaults) -> None:
         help_text = docs.get(f.name, "") + ("" if default is None else f" (default: {default})")
         kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None)]
         if kinds == [bool]:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                               help=help_text)
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
             continue
         convert = _size if f.metadata.get("size") else kinds[0]
-        group.add_argument(flag, dest=f.name, type=convert, default=default, help=help_text,
-                           choices=f.metadata.get("choices"))
+        group.add_argument(
+            flag,
+            dest=f.name,
+            type=convert,
+            default=default,
+            help=help_text,
+            choices=f.metadata.get("choices"),
+        )
 
 
 def _size(text: str) -> int:
@@ -79,20 +88,26 @@ async def serve(args: argparse.Namespace) -> int:
     from server.auth import load_api_keys
 
     keys = load_api_keys(args.api_keys) if args.api_keys else None
-    if args.metrics_auth and not keys:   # say so before minutes of model loading
+    if args.metrics_auth and not keys:  # say so before minutes of model loading
         raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
     if args.engine_process:
-        client = EngineCoreClient.launch({"config": engine_config(args)}, max_waiting=args.max_waiting,
-                                         log_level=args.log_level)
+        client = EngineCoreClient.launch(
+            {"config": engine_config(args)}, max_waiting=args.max_waiting, log_level=args.log_level
+        )
         log.info("engine core process %d: %s", client.pid, client.info.description)
     else:
         engine = Engine.from_pretrained(config=engine_config(args))
         log.info("%s", engine.describe())
         client = AsyncEngine(engine, max_waiting=args.max_waiting)
-    app = build_app(client, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                    served_model_name=args.served_model_name,
-                    throughput_log_seconds=args.throughput_log_seconds,
-                    metrics_auth=args.metrics_auth, tenant_metrics=args.tenant_metrics)
+    app = build_app(
+        client,
+        api_keys=keys,
+        max_body_bytes=args.max_body_bytes,
+        served_model_name=args.served_model_name,
+        throughput_log_seconds=args.throughput_log_seconds,
+        metrics_auth=args.metrics_auth,
+        tenant_metrics=args.tenant_metrics,
+    )
     # Shutdown = drain (--drain-timeout) + ABORT_GRACE for aborted streams to end + SHUTDOWN_GRACE for
     # aiohttp to close connections: keep it inside the deployment's terminationGracePeriodSeconds.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
@@ -116,7 +131,7 @@ async def serve(args: argparse.Namespace) -> int:
     if state.in_flight:
         aborted = state.client.abort_all("the server is shutting down and the drain timeout passed")
         log.warning("drain timeout: aborted %d requests", aborted)
-        deadline = loop.time() + ABORT_GRACE   # their handlers end the streams with an error event + [DONE]
+        deadline = loop.time() + ABORT_GRACE  # their handlers end the streams with an error event + [DONE]
         while state.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
     await runner.cleanup()
@@ -126,11 +141,12 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return asyncio.run(serve(args))
-    except ValueError as exc:   # bad model path, bad keys file, bad sizes: say what and exit non-zero
+    except ValueError as exc:  # bad model path, bad keys file, bad sizes: say what and exit non-zero
         log.error("%s", exc)
         return 2
 

@@ -3,6 +3,7 @@
 Like EngineConfig, this is the one place where these defaults live: the CLI
 builds a flag from each field, with the field's docstring as its help.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -3,6 +3,7 @@
 A token's text is its bytes decoded as UTF-8 (a token holding part of a character shows U+FFFD);
 chat also gives the bytes themselves, so a client can join them.
 """
+
 from __future__ import annotations
 
 from runtime.logprobs import TokenLogprob
@@ -13,8 +14,9 @@ def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], scores: list[TokenLogprob | None],
-                        text_offset: int = 0) -> dict:
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], scores: list[TokenLogprob | None], text_offset: int = 0
+) -> dict:
     """{tokens, token_logprobs, top_logprobs, text_offset}; a None score (the first prompt token) gives
     null logprobs. top_logprobs holds the k alternatives and the chosen token, as vLLM's do."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -42,6 +44,7 @@ def merge_completion_logprobs(first: dict | None, second: dict) -> dict:
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], scores: list[TokenLogprob]) -> dict:
     """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+
     def entry(token_id: int, logprob: float) -> dict:
         raw = tokenizer.token_bytes(token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}

@@ -6,6 +6,7 @@ from the timestamps the engine stamped on its output. Engine-wide numbers
 read from the engine's stats at scrape time by a collector, so they are never
 stale and never double counted.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -14,12 +15,74 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from runtime import RequestOutput
 
 PREFIX = "prescient:"
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                         20.0, 40.0, 80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+TOKEN_LATENCY_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 REJECT_REASONS = ("queue_full", "draining")
 MAX_TENANT_LABELS = 32
 """Distinct tenant label values; further tenants are reported together as 'other'."""
@@ -30,7 +93,7 @@ def token_buckets(max_model_len: int) -> list[float]:
     out, exponent = [], 0
     while True:
         for m in (1, 2, 5):
-            value = m * 10 ** exponent
+            value = m * 10**exponent
             if value > max_model_len:
                 return out
             out.append(value)
@@ -61,8 +124,14 @@ class TenantLabels:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, stats_source, reserved_tenants=frozenset(),
-                 tenant_metrics: bool = True):
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        stats_source,
+        reserved_tenants=frozenset(),
+        tenant_metrics: bool = True,
+    ):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.tenant_label = TenantLabels(reserved=set(reserved_tenants))
@@ -72,29 +141,51 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.",
-                        TOKEN_LATENCY_BUCKETS)
-        self.tpot = hist("request_time_per_output_token_seconds",
-                         "Per request: decode time divided by output tokens after the first.", TOKEN_LATENCY_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS
+        )
+        self.tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Per request: decode time divided by output tokens after the first.",
+            TOKEN_LATENCY_BUCKETS,
+        )
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Time waiting before first scheduled.",
-                          REQUEST_LATENCY_BUCKETS)
-        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.",
-                            REQUEST_LATENCY_BUCKETS)
-        self.decode = hist("request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS)
-        self.prompt_hist = hist("request_prompt_tokens", "Prompt tokens per request.", token_buckets(max_model_len))
-        self.gen_hist = hist("request_generation_tokens", "Generated tokens per request.",
-                             token_buckets(max_model_len))
+        self.queue = hist(
+            "request_queue_time_seconds", "Time waiting before first scheduled.", REQUEST_LATENCY_BUCKETS
+        )
+        self.prefill = hist(
+            "request_prefill_time_seconds", "First scheduled to first token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.decode = hist(
+            "request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.prompt_hist = hist(
+            "request_prompt_tokens", "Prompt tokens per request.", token_buckets(max_model_len)
+        )
+        self.gen_hist = hist(
+            "request_generation_tokens", "Generated tokens per request.", token_buckets(max_model_len)
+        )
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", m, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", m, registry=r)
-        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                               m + ["finished_reason"], registry=r)
-        self.http_responses = Counter(PREFIX + "http_responses", "HTTP responses by route and status code.",
-                                      m + ["handler", "code"], registry=r)
-        self.rejected = Counter(PREFIX + "requests_rejected",
-                                "Requests refused before admission: queue_full (429), draining (503).",
-                                m + ["reason"], registry=r)
-        for reason in REJECT_REASONS:   # present at 0 from the start, so rate() sees the first rejection
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            m + ["finished_reason"],
+            registry=r,
+        )
+        self.http_responses = Counter(
+            PREFIX + "http_responses",
+            "HTTP responses by route and status code.",
+            m + ["handler", "code"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            PREFIX + "requests_rejected",
+            "Requests refused before admission: queue_full (429), draining (503).",
+            m + ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:  # present at 0 from the start, so rate() sees the first rejection
             self.rejected.labels(model_name, reason)
         r.register(_EngineCollector(model_name, stats_source, self.tenant_label if tenant_metrics else None))
 
@@ -162,23 +253,41 @@ class _EngineCollector:
 
         yield gauge("num_requests_running", "Requests in the running batch.", stats.get("num_running", 0))
         yield gauge("num_requests_waiting", "Requests waiting to be admitted.", stats.get("num_waiting", 0))
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                    stats.get("kv_usage", 0.0))
-        yield counter("num_preemptions", "Preemptions (requests evicted to be recomputed).",
-                      stats.get("num_preemptions", 0))
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.get("prefix_cache_queries", 0))
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      stats.get("prefix_cache_hits", 0))
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (1 = full).",
+            stats.get("kv_usage", 0.0),
+        )
+        yield counter(
+            "num_preemptions",
+            "Preemptions (requests evicted to be recomputed).",
+            stats.get("num_preemptions", 0),
+        )
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.get("prefix_cache_queries", 0),
+        )
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.get("prefix_cache_hits", 0)
+        )
         if self.tenant_label is None:
             return
-        service = CounterMetricFamily(PREFIX + "tenant_service_tokens", "Tokens served per tenant (prompt + output).",
-                                      labels=["model_name", "tenant"])
-        counter_g = GaugeMetricFamily(PREFIX + "tenant_virtual_counter",
-                                      "Fair scheduler's virtual token counter per tenant.",
-                                      labels=["model_name", "tenant"])
-        waiting = GaugeMetricFamily(PREFIX + "tenant_requests_waiting", "Waiting requests per tenant.",
-                                    labels=["model_name", "tenant"])
+        service = CounterMetricFamily(
+            PREFIX + "tenant_service_tokens",
+            "Tokens served per tenant (prompt + output).",
+            labels=["model_name", "tenant"],
+        )
+        counter_g = GaugeMetricFamily(
+            PREFIX + "tenant_virtual_counter",
+            "Fair scheduler's virtual token counter per tenant.",
+            labels=["model_name", "tenant"],
+        )
+        waiting = GaugeMetricFamily(
+            PREFIX + "tenant_requests_waiting",
+            "Waiting requests per tenant.",
+            labels=["model_name", "tenant"],
+        )
         merged: dict[str, list[float]] = {}
         for tenant, t in sorted(stats.get("tenants", {}).items()):
             label = self.tenant_label(tenant)
@@ -186,7 +295,7 @@ class _EngineCollector:
             acc[0] += t.get("service_tokens", 0)
             acc[1] = max(acc[1], t.get("counter", 0.0))
             acc[2] += t.get("waiting", 0)
-        if stats.get("retired_service_tokens"):   # tenants forgotten after a long idle stay in the total
+        if stats.get("retired_service_tokens"):  # tenants forgotten after a long idle stay in the total
             merged.setdefault("other", [0.0, 0.0, 0.0])[0] += stats["retired_service_tokens"]
         for label, (served, vtc, queued) in merged.items():
             service.add_metric(m + [label], served)

@@ -5,6 +5,7 @@ outputs as they arrive. If the client goes away, the handler is cancelled (or
 its write fails) and leaving the `async for` aborts the request in the
 engine at once, which frees its KV blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,7 @@ log = logging.getLogger("prescient.server")
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     state.check_accepting()
-    keyed = check_key(state.api_keys, request.headers.get("Authorization"))   # before any work on the body
+    keyed = check_key(state.api_keys, request.headers.get("Authorization"))  # before any work on the body
     body = await read_json(request)
     req = parse_completion(body)
     return await _generate(request, state, req, keyed, None)
@@ -67,6 +68,7 @@ def _prompt_ids(state: ServerState, req: GenerationRequest, messages: list[dict]
 @dataclass
 class _Choice:
     """One returned sequence: prompt i's sample j, and what has been streamed of it."""
+
     index: int
     prompt_ids: list[int]
     prompt_text: str
@@ -80,7 +82,7 @@ class _Choice:
 
 
 def _usage(choices: list[_Choice], outs: list[RequestOutput]) -> dict:
-    prompts = {id(c.prompt_ids): c for c in choices}.values()   # each prompt counted once, whatever n is
+    prompts = {id(c.prompt_ids): c for c in choices}.values()  # each prompt counted once, whatever n is
     prompt = sum(len(c.prompt_ids) for c in prompts)
     completion = sum(len(_generated(c, o)[0]) for c, o in zip(choices, outs))
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -95,23 +97,40 @@ def _generated(choice: _Choice, out: RequestOutput) -> tuple[list[int], str]:
     return ([], "") if choice.echo_only else (out.token_ids, out.text)
 
 
-async def _generate(request: web.Request, state: ServerState, req: GenerationRequest, keyed: Tenant | None,
-                    messages: list[dict] | None):
+async def _generate(
+    request: web.Request,
+    state: ServerState,
+    req: GenerationRequest,
+    keyed: Tenant | None,
+    messages: list[dict] | None,
+):
     chat = messages is not None
     tenant = keyed or authenticate(None, None, req.user)
     if req.model is not None and req.model not in state.model_names:
-        raise APIError(400, f"The model '{req.model}' does not exist; this server serves "
-                            f"{', '.join(repr(n) for n in sorted(state.model_names))} (see GET /v1/models).",
-                       param="model", code="model_not_found")
+        raise APIError(
+            400,
+            f"The model '{req.model}' does not exist; this server serves "
+            f"{', '.join(repr(n) for n in sorted(state.model_names))} (see GET /v1/models).",
+            param="model",
+            code="model_not_found",
+        )
     low, high = tenant.priority_range
     if not low <= req.priority <= high:
-        raise bad_request(f"'priority' must be in [{low}, {high}] for this caller (lower runs first; a client "
-                          f"may only make its own requests less urgent unless its key grants more)", "priority")
-    size = sum(len(m["content"]) for m in messages) if chat else \
-        sum(len(p) for p in req.prompts if isinstance(p, str))
+        raise bad_request(
+            f"'priority' must be in [{low}, {high}] for this caller (lower runs first; a client "
+            f"may only make its own requests less urgent unless its key grants more)",
+            "priority",
+        )
+    size = (
+        sum(len(m["content"]) for m in messages)
+        if chat
+        else sum(len(p) for p in req.prompts if isinstance(p, str))
+    )
     try:
         if size > OFF_LOOP_CHARS:
-            checked = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, state, req, messages)
+            checked = await asyncio.get_running_loop().run_in_executor(
+                None, _prompt_ids, state, req, messages
+            )
         else:
             checked = _prompt_ids(state, req, messages)
     except InvalidRequestError as exc:
@@ -133,11 +152,19 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     try:
         # The engine client admits each prompt (one rule: InvalidRequestError names the field); a
         # max_tokens the client did not send is a default, lowered to what fits rather than refused.
-        sources = [state.client.generate(ids, req.params, f"{request_id}-{i}", tenant=tenant.name,
-                                         weight=tenant.weight, priority=req.priority,
-                                         clamp_max_tokens=not req.max_tokens_given,
-                                         cache_salt=tenant.cache_salt)
-                   for i, ids in enumerate(checked)]
+        sources = [
+            state.client.generate(
+                ids,
+                req.params,
+                f"{request_id}-{i}",
+                tenant=tenant.name,
+                weight=tenant.weight,
+                priority=req.priority,
+                clamp_max_tokens=not req.max_tokens_given,
+                cache_salt=tenant.cache_salt,
+            )
+            for i, ids in enumerate(checked)
+        ]
         async with aclosing(_merge(sources)) as outputs:
             async for i, out in outputs:
                 choice = choices[i, out.index]
@@ -149,38 +176,53 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
                 await _send_delta(stream, state, req, chat, request_id, created, model, choice)
     except QueueFullError as exc:
         state.metrics.count_rejected("queue_full")
-        raise APIError(429, f"The server is at capacity ({exc}); retry shortly.",
-                       code="queue_full", headers={"Retry-After": "1"}) from exc
+        raise APIError(
+            429,
+            f"The server is at capacity ({exc}); retry shortly.",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from exc
     except InvalidRequestError as exc:
         raise bad_request(str(exc), exc.param) from exc
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     except ConnectionError:
-        raise   # the client left; leaving the `async with` has already aborted the requests
+        raise  # the client left; leaving the `async with` has already aborted the requests
     except Exception as exc:
         # What the client sees names the kind of failure and the request id; the details are in the log.
         if isinstance(exc, RequestFailedError):
-            for (i, j), c in choices.items():   # book the failed sequence with what it produced
+            for (i, j), c in choices.items():  # book the failed sequence with what it produced
                 if exc.output.request_id == f"{request_id}-{i}" and exc.output.index == j:
                     c.out = exc.output
             log.error("request %s failed in the engine (%s); the engine keeps serving", request_id, exc.cause)
-            error = APIError(500, f"The engine failed while generating this request ({exc.cause}); other "
-                                  f"requests are unaffected, retry it. Request id {request_id}.",
-                             code="engine_error")
+            error = APIError(
+                500,
+                f"The engine failed while generating this request ({exc.cause}); other "
+                f"requests are unaffected, retry it. Request id {request_id}.",
+                code="engine_error",
+            )
         elif isinstance(exc, RequestAbortedError):
             log.warning("request %s aborted: %s", request_id, exc)
-            error = APIError(503, f"The server aborted this request: {exc}; retry on another replica. "
-                                  f"Request id {request_id}.", code="shutdown", headers={"Retry-After": "1"})
+            error = APIError(
+                503,
+                f"The server aborted this request: {exc}; retry on another replica. Request id {request_id}.",
+                code="shutdown",
+                headers={"Retry-After": "1"},
+            )
         elif isinstance(exc, EngineDeadError):
             log.error("request %s: the engine has stopped", request_id)
-            error = APIError(500, "The engine has stopped after an internal error; retry on another "
-                                  f"replica. Request id {request_id}.", code="engine_dead")
+            error = APIError(
+                500,
+                "The engine has stopped after an internal error; retry on another "
+                f"replica. Request id {request_id}.",
+                code="engine_dead",
+            )
         else:
             log.exception("internal error on request %s", request_id)
             error = APIError(500, f"Internal server error; it is logged under request id {request_id}.")
         if stream is None:
             raise error from exc
-        await sse.send(stream, error.body())   # headers are sent: end the stream with an error event
+        await sse.send(stream, error.body())  # headers are sent: end the stream with an error event
         await sse.send_done(stream)
         return stream
     finally:
@@ -191,15 +233,31 @@ async def _generate(request: web.Request, state: ServerState, req: GenerationReq
     outs = [c.out for c in ordered]
     if req.stream:
         if req.include_usage:
-            await sse.send(stream, {"id": request_id, "object": kind + ("" if not chat else ".chunk"),
-                                    "created": created, "model": model, "choices": [],
-                                    "usage": _usage(ordered, outs)})
+            await sse.send(
+                stream,
+                {
+                    "id": request_id,
+                    "object": kind + ("" if not chat else ".chunk"),
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage(ordered, outs),
+                },
+            )
         await sse.send_done(stream)
         return stream
     returned = _best(ordered, req) if req.best_of > req.n else ordered
     body = [_final_choice(state, req, chat, c, k) for k, c in enumerate(returned)]
-    return web.json_response({"id": request_id, "object": kind, "created": created, "model": model,
-                              "choices": body, "usage": _usage(ordered, outs)})
+    return web.json_response(
+        {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "choices": body,
+            "usage": _usage(ordered, outs),
+        }
+    )
 
 
 def _decode(tokenizer, ids: list[int], i: int) -> str:
@@ -207,8 +265,9 @@ def _decode(tokenizer, ids: list[int], i: int) -> str:
     try:
         return tokenizer.decode(ids)
     except Exception as exc:
-        raise bad_request(f"'prompt' {i}: not token ids of this model's vocabulary ({type(exc).__name__})",
-                          "prompt") from exc
+        raise bad_request(
+            f"'prompt' {i}: not token ids of this model's vocabulary ({type(exc).__name__})", "prompt"
+        ) from exc
 
 
 def _best(choices: list[_Choice], req: GenerationRequest) -> list[_Choice]:
@@ -217,7 +276,7 @@ def _best(choices: list[_Choice], req: GenerationRequest) -> list[_Choice]:
     for i in range(len(req.prompts)):
         group = [c for c in choices if c.index // req.best_of == i]
         group.sort(key=lambda c: -sum(s.logprob for s in c.out.logprobs) / max(len(c.out.logprobs), 1))
-        out.extend(group[:req.n])
+        out.extend(group[: req.n])
     return out
 
 
@@ -228,17 +287,27 @@ def _final_choice(state: ServerState, req: GenerationRequest, chat: bool, c: _Ch
     logprobs = None
     if chat:
         if req.logprobs_requested:
-            logprobs = chat_logprobs(tok, token_ids, out.logprobs[:len(token_ids)])
-        choice = {"index": index, "message": {"role": "assistant", "content": text},
-                  "finish_reason": out.finish_reason, "logprobs": logprobs}
+            logprobs = chat_logprobs(tok, token_ids, out.logprobs[: len(token_ids)])
+        choice = {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": out.finish_reason,
+            "logprobs": logprobs,
+        }
     else:
         if req.logprobs_requested:
             if req.echo:
                 logprobs = completion_logprobs(tok, c.prompt_ids, out.prompt_logprobs)
-            logprobs = merge_completion_logprobs(logprobs, completion_logprobs(
-                tok, token_ids, out.logprobs[:len(token_ids)], _end_offset(logprobs)))
-        choice = {"index": index, "text": (c.prompt_text if req.echo else "") + text,
-                  "finish_reason": out.finish_reason, "logprobs": logprobs}
+            logprobs = merge_completion_logprobs(
+                logprobs,
+                completion_logprobs(tok, token_ids, out.logprobs[: len(token_ids)], _end_offset(logprobs)),
+            )
+        choice = {
+            "index": index,
+            "text": (c.prompt_text if req.echo else "") + text,
+            "finish_reason": out.finish_reason,
+            "logprobs": logprobs,
+        }
     if out.stop_reason is not None and not req.echo_only:
         choice["stop_reason"] = out.stop_reason
     return choice
@@ -250,32 +319,48 @@ def _end_offset(logprobs: dict | None) -> int:
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
-async def _send_delta(stream, state: ServerState, req: GenerationRequest, chat: bool, request_id: str,
-                      created: int, model: str, c: _Choice) -> None:
+async def _send_delta(
+    stream,
+    state: ServerState,
+    req: GenerationRequest,
+    chat: bool,
+    request_id: str,
+    created: int,
+    model: str,
+    c: _Choice,
+) -> None:
     """Stream what is new in c.out since the last chunk of this choice."""
     out = c.out
     tok = state.client.tokenizer
     if chat and not c.started:
-        await sse.send(stream, _chunk(request_id, created, model, c.index, {"role": "assistant", "content": ""},
-                                      None, chat))
+        await sse.send(
+            stream,
+            _chunk(request_id, created, model, c.index, {"role": "assistant", "content": ""}, None, chat),
+        )
     token_ids, text = _generated(c, out)
-    delta, new_tokens = text[c.sent_text:], token_ids[c.sent_tokens:]
+    delta, new_tokens = text[c.sent_text :], token_ids[c.sent_tokens :]
     logprobs = None
     if req.logprobs_requested:
-        scores = out.logprobs[c.sent_tokens:len(token_ids)]
+        scores = out.logprobs[c.sent_tokens : len(token_ids)]
         if chat:
             logprobs = chat_logprobs(tok, new_tokens, scores)
         else:
             if req.echo and not c.started:
                 logprobs = completion_logprobs(tok, c.prompt_ids, out.prompt_logprobs)
-            logprobs = merge_completion_logprobs(logprobs, completion_logprobs(
-                tok, new_tokens, scores, _end_offset(logprobs) if logprobs else c.sent_offset))
+            logprobs = merge_completion_logprobs(
+                logprobs,
+                completion_logprobs(
+                    tok, new_tokens, scores, _end_offset(logprobs) if logprobs else c.sent_offset
+                ),
+            )
             c.sent_offset = _end_offset(logprobs) or c.sent_offset
     if req.echo and not c.started:
         delta = c.prompt_text + delta
     finish = out.finish_reason if out.finished else None
     if delta or finish or new_tokens and logprobs is not None:
-        chunk = _chunk(request_id, created, model, c.index, {"content": delta} if chat else delta, finish, chat)
+        chunk = _chunk(
+            request_id, created, model, c.index, {"content": delta} if chat else delta, finish, chat
+        )
         chunk["choices"][0]["logprobs"] = logprobs
         if finish and out.stop_reason is not None and not req.echo_only:
             chunk["choices"][0]["stop_reason"] = out.stop_reason
@@ -301,7 +386,7 @@ async def _merge(sources: list) -> AsyncIterator[tuple[int, RequestOutput]]:
                 async for out in outs:
                     await queue.put((i, out))
             await queue.put((i, done))
-        except BaseException as exc:   # handed to the consumer, which re-raises it
+        except BaseException as exc:  # handed to the consumer, which re-raises it
             await queue.put((i, exc))
             if isinstance(exc, asyncio.CancelledError):
                 raise

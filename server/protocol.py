@@ -3,6 +3,7 @@
 Every check names the offending field; nothing here raises anything but
 APIError, so a bad body can never turn into a 500.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,8 +64,14 @@ def _get(body: dict, name: str, kinds: tuple, default=None, what: str | None = N
 
 
 def _kind_names(kinds: tuple) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
-             dict: "an object"}
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "a boolean",
+        list: "an array",
+        dict: "an object",
+    }
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
@@ -84,13 +91,19 @@ def _show(value) -> str:
 
 
 def _max_tokens(body: dict, zero_allowed: bool) -> int | None:
-    max_tokens = _get(body, "max_completion_tokens", (int,), None) if "max_completion_tokens" in body else None
+    max_tokens = (
+        _get(body, "max_completion_tokens", (int,), None) if "max_completion_tokens" in body else None
+    )
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,), None)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if max_tokens is not None and max_tokens < (0 if zero_allowed else 1):
-        hint = "" if zero_allowed or max_tokens != 0 else " (0 is allowed only with echo, to score the prompt)"
-        raise bad_request(f"'{name}' must be at least {0 if zero_allowed else 1}, got {_show(max_tokens)}{hint}", name)
+        hint = (
+            "" if zero_allowed or max_tokens != 0 else " (0 is allowed only with echo, to score the prompt)"
+        )
+        raise bad_request(
+            f"'{name}' must be at least {0 if zero_allowed else 1}, got {_show(max_tokens)}{hint}", name
+        )
     return max_tokens
 
 
@@ -119,8 +132,9 @@ def _logit_bias(body: dict) -> dict[int, float]:
         except ValueError:
             raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for {key}",
-                              "logit_bias")
+            raise bad_request(
+                f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for {key}", "logit_bias"
+            )
         out[token] = float(value)
     return out
 
@@ -153,17 +167,22 @@ def _sampling(body: dict, default_max_tokens: int | None, chat: bool = False) ->
     if not n <= best_of <= MAX_N:
         raise bad_request(f"'best_of' must be in [n={n}, {MAX_N}], got {_show(best_of)}", "best_of")
     if best_of > n and body.get("stream"):
-        raise bad_request("'best_of' greater than 'n' cannot be streamed (the best are known at the end)",
-                          "best_of")
+        raise bad_request(
+            "'best_of' greater than 'n' cannot be streamed (the best are known at the end)", "best_of"
+        )
     min_tokens = _get(body, "min_tokens", (int,), 0)
     if min_tokens < 0:
         raise bad_request(f"'min_tokens' must be >= 0, got {_show(min_tokens)}", "min_tokens")
     if max_tokens and min_tokens > max_tokens:
-        raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+        raise bad_request(
+            f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
+        )
     logprobs = _logprobs(body, chat)
     logprobs_mode = _get(body, "logprobs_mode", (str,), "raw")
     if logprobs_mode not in ("raw", "processed"):
-        raise bad_request(f"'logprobs_mode' must be 'raw' or 'processed', got {logprobs_mode!r}", "logprobs_mode")
+        raise bad_request(
+            f"'logprobs_mode' must be 'raw' or 'processed', got {logprobs_mode!r}", "logprobs_mode"
+        )
     echo = False if chat else _get(body, "echo", (bool,), False)
     presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
@@ -173,20 +192,33 @@ def _sampling(body: dict, default_max_tokens: int | None, chat: bool = False) ->
             raise bad_request(f"'{name_}' is not supported by this server", name_)
     response_format = _get(body, "response_format", (dict,), None)
     if response_format is not None and response_format.get("type") != "text":
-        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported by this server",
-                          "response_format")
-    if max_tokens == 0:   # echo with max_tokens 0: score the prompt; one token is sampled and dropped
+        raise bad_request(
+            '\'response_format\' other than {"type": "text"} is not supported by this server',
+            "response_format",
+        )
+    if max_tokens == 0:  # echo with max_tokens 0: score the prompt; one token is sampled and dropped
         max_tokens = 1
     max_tokens = max_tokens or default_max_tokens
-    try:   # SamplingParams holds the rules of the engine itself (e.g. the seed must fit in 64 bits)
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                              stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                              repetition_penalty=repetition_penalty, n=best_of,
-                              logprobs=logprobs if logprobs is not None else (0 if best_of > n else None),
-                              prompt_logprobs=logprobs if echo and logprobs is not None else None,
-                              logprobs_mode=logprobs_mode, min_tokens=min(min_tokens, max_tokens or min_tokens),
-                              logit_bias=_logit_bias(body))
+    try:  # SamplingParams holds the rules of the engine itself (e.g. the seed must fit in 64 bits)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            n=best_of,
+            logprobs=logprobs if logprobs is not None else (0 if best_of > n else None),
+            prompt_logprobs=logprobs if echo and logprobs is not None else None,
+            logprobs_mode=logprobs_mode,
+            min_tokens=min(min_tokens, max_tokens or min_tokens),
+            logit_bias=_logit_bias(body),
+        )
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0]
         raise bad_request(f"'{field_name}' {str(exc).split(' ', 1)[1]}", field_name) from exc
@@ -205,10 +237,22 @@ def _common(body: dict, prompts: list, default_max_tokens: int | None, chat: boo
     params = _sampling(body, default_max_tokens, chat)
     echo = not chat and body.get("echo") is True
     n = _get(body, "n", (int,), 1)
-    return GenerationRequest(prompt=prompts[0], params=params, stream=stream, include_usage=include_usage,
-                             user=user, priority=priority, model=model, max_tokens_given=given, prompts=prompts,
-                             echo=echo, echo_only=echo and given and _max_tokens(body, True) == 0, n=n,
-                             best_of=params.n, logprobs_requested=body.get("logprobs") not in (None, False))
+    return GenerationRequest(
+        prompt=prompts[0],
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        user=user,
+        priority=priority,
+        model=model,
+        max_tokens_given=given,
+        prompts=prompts,
+        echo=echo,
+        echo_only=echo and given and _max_tokens(body, True) == 0,
+        n=n,
+        best_of=params.n,
+        logprobs_requested=body.get("logprobs") not in (None, False),
+    )
 
 
 def parse_completion(body: dict, default_max_tokens: int = 16) -> GenerationRequest:
@@ -223,10 +267,15 @@ def parse_completion(body: dict, default_max_tokens: int = 16) -> GenerationRequ
         if not prompts:
             raise bad_request("'prompt' must not be empty", "prompt")
         if len(prompts) > MAX_PROMPTS:
-            raise bad_request(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
+            raise bad_request(
+                f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt"
+            )
     else:
-        raise bad_request(f"'prompt' must be a string, an array of token ids, or an array of those, got "
-                          f"{type(prompt).__name__}", "prompt")
+        raise bad_request(
+            f"'prompt' must be a string, an array of token ids, or an array of those, got "
+            f"{type(prompt).__name__}",
+            "prompt",
+        )
     for i, one in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 and one is prompt else f"prompt[{i}]"
         if isinstance(one, str):
@@ -238,8 +287,9 @@ def parse_completion(body: dict, default_max_tokens: int = 16) -> GenerationRequ
             if not all(_is_token_id(t) for t in one):
                 raise bad_request(f"'{where}' must be a string or an array of token ids (integers)", "prompt")
         else:
-            raise bad_request(f"'{where}' must be a string or an array of token ids, got {type(one).__name__}",
-                              "prompt")
+            raise bad_request(
+                f"'{where}' must be a string or an array of token ids, got {type(one).__name__}", "prompt"
+            )
     return _common(body, prompts, default_max_tokens, chat=False)
 
 
@@ -260,21 +310,31 @@ def parse_messages(body: dict) -> list[dict]:
             raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}",
-                              f"{where}.role")
+            raise bad_request(
+                f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}", f"{where}.role"
+            )
         content = message.get("content")
-        if isinstance(content, list):   # content parts: only text is understood by a text model
+        if isinstance(content, list):  # content parts: only text is understood by a text model
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"'{where}.content[{j}]' must be a text part {{\"type\": \"text\", "
-                                      f"\"text\": ...}}; this model reads text only", f"{where}.content")
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise bad_request(
+                        f'\'{where}.content[{j}]\' must be a text part {{"type": "text", '
+                        f'"text": ...}}; this model reads text only',
+                        f"{where}.content",
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise bad_request(f"'{where}.content' must be a string or an array of text parts", f"{where}.content")
+            raise bad_request(
+                f"'{where}.content' must be a string or an array of text parts", f"{where}.content"
+            )
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 

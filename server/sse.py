@@ -1,4 +1,5 @@
 """Server-Sent Events framing as OpenAI streams it: `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,14 @@ from aiohttp import web
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(status=200, headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"})
+    response = web.StreamResponse(
+        status=200,
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "Connection": "keep-alive",
+        },
+    )
     await response.prepare(request)
     return response
 

@@ -1,4 +1,5 @@
 """What the request handlers share: the engine client, keys, metrics, drain state, and request logging."""
+
 from __future__ import annotations
 
 import json
@@ -17,16 +18,25 @@ log = logging.getLogger("prescient.server")
 
 
 class ServerState:
-    def __init__(self, client: EngineClient, api_keys: dict[str, Tenant] | None = None,
-                 served_model_name: str | None = None, tenant_metrics: bool = True):
+    def __init__(
+        self,
+        client: EngineClient,
+        api_keys: dict[str, Tenant] | None = None,
+        served_model_name: str | None = None,
+        tenant_metrics: bool = True,
+    ):
         self.client = client
         """The one way to the engine (runtime/engine_client.py)."""
         self.api_keys = api_keys
         self.model_name = served_model_name or client.model_name
         self.model_names = {self.model_name, client.model_name}
-        self.metrics = ServerMetrics(self.model_name, client.max_model_len, client.stats,
-                                     {t.name for t in (api_keys or {}).values()},
-                                     tenant_metrics=tenant_metrics)
+        self.metrics = ServerMetrics(
+            self.model_name,
+            client.max_model_len,
+            client.stats,
+            {t.name for t in (api_keys or {}).values()},
+            tenant_metrics=tenant_metrics,
+        )
         self.metrics_auth = False
         """/metrics asks for an API key (the per-tenant series name tenants and their load)."""
         self.draining = False
@@ -40,9 +50,12 @@ class ServerState:
     def check_accepting(self) -> None:
         if self.draining:
             self.metrics.count_rejected("draining")
-            raise APIError(503, "The server is shutting down and accepts no new requests; "
-                                "retry on another replica.",
-                           code="draining", headers={"Retry-After": "5"})
+            raise APIError(
+                503,
+                "The server is shutting down and accepts no new requests; retry on another replica.",
+                code="draining",
+                headers={"Retry-After": "5"},
+            )
 
     def record(self, request: web.Request, req, tenant: str, out: RequestOutput | None) -> None:
         """One log line and the metrics of a request that ended, however it ended."""
@@ -53,9 +66,18 @@ class ServerState:
         self.metrics.observe_finished(out)
         ttft = (out.first_token_time - out.arrival_time) if out.first_token_time else None
         e2e = time.monotonic() - out.arrival_time
-        log.info("%s %s tenant=%s prompt=%d completion=%d cached=%d finish=%s ttft=%s e2e=%.3fs",
-                 request.method, request.path, tenant, len(out.prompt_token_ids), len(out.token_ids),
-                 out.num_cached_tokens, out.finish_reason, f"{ttft:.3f}s" if ttft is not None else "-", e2e)
+        log.info(
+            "%s %s tenant=%s prompt=%d completion=%d cached=%d finish=%s ttft=%s e2e=%.3fs",
+            request.method,
+            request.path,
+            tenant,
+            len(out.prompt_token_ids),
+            len(out.token_ids),
+            out.num_cached_tokens,
+            out.finish_reason,
+            f"{ttft:.3f}s" if ttft is not None else "-",
+            e2e,
+        )
 
 
 async def read_json(request: web.Request) -> dict:
@@ -63,16 +85,18 @@ async def read_json(request: web.Request) -> dict:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise APIError(413, f"Request body too large: the limit is {request.app['max_body_bytes']} "
-                            "bytes.") from exc
+        raise APIError(
+            413, f"Request body too large: the limit is {request.app['max_body_bytes']} bytes."
+        ) from exc
     try:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
-        raise bad_request(f"The body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})") \
-            from exc
+        raise bad_request(
+            f"The body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from exc
     except RecursionError as exc:
         raise bad_request("The body is not valid JSON for this server: it is nested too deeply") from exc
-    except ValueError as exc:   # JSONDecodeError, NaN/Infinity, an integer beyond Python's 4,300 digits
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, an integer beyond Python's 4,300 digits
         raise bad_request(f"The body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise bad_request(f"The body must be a JSON object, got {type(body).__name__}")
@@ -86,6 +110,6 @@ def _reject_constant(name: str):
 
 def _finite_float(text: str) -> float:
     value = float(text)
-    if not math.isfinite(value):   # 1e400 parses as inf
+    if not math.isfinite(value):  # 1e400 parses as inf
         raise ValueError(f"the number {text[:40]} is out of range; send a finite number")
     return value

@@ -1,4 +1,5 @@
 """GET /v1/models, /v1/models/{model}, /health, /metrics and POST /tokenize, /detokenize."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,13 @@ from server.state import ServerState, read_json
 
 
 def _model_card(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "prescient",
-            "max_model_len": state.client.max_model_len}
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "prescient",
+        "max_model_len": state.client.max_model_len,
+    }
 
 
 async def models(request: web.Request) -> web.Response:
@@ -30,8 +36,12 @@ async def model(request: web.Request) -> web.Response:
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
     name = request.match_info["model"]
     if name not in state.model_names:
-        raise APIError(404, f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
+            param="model",
+            code="model_not_found",
+        )
     return web.json_response(_model_card(state))
 
 
@@ -39,7 +49,7 @@ async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     try:
         state.client.check_health()
-    except Exception:   # the cause is in the server log, not for every caller to read
+    except Exception:  # the cause is in the server log, not for every caller to read
         return web.json_response({"status": "unhealthy"}, status=500)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
@@ -50,8 +60,9 @@ async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     if state.metrics_auth:
         check_key(state.api_keys, request.headers.get("Authorization"))
-    return web.Response(body=generate_latest(state.metrics.registry),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(
+        body=generate_latest(state.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -70,13 +81,17 @@ async def tokenize(request: web.Request) -> web.Response:
         work = partial(tok.encode, body["prompt"])
     else:
         raise bad_request("send 'prompt' (a string) or 'messages' (an array of {role, content})", "prompt")
-    try:   # a big body is tokenized on a worker thread, as for generation
-        tokens = await asyncio.get_running_loop().run_in_executor(None, work) \
-            if (request.content_length or 0) > OFF_LOOP_CHARS else work()
+    try:  # a big body is tokenized on a worker thread, as for generation
+        tokens = (
+            await asyncio.get_running_loop().run_in_executor(None, work)
+            if (request.content_length or 0) > OFF_LOOP_CHARS
+            else work()
+        )
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
-    return web.json_response({"tokens": tokens, "count": len(tokens),
-                              "max_model_len": state.client.max_model_len})
+    return web.json_response(
+        {"tokens": tokens, "count": len(tokens), "max_model_len": state.client.max_model_len}
+    )
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -85,8 +100,9 @@ async def detokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     tokens = body.get("tokens")
     vocab = state.client.vocab_size
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                               for t in tokens):
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
         raise bad_request("'tokens' must be an array of token ids", "tokens")
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:

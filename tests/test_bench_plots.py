@@ -1,28 +1,50 @@
 """`make bench` draws its results: each plot shows the numbers it was given, and names the machine."""
+
 from __future__ import annotations
 
 import pytest
 
 from tests.bench import plots
 
-SERVE = {"title": "Serving", "machine": "Test CPU, 2 cores", "rows": [
-    {"workload": "concurrency 1", "output tok/s": 20.0, "TTFT p50 ms": 270.0, "TTFT p99 ms": 400.0},
-    {"workload": "concurrency 32", "output tok/s": 160.0, "TTFT p50 ms": 2100.0, "TTFT p99 ms": 3900.0},
-    {"workload": "Poisson 1.00 req/s", "output tok/s": 90.0, "TTFT p50 ms": 500.0, "TTFT p99 ms": 800.0},
-    {"workload": "offline engine, 32 at once", "output tok/s": 150.0}]}
-FAIRNESS = {"title": "Fairness", "machine": "Test CPU, 2 cores",
-            "overload_vtc_metrics": [{"t": t, "tenant_service_tokens_total[A]": 100.0 * t,
-                                      "tenant_service_tokens_total[B]": 50.0 * t} for t in range(0, 30, 5)],
-            "overload_fcfs_metrics": [{"t": t, "tenant_service_tokens_total[A]": 140.0 * t,
-                                       "tenant_service_tokens_total[B]": 10.0 * t} for t in range(0, 30, 5)]}
-LOADER = {"title": "Loader", "machine": "Test CPU, 2 cores", "rows": [
-    {"config": "slow storage", "loader": loader, "epoch": epoch, "utilization": u}
-    for loader, us in (("torch", (0.46, 0.47)), ("loader", (0.93, 0.96))) for epoch, u in enumerate(us, 1)]}
+SERVE = {
+    "title": "Serving",
+    "machine": "Test CPU, 2 cores",
+    "rows": [
+        {"workload": "concurrency 1", "output tok/s": 20.0, "TTFT p50 ms": 270.0, "TTFT p99 ms": 400.0},
+        {"workload": "concurrency 32", "output tok/s": 160.0, "TTFT p50 ms": 2100.0, "TTFT p99 ms": 3900.0},
+        {"workload": "Poisson 1.00 req/s", "output tok/s": 90.0, "TTFT p50 ms": 500.0, "TTFT p99 ms": 800.0},
+        {"workload": "offline engine, 32 at once", "output tok/s": 150.0},
+    ],
+}
+FAIRNESS = {
+    "title": "Fairness",
+    "machine": "Test CPU, 2 cores",
+    "overload_vtc_metrics": [
+        {"t": t, "tenant_service_tokens_total[A]": 100.0 * t, "tenant_service_tokens_total[B]": 50.0 * t}
+        for t in range(0, 30, 5)
+    ],
+    "overload_fcfs_metrics": [
+        {"t": t, "tenant_service_tokens_total[A]": 140.0 * t, "tenant_service_tokens_total[B]": 10.0 * t}
+        for t in range(0, 30, 5)
+    ],
+}
+LOADER = {
+    "title": "Loader",
+    "machine": "Test CPU, 2 cores",
+    "rows": [
+        {"config": "slow storage", "loader": loader, "epoch": epoch, "utilization": u}
+        for loader, us in (("torch", (0.46, 0.47)), ("loader", (0.93, 0.96)))
+        for epoch, u in enumerate(us, 1)
+    ],
+}
 
 
 def lines(fig) -> dict[str, tuple[list, list]]:
-    return {f"{ax.get_title()}|{line.get_label()}": (list(line.get_xdata()), list(line.get_ydata()))
-            for ax in fig.axes for line in ax.get_lines()}
+    return {
+        f"{ax.get_title()}|{line.get_label()}": (list(line.get_xdata()), list(line.get_ydata()))
+        for ax in fig.axes
+        for line in ax.get_lines()
+    }
 
 
 def test_serve_plot_shows_throughput_and_ttft_against_concurrency():
@@ -51,5 +73,5 @@ def test_write_saves_a_png_titled_with_the_machine(tmp_path):
         path = plots.write(name, result, tmp_path)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
         assert "Test CPU, 2 cores" in getattr(plots, name)(result)._suptitle.get_text()
-    assert plots.write("engine", {"rows": []}, tmp_path) is None   # no plot for it: JSON only
+    assert plots.write("engine", {"rows": []}, tmp_path) is None  # no plot for it: JSON only
     assert plots.write("serve", {"rows": []}, tmp_path) is None

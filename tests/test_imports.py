@@ -1,6 +1,7 @@
 """The import graph: no cycle inside any package (function-level imports included, since they hide
 cycles rather than remove them), and imports flow server -> runtime -> scheduler, loader standing alone
 (runtime reads sizes with loader.sizes, the project's one size parser)."""
+
 from __future__ import annotations
 
 import ast
@@ -10,8 +11,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("runtime", "scheduler", "server", "loader")
-MAY_IMPORT = {"server": {"runtime", "scheduler", "loader"}, "runtime": {"scheduler", "loader"},
-              "scheduler": set(), "loader": set()}
+MAY_IMPORT = {
+    "server": {"runtime", "scheduler", "loader"},
+    "runtime": {"scheduler", "loader"},
+    "scheduler": set(),
+    "loader": set(),
+}
 
 
 def modules() -> dict[str, str]:
@@ -36,7 +41,7 @@ def imports_of(path: str, name: str, known: set[str]) -> set[str]:
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:   # relative: from the module's package
+            if node.level:  # relative: from the module's package
                 parts = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
                 base = ".".join(parts + ([base] if base else []))
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
@@ -93,8 +98,13 @@ def test_no_import_cycle_inside_the_package(package):
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_flow_one_way(package):
     edges = graph()
-    wrong = sorted(f"{a} imports {b}" for a, targets in edges.items() if a.split(".")[0] == package
-                   for b in targets if b.split(".")[0] not in MAY_IMPORT[package] | {package})
+    wrong = sorted(
+        f"{a} imports {b}"
+        for a, targets in edges.items()
+        if a.split(".")[0] == package
+        for b in targets
+        if b.split(".")[0] not in MAY_IMPORT[package] | {package}
+    )
     assert wrong == []
 
 

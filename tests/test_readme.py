@@ -1,4 +1,5 @@
 """The README's examples run as shown: each Python block, and the curl command, against a real server."""
+
 from __future__ import annotations
 
 import ast
@@ -23,7 +24,9 @@ def python_block(marker: str) -> str:
 
 
 def run_python(code: str, timeout: float = 300) -> str:
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"README example failed:\n{code}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -31,7 +34,7 @@ def run_python(code: str, timeout: float = 300) -> str:
 def test_offline_example_generates():
     out = run_python(python_block("Engine.from_pretrained()"))
     words = out.split()
-    assert words[-1] in ("stop", "length"), out   # print(out.text, out.finish_reason)
+    assert words[-1] in ("stop", "length"), out  # print(out.text, out.finish_reason)
     assert len(words) > 1, f"no text generated: {out!r}"
 
 
@@ -39,7 +42,7 @@ def test_loader_example_reads_storage_once_in_two_epochs():
     out = run_python(python_block("from loader import DataLoader"))
     stats = ast.literal_eval(out.strip().splitlines()[-1])
     assert stats["samples"] == 2000
-    assert stats["storage_reads"] == 1000, stats      # epoch 2 is served from the RAM cache
+    assert stats["storage_reads"] == 1000, stats  # epoch 2 is served from the RAM cache
     assert stats["ram_hits"] >= 1000, stats
 
 
@@ -57,7 +60,7 @@ def test_openai_client_example_streams(server):
 
 def test_curl_example(server):
     shell = next(code for lang, code in BLOCKS if lang == "sh" and "curl" in code)
-    command = shell[shell.index("curl"):].replace("localhost:8000", server.url).replace("\\\n", " ").strip()
+    command = shell[shell.index("curl") :].replace("localhost:8000", server.url).replace("\\\n", " ").strip()
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     body = json.loads(proc.stdout)

@@ -7,6 +7,7 @@ where tests/bench/plots.py draws one (serve, fairness, loader).
 Every benchmark measures its own baseline in the same run (torch's DataLoader,
 transformers, the roofline), because this machine is shared and noisy.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.progress import Progress
 import tests.bench as package
+from runtime.progress import Progress
 from tests.bench import plots
 
 OUT_DIR = Path("bench-results")
@@ -43,8 +44,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    names = sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(package.__path__)
-                   if m.name.startswith("bench_"))
+    names = sorted(
+        m.name[len("bench_") :] for m in pkgutil.iter_modules(package.__path__) if m.name.startswith("bench_")
+    )
     wanted = argv or names
     unknown = [n for n in wanted if n not in names]
     if unknown:

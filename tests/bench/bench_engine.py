@@ -11,6 +11,7 @@ extra) runs the same GGUF with the same threads when installed; its column is sk
 Sampling cost: decode x32 at temperature 0.8 / top-p 0.9 against greedy, same engine, same run.
 Quality: perplexity on a fixed text (tests/bench/perplexity.py) per configuration and for llama.cpp.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,11 @@ def decode_rate(engine: Engine, batch: int, **sampling) -> tuple[float, float]:
     """(tokens/s over decode-only steps, fraction of allocated KV slots holding live tokens)."""
     sampling = sampling or {"temperature": 0}
     for i in range(batch):
-        engine.add_request(None, _prompt(engine, 64, 100 + i),
-                           SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True, **sampling))
+        engine.add_request(
+            None,
+            _prompt(engine, 64, 100 + i),
+            SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True, **sampling),
+        )
     tokens = 0
     seconds = 0.0
     fill = []
@@ -79,8 +83,9 @@ def transformers_rates(dtype: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)
+    ).eval()
     rates = {}
     prompt = torch.randint(100, 49152, (1, 512))
     with torch.no_grad():
@@ -109,8 +114,15 @@ def llama_cpp_rates() -> dict | None:
     except ImportError:
         return None
     threads = torch.get_num_threads()
-    llm = Llama(default_model_path(), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                verbose=False, logits_all=True)
+    llm = Llama(
+        default_model_path(),
+        n_ctx=1024,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        verbose=False,
+        logits_all=True,
+    )
     vocab = llm.n_vocab()
     prompt = [random.Random(0).randrange(100, vocab) for _ in range(512)]
 
@@ -131,7 +143,7 @@ def llama_cpp_rates() -> dict | None:
     ids = llm.tokenize(FIXED_TEXT.encode(), add_bos=False)
     llm.reset()
     llm.eval(ids)
-    logits = torch.tensor(llm.scores[:len(ids) - 1], dtype=torch.float32)
+    logits = torch.tensor(llm.scores[: len(ids) - 1], dtype=torch.float32)
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     rates["perplexity"] = float(torch.exp(nll))
     del llm
@@ -141,22 +153,32 @@ def llama_cpp_rates() -> dict | None:
 def run() -> dict:
     bandwidth = memory_bandwidth()
     rows = []
-    notes = [f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s",
-             f"threads: {torch.get_num_threads()}"]
+    notes = [
+        f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s",
+        f"threads: {torch.get_num_threads()}",
+    ]
     cpp = llama_cpp_rates()
     if cpp is None:
-        notes.append("llama.cpp column skipped: llama-cpp-python is not installed "
-                     "(pip install -e '.[bench]')")
+        notes.append(
+            "llama.cpp column skipped: llama-cpp-python is not installed (pip install -e '.[bench]')"
+        )
     else:
-        notes.append(f"llama.cpp (same GGUF, same threads): prefill 512 {cpp['prefill']:.0f} tok/s, "
-                     f"decode x1 "
-                     f"{cpp['decode']:.1f} tok/s, perplexity {cpp['perplexity']:.3f}")
+        notes.append(
+            f"llama.cpp (same GGUF, same threads): prefill 512 {cpp['prefill']:.0f} tok/s, "
+            f"decode x1 "
+            f"{cpp['decode']:.1f} tok/s, perplexity {cpp['perplexity']:.3f}"
+        )
     fp32_ppl = None
     for dtype, quantization in CONFIGS:
         flops = matmul_flops(getattr(torch, dtype))
-        engine = Engine.from_pretrained(dtype=dtype, device="cpu", kv_cache_bytes=1 << 30,
-                                        quantization=quantization,
-                                        max_num_seqs=64, max_num_batched_tokens=512)
+        engine = Engine.from_pretrained(
+            dtype=dtype,
+            device="cpu",
+            kv_cache_bytes=1 << 30,
+            quantization=quantization,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+        )
         label = dtype if quantization == "none" else f"{dtype}+{quantization}"
         weight_bytes = engine.model.weight_bytes
         params_per_token = engine.model.layer_parameters
@@ -164,28 +186,53 @@ def run() -> dict:
         decode_ceiling = bandwidth / weight_bytes
         ppl = perplexity(engine)
         fp32_ppl = fp32_ppl or ppl
-        notes.append(f"{label}: matmul {flops / 1e9:.0f} GFLOP/s, weights {weight_bytes / 1e6:.0f} MB, "
-                     f"perplexity {ppl:.3f} ({ppl / fp32_ppl:.4f}x float32)")
+        notes.append(
+            f"{label}: matmul {flops / 1e9:.0f} GFLOP/s, weights {weight_bytes / 1e6:.0f} MB, "
+            f"perplexity {ppl:.3f} ({ppl / fp32_ppl:.4f}x float32)"
+        )
         pf = prefill_rate(engine)
         hf = transformers_rates(dtype) if quantization == "none" else {}
-        rows.append({"dtype": label, "what": "prefill 512 tok", "tokens/s": pf, "ceiling": prefill_ceiling,
-                     "of ceiling": pf / prefill_ceiling, "transformers": hf.get("prefill"),
-                     "vs transformers": pf / hf["prefill"] if hf else None,
-                     "vs llama.cpp": pf / cpp["prefill"] if cpp else None})
+        rows.append(
+            {
+                "dtype": label,
+                "what": "prefill 512 tok",
+                "tokens/s": pf,
+                "ceiling": prefill_ceiling,
+                "of ceiling": pf / prefill_ceiling,
+                "transformers": hf.get("prefill"),
+                "vs transformers": pf / hf["prefill"] if hf else None,
+                "vs llama.cpp": pf / cpp["prefill"] if cpp else None,
+            }
+        )
         for batch in BATCHES:
             rate, fill = decode_rate(engine, batch)
             # a step reads every weight once (bandwidth-bound) and does 2 FLOP per parameter per token
-            ceiling = min(batch * decode_ceiling,
-                          flops / (2 * (params_per_token + engine.model.lm_head_parameters)))
-            rows.append({"dtype": label, "what": f"decode x{batch}", "tokens/s": rate,
-                         "ceiling": ceiling, "of ceiling": rate / ceiling,
-                         "transformers": hf.get(batch),
-                         "vs transformers": rate / hf[batch] if batch in hf else None,
-                         "vs llama.cpp": rate / cpp["decode"] if cpp and batch == 1 else None,
-                         "KV live fill": fill})
+            ceiling = min(
+                batch * decode_ceiling, flops / (2 * (params_per_token + engine.model.lm_head_parameters))
+            )
+            rows.append(
+                {
+                    "dtype": label,
+                    "what": f"decode x{batch}",
+                    "tokens/s": rate,
+                    "ceiling": ceiling,
+                    "of ceiling": rate / ceiling,
+                    "transformers": hf.get(batch),
+                    "vs transformers": rate / hf[batch] if batch in hf else None,
+                    "vs llama.cpp": rate / cpp["decode"] if cpp and batch == 1 else None,
+                    "KV live fill": fill,
+                }
+            )
             if batch == 32:
                 sampled, _ = decode_rate(engine, batch, temperature=0.8, top_p=0.9)
-                rows.append({"dtype": label, "what": "decode x32, T 0.8 top-p 0.9", "tokens/s": sampled,
-                             "of ceiling": sampled / ceiling, "vs greedy": sampled / rate})
+                rows.append(
+                    {
+                        "dtype": label,
+                        "what": "decode x32, T 0.8 top-p 0.9",
+                        "tokens/s": sampled,
+                        "of ceiling": sampled / ceiling,
+                        "vs greedy": sampled / rate,
+                    }
+                )
         del engine
     return {"title": "Offline engine: prefill and decode throughput (CPU)", "rows": rows, "notes": notes}

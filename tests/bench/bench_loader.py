@@ -7,6 +7,7 @@ Training is simulated by a fixed compute time per step. Accelerator utilization 
 compute time / wall time per epoch (as DLIO and MLPerf Storage report it); stall is the
 time the training loop waited in next().
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -26,7 +27,7 @@ from loader.plan import plan_epoch
 SAMPLES = 8192
 SAMPLE_BYTES = 32 << 10
 BATCH = 32
-STEP_SECONDS = 0.040           # simulated compute per step: needs 800 samples/s
+STEP_SECONDS = 0.040  # simulated compute per step: needs 800 samples/s
 WORKERS = 2
 EPOCHS = 3
 
@@ -38,7 +39,7 @@ class SimulatedStorage(tud.Dataset):
     def __init__(self, root: str, latency: float, bandwidth: float, count: int = SAMPLES):
         self.paths = [os.path.join(root, f"{i:05d}.bin") for i in range(count)]
         self.latency, self.bandwidth = latency, bandwidth
-        self.link_free_at = multiprocessing.Value("d", 0.0)   # when the link can start the next transfer
+        self.link_free_at = multiprocessing.Value("d", 0.0)  # when the link can start the next transfer
         self.reads = multiprocessing.Value("q", 0)
 
     def __len__(self) -> int:
@@ -104,31 +105,61 @@ def train(dl, epochs: int, step_seconds: float = STEP_SECONDS) -> list[dict]:
                 break
             stall += time.perf_counter() - waited
             if step_seconds:
-                time.sleep(step_seconds)               # the accelerator computes
+                time.sleep(step_seconds)  # the accelerator computes
             steps += 1
             samples += len(batch[1])
         wall = time.perf_counter() - start
-        rows.append({"epoch": epoch + 1, "utilization": steps * step_seconds / wall if step_seconds else None,
-                     "samples/s": samples / wall, "stall_s": stall,
-                     "cpu_us/sample": (process_tree_cpu() - cpu) / max(samples, 1) * 1e6})
+        rows.append(
+            {
+                "epoch": epoch + 1,
+                "utilization": steps * step_seconds / wall if step_seconds else None,
+                "samples/s": samples / wall,
+                "stall_s": stall,
+                "cpu_us/sample": (process_tree_cpu() - cpu) / max(samples, 1) * 1e6,
+            }
+        )
     return rows
 
 
-def compare(name: str, storage: SimulatedStorage, epochs: int = EPOCHS, torch_epochs: int = EPOCHS,
-            step: float = STEP_SECONDS, batch: int = BATCH, label: str = "loader", **cache) -> list[dict]:
+def compare(
+    name: str,
+    storage: SimulatedStorage,
+    epochs: int = EPOCHS,
+    torch_epochs: int = EPOCHS,
+    step: float = STEP_SECONDS,
+    batch: int = BATCH,
+    label: str = "loader",
+    **cache,
+) -> list[dict]:
     """Both loaders on the same storage with the same arguments; one row per epoch."""
     rows = []
-    for label, cls, extra, count in (("torch", tud.DataLoader, {}, torch_epochs),
-                                     (label, DataLoader, cache, epochs)):
+    for label, cls, extra, count in (
+        ("torch", tud.DataLoader, {}, torch_epochs),
+        (label, DataLoader, cache, epochs),
+    ):
         if count == 0:
             continue
-        dl = cls(storage, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0),
-                 num_workers=WORKERS, persistent_workers=True, **extra)
+        dl = cls(
+            storage,
+            batch_size=batch,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+            num_workers=WORKERS,
+            persistent_workers=True,
+            **extra,
+        )
         for epoch in range(count):
             before = storage.reads.value
             (row,) = train(dl, 1, step)
-            rows.append({"config": name, "loader": label, **row, "epoch": epoch + 1,
-                         "storage_reads": storage.reads.value - before})
+            rows.append(
+                {
+                    "config": name,
+                    "loader": label,
+                    **row,
+                    "epoch": epoch + 1,
+                    "storage_reads": storage.reads.value - before,
+                }
+            )
         if label != "torch":
             dl.close()
         del dl
@@ -139,9 +170,10 @@ def predicted_optimum(capacity: int, epochs: int) -> list[int]:
     """Storage reads per epoch the plan predicts for a Belady cache of `capacity` bytes."""
     generator = torch.Generator().manual_seed(0)
     dl = tud.DataLoader(range(SAMPLES), batch_size=BATCH, shuffle=True, generator=generator)
-    iter(dl)                                   # the base-seed draw torch makes before epoch 1
-    plan = plan_epoch(dl._index_sampler, loader_generator=generator, new_iterator_each_epoch=False,
-                      horizon_epochs=epochs)
+    iter(dl)  # the base-seed draw torch makes before epoch 1
+    plan = plan_epoch(
+        dl._index_sampler, loader_generator=generator, new_iterator_each_epoch=False, horizon_epochs=epochs
+    )
     return optimal_reads([plan.indices, *plan.following], lambda i: SAMPLE_BYTES, capacity)
 
 
@@ -164,11 +196,19 @@ def issue_cases(repeats: int = 3) -> tuple[list[dict], list[str]]:
         slow = SimulatedStorage(root, latency=0.003, bandwidth=0.0, count=1024)
         for repeat in range(repeats):
             rows += compare("fast, no compute, no cache", fast, epochs=2, torch_epochs=2, step=0.0, batch=64)
-            rows += compare("fast, no compute, cache_ram", fast, epochs=2, torch_epochs=0, step=0.0, batch=64,
-                            label="loader+cache", cache_ram=20_000 * 4096 + (16 << 20))
+            rows += compare(
+                "fast, no compute, cache_ram",
+                fast,
+                epochs=2,
+                torch_epochs=0,
+                step=0.0,
+                batch=64,
+                label="loader+cache",
+                cache_ram=20_000 * 4096 + (16 << 20),
+            )
             rows += compare("slow 3 ms, 25 ms step", slow, epochs=3, torch_epochs=2, step=0.025, batch=32)
         for row in rows:
-            row["config"] = row["config"].replace(", cache_ram", ", no cache")   # one torch baseline
+            row["config"] = row["config"].replace(", cache_ram", ", no cache")  # one torch baseline
         notes += summarize(rows)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -178,6 +218,7 @@ def issue_cases(repeats: int = 3) -> tuple[list[dict], list[str]]:
 def median_rows(rows: list[dict], repeats: int) -> list[dict]:
     """One row per (config, loader, epoch): the median of each figure over the repeats."""
     import statistics
+
     out = []
     for key in dict.fromkeys((r["config"], r["loader"], r["epoch"]) for r in rows):
         mine = [r for r in rows if (r["config"], r["loader"], r["epoch"]) == key]
@@ -192,23 +233,33 @@ def median_rows(rows: list[dict], repeats: int) -> list[dict]:
 def summarize(rows: list[dict]) -> list[str]:
     """Medians over the repeats of each (config, loader, epoch), as ratios to torch's."""
     import statistics
+
     notes = []
     keys = dict.fromkeys((r["config"], r["loader"], r["epoch"]) for r in rows)
+
     def median(config, loader, epoch, field):
-        values = [r[field] for r in rows if (r["config"], r["loader"], r["epoch"]) == (config, loader, epoch)
-                  and r[field] is not None]
+        values = [
+            r[field]
+            for r in rows
+            if (r["config"], r["loader"], r["epoch"]) == (config, loader, epoch) and r[field] is not None
+        ]
         return statistics.median(values) if values else None
+
     for config, loader, epoch in keys:
         if loader == "torch":
             continue
         base_epoch = min(epoch, 2)
         rate = median(config, loader, epoch, "samples/s") / median(config, "torch", base_epoch, "samples/s")
-        cpu = median(config, loader, epoch, "cpu_us/sample") / median(config, "torch", base_epoch, "cpu_us/sample")
+        cpu = median(config, loader, epoch, "cpu_us/sample") / median(
+            config, "torch", base_epoch, "cpu_us/sample"
+        )
         util = median(config, loader, epoch, "utilization")
         util_t = median(config, "torch", base_epoch, "utilization")
         extra = f", utilization {util:.2f} (torch {util_t:.2f})" if util is not None else ""
-        notes.append(f"{config}, {loader} epoch {epoch}: samples/s {rate:.2f}x torch's, CPU per sample "
-                     f"{cpu:.2f}x torch's{extra} (medians)")
+        notes.append(
+            f"{config}, {loader} epoch {epoch}: samples/s {rate:.2f}x torch's, CPU per sample "
+            f"{cpu:.2f}x torch's{extra} (medians)"
+        )
     return notes
 
 
@@ -234,21 +285,35 @@ def run() -> dict:
         rows += cached
         fast = SimulatedStorage(root, latency=0.0, bandwidth=0.0)
         rows += compare("fast storage (page cache)", fast, epochs=2, torch_epochs=2)
-        rows += compare("fast storage, no compute", fast, epochs=2, torch_epochs=2, step=0.0,
-                        cache_ram=data_bytes)
+        rows += compare(
+            "fast storage, no compute", fast, epochs=2, torch_epochs=2, step=0.0, cache_ram=data_bytes
+        )
         notes.append("torch's epochs are alike (no cache), so some configurations run fewer of them.")
-        notes.append(f"{SAMPLES} samples x {SAMPLE_BYTES >> 10} KiB, batch {BATCH}, {WORKERS} workers "
-                     f"(persistent) for both loaders, {STEP_SECONDS * 1e3:.0f} ms compute per step "
-                     f"(needs {BATCH / STEP_SECONDS:,.0f} samples/s); loader: 16 prefetch threads, 64 MiB staging.")
-        notes.append("storage_reads counts reads at the simulated storage; optimal_reads is the plan's "
-                     "prediction (Belady over the seeded order) for a cache of 30% of the data.")
+        notes.append(
+            f"{SAMPLES} samples x {SAMPLE_BYTES >> 10} KiB, batch {BATCH}, {WORKERS} workers "
+            f"(persistent) for both loaders, {STEP_SECONDS * 1e3:.0f} ms compute per step "
+            f"(needs {BATCH / STEP_SECONDS:,.0f} samples/s); loader: 16 prefetch threads, 64 MiB staging."
+        )
+        notes.append(
+            "storage_reads counts reads at the simulated storage; optimal_reads is the plan's "
+            "prediction (Belady over the seeded order) for a cache of 30% of the data."
+        )
         for config in dict.fromkeys(r["config"] for r in rows):
             last = {r["loader"]: r for r in rows if r["config"] == config}
-            utilization = (f"last epoch utilization torch {last['torch']['utilization']:.2f}, loader "
-                           f"{last['loader']['utilization']:.2f}; " if last["torch"]["utilization"] else "")
-            notes.append(f"{config}: {utilization}samples/s ratio loader/torch "
-                         f"{last['loader']['samples/s'] / last['torch']['samples/s']:.3f}")
+            utilization = (
+                f"last epoch utilization torch {last['torch']['utilization']:.2f}, loader "
+                f"{last['loader']['utilization']:.2f}; "
+                if last["torch"]["utilization"]
+                else ""
+            )
+            notes.append(
+                f"{config}: {utilization}samples/s ratio loader/torch "
+                f"{last['loader']['samples/s'] / last['torch']['samples/s']:.3f}"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"title": "Clairvoyant DataLoader vs torch DataLoader (DLIO-style, simulated storage)",
-            "rows": rows, "notes": notes}
+    return {
+        "title": "Clairvoyant DataLoader vs torch DataLoader (DLIO-style, simulated storage)",
+        "rows": rows,
+        "notes": notes,
+    }

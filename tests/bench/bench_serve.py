@@ -9,6 +9,7 @@ Baselines measured in the same run, because this machine is shared and noisy:
   engine on the same prompts and sampling, run right after each HTTP run, and the
   compute roofline (the faster dtype's matmul FLOP/s over 2 x parameters).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,9 @@ def _offline_engine(concurrency: int) -> tuple[dict, str]:
 
     engine = Engine.from_pretrained(dtype="auto", kv_cache_bytes=1 << 30, max_num_seqs=concurrency)
     # warm-up at full batch: the first batched prefill and decode steps pay one-off costs (allocations, kernels)
-    engine.generate(random_prompts(concurrency, INPUT_LEN, seed=99), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.generate(
+        random_prompts(concurrency, INPUT_LEN, seed=99), SamplingParams(max_tokens=4, ignore_eos=True)
+    )
     prompts = random_prompts(_requests(concurrency), INPUT_LEN, seed=concurrency)
     start = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True))
@@ -44,9 +47,16 @@ def _offline_engine(concurrency: int) -> tuple[dict, str]:
     dtype = str(engine.model.dtype).removeprefix("torch.")
     del engine, outs
     gc.collect()
-    return {"workload": f"offline engine, {concurrency} at once", "requests": len(prompts), "completed": len(prompts),
-            "failed": 0, "duration_s": wall, "req/s": len(prompts) / wall, "output tok/s": tokens / wall,
-            "total tok/s": (tokens + INPUT_LEN * len(prompts)) / wall}, dtype
+    return {
+        "workload": f"offline engine, {concurrency} at once",
+        "requests": len(prompts),
+        "completed": len(prompts),
+        "failed": 0,
+        "duration_s": wall,
+        "req/s": len(prompts) / wall,
+        "output tok/s": tokens / wall,
+        "total tok/s": (tokens + INPUT_LEN * len(prompts)) / wall,
+    }, dtype
 
 
 SAMPLED_TEMPERATURE, SAMPLED_LEN, SHORT_PROMPT = 0.8, 128, 16
@@ -76,23 +86,41 @@ def _server_vs_offline(url: str, engine_in: str) -> tuple[list[dict], dict]:
         offline = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
         ratios[streams] = http["output tok/s"] / offline
         workload = f"server ({engine_in}) vs offline, {streams} stream(s), T={SAMPLED_TEMPERATURE}"
-        rows.append({"workload": workload,
-                     "requests": count, **http, "offline tok/s": offline, "x offline": ratios[streams]})
-    short = [RequestSpec(p, SHORT_PROMPT, temperature=SAMPLED_TEMPERATURE)
-             for p in random_prompts(32, SHORT_PROMPT, seed=17)]
+        rows.append(
+            {
+                "workload": workload,
+                "requests": count,
+                **http,
+                "offline tok/s": offline,
+                "x offline": ratios[streams],
+            }
+        )
+    short = [
+        RequestSpec(p, SHORT_PROMPT, temperature=SAMPLED_TEMPERATURE)
+        for p in random_prompts(32, SHORT_PROMPT, seed=17)
+    ]
     results, wall = asyncio.run(run_load(url, MODEL, short, concurrency=32))
     ttft = summarize(results, wall)
-    rows.append({"workload": f"server ({engine_in}), 32 short prompts ({SHORT_PROMPT} tokens) at once",
-                 "requests": 32, **ttft})
+    rows.append(
+        {
+            "workload": f"server ({engine_in}), 32 short prompts ({SHORT_PROMPT} tokens) at once",
+            "requests": 32,
+            **ttft,
+        }
+    )
     dtype, config = engine.model.dtype, engine.model.config
     del engine
     gc.collect()
     flops = max(matmul_flops(torch.float32), matmul_flops(torch.bfloat16))
     ceiling = flops / (2 * _matmul_parameters(config))
-    return rows, {"x offline 1": ratios[1], "x offline 32": ratios[32],
-                  "TTFT p50 32 short ms": ttft["TTFT p50 ms"],
-                  "roofline tok/s": ceiling, "x roofline 32": rows[1]["output tok/s"] / ceiling,
-                  "dtype": str(dtype).removeprefix("torch.")}
+    return rows, {
+        "x offline 1": ratios[1],
+        "x offline 32": ratios[32],
+        "TTFT p50 32 short ms": ttft["TTFT p50 ms"],
+        "roofline tok/s": ceiling,
+        "x roofline 32": rows[1]["output tok/s"] / ceiling,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def _matmul_parameters(config) -> int:
@@ -112,8 +140,8 @@ def _cpu_seconds(pid: int) -> tuple[float, float]:
                 with open(f"/proc/{process}/task/{tid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
-                continue   # a thread that just ended
-            seconds = (int(fields[11]) + int(fields[12])) / tick   # utime + stime
+                continue  # a thread that just ended
+            seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
             total += seconds
             if int(tid) == pid:
                 loop = seconds
@@ -152,30 +180,43 @@ def _cpu_flags() -> str:
             flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         return "unknown"
-    return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "none of avx2/avx512"
+    return (
+        ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+        or "none of avx2/avx512"
+    )
 
 
 def run() -> dict:
     rows, notes = [], []
     with running_server("--max-num-seqs", "64", dtype="auto", kv_cache="1GiB") as server:
-        asyncio.run(run_load(server.url, MODEL, [RequestSpec(p, 8) for p in random_prompts(2, 32, 99)],
-                             concurrency=2))   # warm-up
+        asyncio.run(
+            run_load(server.url, MODEL, [RequestSpec(p, 8) for p in random_prompts(2, 32, 99)], concurrency=2)
+        )  # warm-up
         for concurrency in CONCURRENCIES:
             cpu_before = _cpu_seconds(server.proc.pid)
-            rows.append({"workload": f"concurrency {concurrency}", "requests": _requests(concurrency),
-                         **_closed_loop(server.url, concurrency, seed=concurrency)})
+            rows.append(
+                {
+                    "workload": f"concurrency {concurrency}",
+                    "requests": _requests(concurrency),
+                    **_closed_loop(server.url, concurrency, seed=concurrency),
+                }
+            )
             if concurrency == 32:
                 cpu_after = _cpu_seconds(server.proc.pid)
                 loop_cpu, all_cpu = (a - b for a, b in zip(cpu_after, cpu_before))
-                offline, dtype = _offline_engine(32)   # right away (the server idles), as the load on this machine drifts
+                offline, dtype = _offline_engine(
+                    32
+                )  # right away (the server idles), as the load on this machine drifts
         base = rows[0]["output tok/s"]
         for row in rows:
             row["x vs concurrency 1"] = row["output tok/s"] / base
         c32 = rows[CONCURRENCIES.index(32)]
         specs = [RequestSpec(p, OUTPUT_LEN) for p in random_prompts(48, INPUT_LEN, 7)]
-        rate = 0.8 * c32["req/s"]   # 80% of what concurrency 32 sustained
+        rate = 0.8 * c32["req/s"]  # 80% of what concurrency 32 sustained
         results, wall = asyncio.run(run_load(server.url, MODEL, specs, rate=rate, seed=7))
-        rows.append({"workload": f"Poisson {rate:.2f} req/s", "requests": len(specs), **summarize(results, wall)})
+        rows.append(
+            {"workload": f"Poisson {rate:.2f} req/s", "requests": len(specs), **summarize(results, wall)}
+        )
         cached = _shared_prefix(server.url, seed=11)
         versus_rows, versus = _server_vs_offline(server.url, "engine thread")
     with running_server("--no-prefix-caching", dtype="auto", kv_cache="1GiB") as server:
@@ -187,26 +228,42 @@ def run() -> dict:
     rows.append(offline)
     rows += versus_rows + process_rows
     ratio = uncached["TTFT p50 ms"] / cached["TTFT p50 ms"]
-    notes.append(f"prompts {INPUT_LEN} random tokens, outputs {OUTPUT_LEN} tokens (ignore_eos), greedy, streamed; "
-                 f"model {MODEL}; dtype auto = {dtype} on this CPU (flags: {_cpu_flags()})")
-    notes.append(f"concurrency 32: {c32['output tok/s']:.0f} output tok/s = {c32['x vs concurrency 1']:.1f}x "
-                 f"one-at-a-time serving, {c32['output tok/s'] / offline['output tok/s']:.0%} of the offline "
-                 f"engine's {offline['output tok/s']:.0f} tok/s on the same prompts; TTFT p50 {c32['TTFT p50 ms']:.0f} ms")
-    notes.append(f"server CPU at concurrency 32: the event-loop thread (HTTP, JSON, SSE) used {loop_cpu:.1f} s of "
-                 f"the server's {all_cpu:.1f} CPU s ({loop_cpu / all_cpu:.1%}); the rest is the engine (its own "
-                 f"process with --engine-process) and its torch threads. This measure of the server's own overhead does not depend on other load.")
-    notes.append(f"shared-prefix TTFT p50: {uncached['TTFT p50 ms']:.0f} ms without the prefix cache vs "
-                 f"{cached['TTFT p50 ms']:.0f} ms with it: {ratio:.1f}x lower")
-    notes.append(f"server vs offline engine, same prompts, temperature {SAMPLED_TEMPERATURE}, "
-                 f"{SAMPLED_LEN} tokens: 1 stream {versus['x offline 1']:.2f}x, 32 streams "
-                 f"{versus['x offline 32']:.2f}x (target >= 0.9x); 32 streams at {versus['x roofline 32']:.2f} "
-                 f"of the compute roofline ({versus['roofline tok/s']:.0f} tok/s: the faster dtype's matmul "
-                 f"FLOP/s over 2 x parameters; target >= 0.5); TTFT p50 of 32 short prompts at once "
-                 f"{versus['TTFT p50 32 short ms']:.0f} ms (target < 500); the same with --engine-process: "
-                 f"{process['x offline 1']:.2f}x, {process['x offline 32']:.2f}x, "
-                 f"{process['x roofline 32']:.2f} of the roofline, "
-                 f"TTFT p50 {process['TTFT p50 32 short ms']:.0f} ms")
-    return {"title": "Serving: OpenAI API over loopback (vLLM bench-serve metrics)", "rows": rows, "notes": notes,
-            "prefix_ttft_ratio": ratio,
-            "event_loop_cpu_share_c32": loop_cpu / all_cpu, "server_vs_offline_c32": c32["output tok/s"] / offline["output tok/s"],
-            "server_vs_offline": versus, "server_vs_offline_engine_process": process}
+    notes.append(
+        f"prompts {INPUT_LEN} random tokens, outputs {OUTPUT_LEN} tokens (ignore_eos), greedy, streamed; "
+        f"model {MODEL}; dtype auto = {dtype} on this CPU (flags: {_cpu_flags()})"
+    )
+    notes.append(
+        f"concurrency 32: {c32['output tok/s']:.0f} output tok/s = {c32['x vs concurrency 1']:.1f}x "
+        f"one-at-a-time serving, {c32['output tok/s'] / offline['output tok/s']:.0%} of the offline "
+        f"engine's {offline['output tok/s']:.0f} tok/s on the same prompts; TTFT p50 {c32['TTFT p50 ms']:.0f} ms"
+    )
+    notes.append(
+        f"server CPU at concurrency 32: the event-loop thread (HTTP, JSON, SSE) used {loop_cpu:.1f} s of "
+        f"the server's {all_cpu:.1f} CPU s ({loop_cpu / all_cpu:.1%}); the rest is the engine (its own "
+        f"process with --engine-process) and its torch threads. This measure of the server's own overhead does not depend on other load."
+    )
+    notes.append(
+        f"shared-prefix TTFT p50: {uncached['TTFT p50 ms']:.0f} ms without the prefix cache vs "
+        f"{cached['TTFT p50 ms']:.0f} ms with it: {ratio:.1f}x lower"
+    )
+    notes.append(
+        f"server vs offline engine, same prompts, temperature {SAMPLED_TEMPERATURE}, "
+        f"{SAMPLED_LEN} tokens: 1 stream {versus['x offline 1']:.2f}x, 32 streams "
+        f"{versus['x offline 32']:.2f}x (target >= 0.9x); 32 streams at {versus['x roofline 32']:.2f} "
+        f"of the compute roofline ({versus['roofline tok/s']:.0f} tok/s: the faster dtype's matmul "
+        f"FLOP/s over 2 x parameters; target >= 0.5); TTFT p50 of 32 short prompts at once "
+        f"{versus['TTFT p50 32 short ms']:.0f} ms (target < 500); the same with --engine-process: "
+        f"{process['x offline 1']:.2f}x, {process['x offline 32']:.2f}x, "
+        f"{process['x roofline 32']:.2f} of the roofline, "
+        f"TTFT p50 {process['TTFT p50 32 short ms']:.0f} ms"
+    )
+    return {
+        "title": "Serving: OpenAI API over loopback (vLLM bench-serve metrics)",
+        "rows": rows,
+        "notes": notes,
+        "prefix_ttft_ratio": ratio,
+        "event_loop_cpu_share_c32": loop_cpu / all_cpu,
+        "server_vs_offline_c32": c32["output tok/s"] / offline["output tok/s"],
+        "server_vs_offline": versus,
+        "server_vs_offline_engine_process": process,
+    }

@@ -6,6 +6,7 @@ closed-loop fixed concurrency (`concurrency` clients, each sending its next
 request when the last one ends). Prompts are token-id lists of an exact
 length, and `ignore_eos` fixes the output length.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,21 +51,34 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-def random_prompts(n: int, input_len: int, seed: int, vocab: int = 49152, first_id: int = 100,
-                   prefix: list[int] | None = None) -> list[list[int]]:
+def random_prompts(
+    n: int,
+    input_len: int,
+    seed: int,
+    vocab: int = 49152,
+    first_id: int = 100,
+    prefix: list[int] | None = None,
+) -> list[list[int]]:
     """n prompts of exactly input_len random token ids, optionally after a shared prefix."""
     rng = random.Random(seed)
     prefix = prefix or []
     return [prefix + [rng.randrange(first_id, vocab) for _ in range(input_len)] for _ in range(n)]
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec,
-                            result: Result, t0: float) -> None:
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec, result: Result, t0: float
+) -> None:
     """One streamed completion, filling `result` as it goes (a cancelled request keeps what it received).
     Times are seconds since t0; result.start must already be set."""
-    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
-            "temperature": spec.temperature,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.max_tokens,
+        "temperature": spec.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     try:
         async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
@@ -97,8 +111,15 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, spec: Reque
     return result
 
 
-async def run_load(url: str, model: str, specs: list[RequestSpec], *, concurrency: int | None = None,
-                   rate: float | None = None, seed: int = 0) -> tuple[list[Result], float]:
+async def run_load(
+    url: str,
+    model: str,
+    specs: list[RequestSpec],
+    *,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+) -> tuple[list[Result], float]:
     """Send every spec; returns (results in spec order, wall seconds)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=0)
@@ -149,12 +170,19 @@ def summarize(results: list[Result], wall: float) -> dict:
     itl = [x * 1e3 for r in ok for x in r.itls]
     e2e = [r.e2e * 1e3 for r in ok]
     return {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": wall,
-        "req/s": len(ok) / wall, "output tok/s": out_tokens / wall,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": wall,
+        "req/s": len(ok) / wall,
+        "output tok/s": out_tokens / wall,
         "total tok/s": (out_tokens + sum(r.prompt_tokens for r in ok)) / wall,
-        "TTFT p50 ms": percentile(ttft, 50), "TTFT p99 ms": percentile(ttft, 99),
-        "TPOT p50 ms": percentile(tpot, 50), "TPOT p99 ms": percentile(tpot, 99),
-        "ITL p50 ms": percentile(itl, 50), "ITL p99 ms": percentile(itl, 99),
-        "E2E p50 ms": percentile(e2e, 50), "E2E p99 ms": percentile(e2e, 99),
+        "TTFT p50 ms": percentile(ttft, 50),
+        "TTFT p99 ms": percentile(ttft, 99),
+        "TPOT p50 ms": percentile(tpot, 50),
+        "TPOT p99 ms": percentile(tpot, 99),
+        "ITL p50 ms": percentile(itl, 50),
+        "ITL p99 ms": percentile(itl, 99),
+        "E2E p50 ms": percentile(e2e, 50),
+        "E2E p99 ms": percentile(e2e, 99),
         "mean TTFT ms": statistics.fmean(ttft) if ttft else None,
     }

@@ -1,4 +1,5 @@
 """Perplexity of the model on a fixed text: how the quantized and reduced-precision paths compare in quality."""
+
 from __future__ import annotations
 
 import math

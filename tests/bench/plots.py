@@ -6,6 +6,7 @@ serve: output tokens/s and TTFT p50/p99 against concurrency; fairness: each tena
 over time in the overload phase, one panel per policy; loader: accelerator utilization per epoch,
 the clairvoyant loader against torch's. Each figure names the machine the numbers came from.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,9 @@ def serve(result: dict) -> Figure | None:
     throughput.plot(concurrency, [r["output tok/s"] for r in rows], marker="o", label="server (HTTP)")
     offline = [r for r in result["rows"] if str(r.get("workload", "")).startswith("offline engine")]
     if offline:
-        throughput.axhline(offline[0]["output tok/s"], linestyle="--", color="gray",
-                           label=offline[0]["workload"])
+        throughput.axhline(
+            offline[0]["output tok/s"], linestyle="--", color="gray", label=offline[0]["workload"]
+        )
     throughput.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title="Throughput")
     ttft.plot(concurrency, [r["TTFT p50 ms"] / 1000 for r in rows], marker="o", label="p50")
     ttft.plot(concurrency, [r["TTFT p99 ms"] / 1000 for r in rows], marker="s", label="p99")
@@ -75,14 +77,23 @@ def _service_rates(samples: list[dict], tenant: str) -> tuple[list[float], list[
 
 
 def fairness(result: dict) -> Figure | None:
-    runs = {key[len("overload_"):-len("_metrics")]: value for key, value in result.items()
-            if key.startswith("overload_") and key.endswith("_metrics") and value}
+    runs = {
+        key[len("overload_") : -len("_metrics")]: value
+        for key, value in result.items()
+        if key.startswith("overload_") and key.endswith("_metrics") and value
+    }
     if not runs:
         return None
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), sharey=True, squeeze=False)
     for ax, (policy, samples) in zip(axes[0], sorted(runs.items(), reverse=True)):
-        tenants = sorted({k[k.index("[") + 1:-1] for s in samples for k in s
-                          if k.startswith("tenant_service_tokens_total[")})
+        tenants = sorted(
+            {
+                k[k.index("[") + 1 : -1]
+                for s in samples
+                for k in s
+                if k.startswith("tenant_service_tokens_total[")
+            }
+        )
         for tenant in tenants:
             ax.plot(*_service_rates(samples, tenant), label=f"tenant {tenant}")
         ax.set(title=f"{policy}: service per tenant", xlabel="seconds", ylabel="tokens/s served")
@@ -101,14 +112,18 @@ def loader(result: dict) -> Figure | None:
     columns = min(2, len(configs))
     lines = -(-len(configs) // columns)
     fig, axes = plt.subplots(lines, columns, figsize=(5 * columns, 3.6 * lines), sharey=True, squeeze=False)
-    for ax in axes.flat[len(configs):]:
+    for ax in axes.flat[len(configs) :]:
         ax.set_visible(False)
     for ax, config in zip(axes.flat, configs):
         for label in ("torch", "loader"):
             mine = [r for r in rows if r["config"] == config and r["loader"] == label]
             if mine:
-                ax.plot([r["epoch"] for r in mine], [r["utilization"] for r in mine], marker="o",
-                        label="torch DataLoader" if label == "torch" else "loader.DataLoader")
+                ax.plot(
+                    [r["epoch"] for r in mine],
+                    [r["utilization"] for r in mine],
+                    marker="o",
+                    label="torch DataLoader" if label == "torch" else "loader.DataLoader",
+                )
         ax.set(title=config, xlabel="epoch", ylabel="accelerator utilization", ylim=(0, 1.05))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

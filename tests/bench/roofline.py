@@ -1,4 +1,5 @@
 """What this machine can do at best, measured now (it is shared and noisy, so never quoted from memory)."""
+
 from __future__ import annotations
 
 import statistics

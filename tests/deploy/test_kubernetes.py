@@ -6,20 +6,21 @@ ServiceMonitor, PodMonitor and PrometheusRule are validated under Node.js agains
 API server that prunes them). No package on PyPI or npm ships the Inference Extension's CRDs, so the
 InferencePool is checked for what it must agree on: names, labels, ports, flags and metric names.
 """
+
 from __future__ import annotations
 
 import copy
 import glob
-import json
 import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
-import tomllib
 
 import kubernetes_validate
 import pytest
+import tomllib
 import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,8 +31,10 @@ from tests.server.conftest import ROOT
 
 KUBERNETES = "1.33.0"
 DEPLOY = os.path.join(ROOT, "deploy")
-MANIFESTS = sorted(glob.glob(os.path.join(DEPLOY, "k8s", "*.yaml"))
-                   + glob.glob(os.path.join(DEPLOY, "examples", "*", "*.yaml")))
+MANIFESTS = sorted(
+    glob.glob(os.path.join(DEPLOY, "k8s", "*.yaml"))
+    + glob.glob(os.path.join(DEPLOY, "examples", "*", "*.yaml"))
+)
 CUSTOM = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
 
 
@@ -61,17 +64,31 @@ def test_custom_resources_match_their_published_schemas():
     node, modules = shutil.which("node"), os.path.join(ROOT, ".venv", "node", "node_modules")
     assert node and os.path.isdir(modules), "run `make crd-schemas` (make test does): Node.js and the schemas"
     docs = [d for path in MANIFESTS for d in documents(path) if d["kind"] in CUSTOM]
-    result = subprocess.run([node, os.path.join(ROOT, "tests", "deploy", "crd_schemas.mjs"), modules],
-                            input=json.dumps(docs), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [node, os.path.join(ROOT, "tests", "deploy", "crd_schemas.mjs"), modules],
+        input=json.dumps(docs),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     checked = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
-    expected = {"HTTPRoute/prescient", "ServiceMonitor/prescient", "PrometheusRule/prescient",
-                "PodMonitor/prescient-train"}
+    expected = {
+        "HTTPRoute/prescient",
+        "ServiceMonitor/prescient",
+        "PrometheusRule/prescient",
+        "PodMonitor/prescient-train",
+    }
     assert checked == expected, result.stdout
     broken = copy.deepcopy(next(d for d in docs if d["kind"] == "PrometheusRule"))
     broken["spec"]["groups"][1]["rules"][0]["for"] = "ten minutes"
-    result = subprocess.run([node, os.path.join(ROOT, "tests", "deploy", "crd_schemas.mjs"), modules],
-                            input=json.dumps([broken]), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [node, os.path.join(ROOT, "tests", "deploy", "crd_schemas.mjs"), modules],
+        input=json.dumps([broken]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1 and "FAIL PrometheusRule/prescient" in result.stdout
 
 
@@ -163,8 +180,9 @@ def test_service_monitor_and_prometheus_rule_match_the_service_and_the_rules_fil
     with open(os.path.join(DEPLOY, "prometheus", "rules.yml")) as f:
         rules = yaml.safe_load(f)
     assert monitoring[("PrometheusRule", "prescient")]["spec"]["groups"] == rules["groups"]
-    target_down = next(r for g in rules["groups"] for r in g["rules"]
-                       if r.get("alert") == "PrescientTargetDown")
+    target_down = next(
+        r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "PrescientTargetDown"
+    )
     job_pattern = re.search(r'job=~"([^"]+)"', target_down["expr"]).group(1)
     assert re.fullmatch(job_pattern, service["metadata"]["name"]), "a job is named after its Service"
 
@@ -190,8 +208,11 @@ def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metri
     assert int(flags["grpc-port"]) == pool["spec"]["endpointPickerRef"]["port"]["number"]
     assert flags["model-server-metrics-path"] == "/metrics"
     exported = server_metric_names()
-    for flag in ("total-queued-requests-metric", "total-running-requests-metric",
-                 "kv-cache-usage-percentage-metric"):
+    for flag in (
+        "total-queued-requests-metric",
+        "total-running-requests-metric",
+        "kv-cache-usage-percentage-metric",
+    ):
         assert flags[flag] in exported, f"--{flag}={flags[flag]} is not a series the server exports"
     assert flags["lora-info-metric"] == "" and flags["cache-info-metric"] == "", "the server has neither"
     config = yaml.safe_load(docs[("ConfigMap", "prescient-epp")]["data"]["config.yaml"])
@@ -204,7 +225,10 @@ def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metri
     route = docs[("HTTPRoute", "prescient")]
     backend = route["spec"]["rules"][0]["backendRefs"][0]
     assert (backend["group"], backend["kind"], backend["name"]) == (
-        "inference.networking.k8s.io", "InferencePool", pool["metadata"]["name"])
+        "inference.networking.k8s.io",
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
 
 
 def test_training_job_runs_the_example_on_every_pod_with_a_reachable_rendezvous():
@@ -212,16 +236,18 @@ def test_training_job_runs_the_example_on_every_pod_with_a_reachable_rendezvous(
     spec = importlib.util.spec_from_file_location("train", script)
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    docs = {(d["kind"], d["metadata"]["name"]): d
-            for d in documents(os.path.join(DEPLOY, "examples", "train", "job.yaml"))}
+    docs = {
+        (d["kind"], d["metadata"]["name"]): d
+        for d in documents(os.path.join(DEPLOY, "examples", "train", "job.yaml"))
+    }
     job = docs[("Job", "prescient-train")]
     pod = job["spec"]["template"]
     container = pod["spec"]["containers"][0]
     assert container["command"] == ["torchrun"]
     flags = dict(a[2:].split("=", 1) for a in container["args"] if a.startswith("--") and "=" in a)
     script = next(a for a in container["args"] if a.endswith(".py"))
-    script_args = container["args"][container["args"].index(script) + 1:]
-    args = train.parse_args(script_args)   # the script accepts what the Job passes
+    script_args = container["args"][container["args"].index(script) + 1 :]
+    args = train.parse_args(script_args)  # the script accepts what the Job passes
     assert job["spec"]["completionMode"] == "Indexed"
     assert int(flags["nnodes"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
     assert flags["node-rank"] == "$(JOB_COMPLETION_INDEX)"
@@ -241,8 +267,16 @@ def test_training_job_runs_the_example_on_every_pod_with_a_reachable_rendezvous(
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
     job_name = pod["metadata"]["labels"][monitor["spec"]["jobLabel"]]
     with open(os.path.join(DEPLOY, "prometheus", "rules.yml")) as f:
-        target_down = next(r for g in yaml.safe_load(f)["groups"] for r in g["rules"]
-                           if r.get("alert") == "PrescientTargetDown")
+        target_down = next(
+            r
+            for g in yaml.safe_load(f)["groups"]
+            for r in g["rules"]
+            if r.get("alert") == "PrescientTargetDown"
+        )
     assert re.fullmatch(re.search(r'job=~"([^"]+)"', target_down["expr"]).group(1), job_name)
-    assert container["image"] == by_kind("prescient.yaml")[("Deployment", "prescient")]["spec"]["template"][
-        "spec"]["containers"][0]["image"]
+    assert (
+        container["image"]
+        == by_kind("prescient.yaml")[("Deployment", "prescient")]["spec"]["template"]["spec"]["containers"][
+            0
+        ]["image"]
+    )

@@ -3,6 +3,7 @@
 
 The rules' queries also run against a real server's metrics in tests/server/test_prometheus.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,12 +36,19 @@ def test_promtool_accepts_the_rules():
 def test_every_alert_has_a_unit_test_that_fires_it():
     with open(os.path.join(RULES_DIR, "rules.test.yml")) as f:
         cases = yaml.safe_load(f)["tests"]
-    fired = {check["alertname"] for case in cases for check in case.get("alert_rule_test", [])
-             if check.get("exp_alerts")}
+    fired = {
+        check["alertname"]
+        for case in cases
+        for check in case.get("alert_rule_test", [])
+        if check.get("exp_alerts")
+    }
     alerts = {rule["alert"] for rule in rules() if "alert" in rule}
     assert alerts == fired, f"alerts without a firing unit test: {sorted(alerts - fired)}"
-    assert all(rule["annotations"].get("summary") and rule["annotations"].get("description")
-               for rule in rules() if "alert" in rule)
+    assert all(
+        rule["annotations"].get("summary") and rule["annotations"].get("description")
+        for rule in rules()
+        if "alert" in rule
+    )
 
 
 def test_promtool_unit_tests_pass():

@@ -4,6 +4,7 @@ A pod that is deleted gets terminationGracePeriodSeconds in all: the preStop hoo
 server drains for up to --drain-timeout and cleans up (aborting what is left, stopping the engine thread).
 The cleanup part is measured on a real server whose drain window runs out with a long stream in flight.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,13 @@ def measured_cleanup_seconds(drain: float, limit: float) -> float:
         first_chunk = threading.Event()
 
         def stream():
-            request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(
-                {"prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}).encode(),
-                headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                server.url + "/v1/completions",
+                data=json.dumps(
+                    {"prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+                ).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(request, timeout=120) as response:
                     for _ in response:
@@ -70,5 +75,6 @@ def test_prestop_drain_and_cleanup_fit_the_grace_period():
     cleanup = measured_cleanup_seconds(drain=1.0, limit=grace - prestop - drain)
     assert prestop + drain + cleanup <= grace, (
         f"preStop {prestop} s + drain {drain} s + cleanup {cleanup:.1f} s"
-        f" > terminationGracePeriodSeconds {grace}")
+        f" > terminationGracePeriodSeconds {grace}"
+    )
     assert drain + cleanup <= int(re.fullmatch(r"(\d+)s", compose_grace).group(1))

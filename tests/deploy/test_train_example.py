@@ -4,6 +4,7 @@ The loss must fall, and each rank's storage reads (logged by the dataset itself)
 the plan allows with a cache that holds the shard: every sample of the rank's DistributedSampler
 shards over the epochs (torch's own sampler is the oracle), each read once.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,17 +26,43 @@ SCRIPT = os.path.join(ROOT, "deploy", "examples", "train", "train.py")
 def test_torchrun_two_ranks_learn_and_read_storage_as_planned(tmp_path):
     epochs, samples = 3, 256
     out, data = tmp_path / "out", tmp_path / "data"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               SCRIPT, "--data", str(data), "--samples", str(samples), "--epochs", str(epochs),
-               "--batch-size", "16", "--workers", "1", "--out", str(out),
-               "--read-log", str(tmp_path / "reads")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        SCRIPT,
+        "--data",
+        str(data),
+        "--samples",
+        str(samples),
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        "16",
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+        "--read-log",
+        str(tmp_path / "reads"),
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=tmp_path, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)   # torchrun and both ranks
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
         proc.communicate()
         raise
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
@@ -67,13 +94,42 @@ def test_two_nodes_with_their_own_disks_as_the_kubernetes_job_runs_them(tmp_path
     port = free_port()
     procs = []
     for node in range(2):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   SCRIPT, "--data", str(tmp_path / f"node{node}" / "data"), "--samples", "64", "--epochs", "1",
-                   "--workers", "0", "--out", str(tmp_path / "out")]
-        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
-                                      start_new_session=True))
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            SCRIPT,
+            "--data",
+            str(tmp_path / f"node{node}" / "data"),
+            "--samples",
+            "64",
+            "--epochs",
+            "1",
+            "--workers",
+            "0",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+        procs.append(
+            subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                start_new_session=True,
+            )
+        )
     try:
         outputs = [proc.communicate(timeout=180)[0] for proc in procs]
     finally:

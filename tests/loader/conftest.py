@@ -1,5 +1,6 @@
 """Real files in a temporary directory, a storage that counts its reads, and helpers that
 run torch's DataLoader and ours on the same seeds."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -58,6 +59,7 @@ def files(tmp_path_factory) -> str:
 def counting(tmp_path):
     def make(count: int = 60, **kwargs) -> CountingFiles:
         return CountingFiles(write_files(tmp_path / "data", count), decode=noisy_decode, **kwargs)
+
     return make
 
 

@@ -3,11 +3,12 @@
 Each rank compares its batches with torch's DataLoader over the same DistributedSampler
 in the same process, and reports the storage reads its dataset counted per epoch.
 """
+
 from __future__ import annotations
 
 import json
-import random
 import os
+import random
 import sys
 
 import numpy as np
@@ -41,12 +42,19 @@ def main(root: str, out_dir: str, workers: int) -> None:
 
     _, theirs, _ = batches(tud.DataLoader, DistributedSampler(dataset, seed=5))
     dist.barrier()
-    dl, ours, reads = batches(DataLoader, DistributedSampler(dataset, seed=5), cache_ram="1MiB",
-                              peer_exchange=True, peer_window=16)
+    dl, ours, reads = batches(
+        DataLoader, DistributedSampler(dataset, seed=5), cache_ram="1MiB", peer_exchange=True, peer_window=16
+    )
     stats = dl.stats()
     dl.close()
-    result = {"rank": rank, "same": same(theirs, ours), "reads": reads, "peer_reads": stats["peer_reads"],
-              "storage_reads": stats["storage_reads"], "samples": stats["samples"]}
+    result = {
+        "rank": rank,
+        "same": same(theirs, ours),
+        "reads": reads,
+        "peer_reads": stats["peer_reads"],
+        "storage_reads": stats["storage_reads"],
+        "samples": stats["samples"],
+    }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
     dist.barrier()

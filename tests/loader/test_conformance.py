@@ -1,6 +1,7 @@
 """The conformance matrix: torch's own DataLoader is the oracle. Same dataset, same seeds,
 every batch and every RNG state (global, generator, and the workers' random augmentation
 seen through the batches) must be equal, whatever the cache configuration."""
+
 from __future__ import annotations
 
 import random
@@ -9,8 +10,13 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
-from torch.utils.data import (BatchSampler, DistributedSampler, RandomSampler, SubsetRandomSampler,
-                              WeightedRandomSampler)
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from loader import DataLoader, FileDataset
 from tests.loader.conftest import noisy_decode, same
@@ -21,18 +27,25 @@ CASES = {
     "random_generator": lambda ds, g: dict(batch_size=4, shuffle=True, generator=g),
     "random_global": lambda ds, g: dict(batch_size=4, shuffle=True),
     "random_replacement": lambda ds, g: dict(
-        batch_size=4, sampler=RandomSampler(ds, replacement=True, num_samples=50, generator=g)),
+        batch_size=4, sampler=RandomSampler(ds, replacement=True, num_samples=50, generator=g)
+    ),
     "random_more_than_len": lambda ds, g: dict(batch_size=6, sampler=RandomSampler(ds, num_samples=70)),
     "distributed_rank0": lambda ds, g: dict(batch_size=4, sampler=DistributedSampler(ds, 4, 0, seed=3)),
     "distributed_rank3_drop_last": lambda ds, g: dict(
-        batch_size=4, drop_last=True, sampler=DistributedSampler(ds, 4, 3, seed=3, drop_last=True)),
-    "distributed_no_shuffle": lambda ds, g: dict(batch_size=3, sampler=DistributedSampler(ds, 2, 1, shuffle=False)),
+        batch_size=4, drop_last=True, sampler=DistributedSampler(ds, 4, 3, seed=3, drop_last=True)
+    ),
+    "distributed_no_shuffle": lambda ds, g: dict(
+        batch_size=3, sampler=DistributedSampler(ds, 2, 1, shuffle=False)
+    ),
     "batch_sampler": lambda ds, g: dict(batch_sampler=BatchSampler(RandomSampler(ds, generator=g), 5, True)),
     "no_batching": lambda ds, g: dict(batch_size=None, shuffle=True, generator=g),
     "subset_random_global": lambda ds, g: dict(batch_size=4, sampler=SubsetRandomSampler(range(0, 45, 2))),
     "weighted_generator": lambda ds, g: dict(
-        batch_size=4, sampler=WeightedRandomSampler([1.0 + i % 5 for i in range(45)], 30, generator=g)),
+        batch_size=4, sampler=WeightedRandomSampler([1.0 + i % 5 for i in range(45)], 30, generator=g)
+    ),
 }
+
+
 def reseed_numpy(worker_id: int) -> None:
     """A typical worker_init_fn: derive numpy's seed from torch's per-worker seed."""
     np.random.seed((torch.initial_seed() + 17 * worker_id) % 2**32)
@@ -50,7 +63,7 @@ CACHES = [
     dict(cache_ram=10 * 64),
     dict(cache_ram=2 * 64, prefetch_bytes=200),
     dict(cache_ram=5 * 64, cache_disk_bytes=12 * 64),
-    dict(),                                    # no cache: the workers read their batches themselves
+    dict(),  # no cache: the workers read their batches themselves
 ]
 
 
@@ -72,8 +85,15 @@ def run(loader_cls, files, case, workers, epochs=2, breaks=None, **extra):
             torch.rand(1)
             if breaks and breaks.get(epoch) == step + 1:
                 break
-        out.append((batches, torch.get_rng_state(), generator.get_state(), random.getstate(),
-                    np.random.get_state()[1].copy()))
+        out.append(
+            (
+                batches,
+                torch.get_rng_state(),
+                generator.get_state(),
+                random.getstate(),
+                np.random.get_state()[1].copy(),
+            )
+        )
     if isinstance(dl, DataLoader):
         out.append(dl.stats())
         dl.close()

@@ -1,6 +1,7 @@
 """torch's documented DataLoader contract, item by item, against torch's own DataLoader on the
 same input: worker errors, timeout, worker_init_fn and get_worker_info(), pin_memory, a custom
 collate_fn and default_convert, in_order=False."""
+
 from __future__ import annotations
 
 import time
@@ -67,7 +68,7 @@ class WhoReads(tud.Dataset):
 
     def __getitem__(self, index):
         info = tud.get_worker_info()
-        drawn = int(np.random.randint(1 << 30))          # from the numpy seed worker_init_fn set
+        drawn = int(np.random.randint(1 << 30))  # from the numpy seed worker_init_fn set
         return torch.tensor([index, info.id, info.num_workers, info.seed % 2**31, drawn])
 
 
@@ -79,6 +80,7 @@ def test_worker_init_fn_and_get_worker_info_like_torch():
     def run(cls):
         torch.manual_seed(11)
         return list(cls(WhoReads(), batch_size=3, shuffle=True, num_workers=2, worker_init_fn=seed_numpy))
+
     theirs, ours = run(tud.DataLoader), run(DataLoader)
     assert same(theirs, ours)
     assert {int(b[0, 1]) for b in ours} == {0, 1}
@@ -90,6 +92,7 @@ def test_pin_memory_like_torch():
             warnings.simplefilter("always")
             batches = list(cls(list(range(8)), batch_size=4, num_workers=2, pin_memory=True))
         return batches, sorted({str(w.message) for w in caught})
+
     (theirs, warned_theirs), (ours, warned_ours) = run(tud.DataLoader), run(DataLoader)
     assert same(theirs, ours) and warned_theirs == warned_ours
     assert [b.is_pinned() for b in theirs] == [b.is_pinned() for b in ours]
@@ -107,8 +110,14 @@ def sum_collate(samples):
     return torch.tensor([float(s["x"].sum()) for s in samples]), [s["label"] for s in samples]
 
 
-@pytest.mark.parametrize("kwargs", [dict(batch_size=None), dict(batch_size=4, collate_fn=sum_collate),
-                                    dict(batch_size=3, collate_fn=tud.default_convert)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(batch_size=None),
+        dict(batch_size=4, collate_fn=sum_collate),
+        dict(batch_size=3, collate_fn=tud.default_convert),
+    ],
+)
 def test_collate_fn_and_default_convert_like_torch(kwargs):
     theirs, ours = (list(dl) for dl in both(lambda cls: cls(Arrays(), num_workers=2, **kwargs)))
     assert same(theirs, ours)
@@ -116,8 +125,17 @@ def test_collate_fn_and_default_convert_like_torch(kwargs):
 
 def test_in_order_false_yields_the_same_batches():
     def run(cls):
-        return list(cls(list(range(40)), batch_size=4, shuffle=True, num_workers=2, in_order=False,
-                        generator=torch.Generator().manual_seed(3)))
+        return list(
+            cls(
+                list(range(40)),
+                batch_size=4,
+                shuffle=True,
+                num_workers=2,
+                in_order=False,
+                generator=torch.Generator().manual_seed(3),
+            )
+        )
+
     theirs, ours = run(tud.DataLoader), run(DataLoader)
-    key = lambda b: b.tolist()                               # noqa: E731
+    key = lambda b: b.tolist()  # noqa: E731
     assert sorted(map(key, theirs)) == sorted(map(key, ours)) and len(ours) == 10

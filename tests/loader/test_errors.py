@@ -1,5 +1,6 @@
 """Errors: a bad sample names its index and path, a dead worker raises as torch's does,
 misuse raises torch's own errors, and a full disk tier only costs speed."""
+
 from __future__ import annotations
 
 import gc
@@ -81,11 +82,15 @@ def test_dead_worker_raises_like_torch():
     """torch raises RuntimeError('DataLoader worker (pid ...) exited unexpectedly'), or, when
     the worker dies while the main process reads its pipe, ConnectionResetError or EOFError:
     it depends on timing in torch itself, and ours goes through the same machinery."""
+
     def dead_worker_error(error) -> bool:
         if isinstance(error, (ConnectionResetError, EOFError)):
             return True
-        return type(error) is RuntimeError and "DataLoader worker (pid" in str(error) \
+        return (
+            type(error) is RuntimeError
+            and "DataLoader worker (pid" in str(error)
             and "exited unexpectedly" in str(error)
+        )
 
     _, theirs = collect_until_error(tud.DataLoader(DiesInWorker(), batch_size=2, num_workers=2))
     dl = DataLoader(DiesInWorker(), batch_size=2, num_workers=2, cache_ram="1MiB")
@@ -93,7 +98,7 @@ def test_dead_worker_raises_like_torch():
     dl.close()
     assert dead_worker_error(theirs) and dead_worker_error(ours), (theirs, ours)
     seen = [int(row[0]) for batch in batches for row in batch]
-    assert seen == list(range(len(seen))) and 9 not in seen      # in order, nothing twice, nothing after
+    assert seen == list(range(len(seen))) and 9 not in seen  # in order, nothing twice, nothing after
 
 
 MISUSE = [
@@ -138,15 +143,18 @@ def test_iterable_misuse_and_frozen_attributes_like_torch():
         dl.batch_size = 2
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(cache_ram="lots"), "cache_ram"),
-    (dict(cache_ram=-1), "cache_ram"),
-    (dict(cache_disk="/tmp/x"), "cache_disk_bytes"),
-    (dict(cache_disk_bytes="1GiB"), "cache_disk"),
-    (dict(prefetch_threads=0), "prefetch_threads"),
-    (dict(prefetch_bytes=0), "prefetch_bytes"),
-    (dict(cache_items="yes"), "cache_items"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(cache_ram="lots"), "cache_ram"),
+        (dict(cache_ram=-1), "cache_ram"),
+        (dict(cache_disk="/tmp/x"), "cache_disk_bytes"),
+        (dict(cache_disk_bytes="1GiB"), "cache_disk"),
+        (dict(prefetch_threads=0), "prefetch_threads"),
+        (dict(prefetch_bytes=0), "prefetch_bytes"),
+        (dict(cache_items="yes"), "cache_items"),
+    ],
+)
 def test_cache_options_are_checked_by_name(kwargs, field):
     with pytest.raises((ValueError, TypeError), match=field):
         DataLoader(list(range(4)), **kwargs)
@@ -181,8 +189,13 @@ FULL_DISK_SCRIPT = textwrap.dedent("""
 
 def test_full_disk_tier_degrades_to_ram_with_a_warning(tmp_path):
     root = write_files(tmp_path / "data", 40)
-    result = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, root, str(tmp_path / "disk")],
-                            capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_SCRIPT, root, str(tmp_path / "disk")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.getcwd(),
+    )
     assert result.returncode == 0, result.stderr
     assert "SAME True DISK_ON False" in result.stdout, result.stdout + result.stderr
     assert "cache_disk: writing a sample to" in result.stderr and "RAM cache only" in result.stderr

@@ -1,4 +1,5 @@
 """stats() as Prometheus series scraped over HTTP, and FileDataset's layout rules."""
+
 from __future__ import annotations
 
 import os
@@ -30,6 +31,7 @@ def scrape(port: int, loader_name: str) -> dict[str, float]:
 
 def test_prometheus_series_match_stats(counting):
     from prometheus_client import start_http_server
+
     port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1")
     try:
@@ -46,8 +48,16 @@ def test_prometheus_series_match_stats(counting):
     assert stats["samples"] == 60 and stats["storage_reads"] == 30 and stats["ram_hits"] == 30
     assert stats["epochs"] == 2
     assert dataset.read_counts().sum() == stats["storage_reads"]
-    for key in ("samples", "storage_reads", "storage_bytes", "ram_hits", "disk_hits", "peer_reads", "batches",
-                "epochs"):
+    for key in (
+        "samples",
+        "storage_reads",
+        "storage_bytes",
+        "ram_hits",
+        "disk_hits",
+        "peer_reads",
+        "batches",
+        "epochs",
+    ):
         assert series[f"prescient:loader_{key}_total"] == stats[key], key
     assert series["prescient:loader_stall_seconds_total"] == pytest.approx(stats["stall_seconds"])
     assert series["prescient:loader_cache_ram_bytes"] == 30 * SAMPLE_BYTES
@@ -77,6 +87,7 @@ def test_file_dataset_class_layout_and_flat_layout(tmp_path):
 
 def test_cache_items_for_a_deterministic_plain_dataset():
     """A dataset without read/decode declared deterministic is cached whole (pickled)."""
+
     class Squares(torch.utils.data.Dataset):
         def __init__(self):
             self.calls = 0
@@ -89,15 +100,25 @@ def test_cache_items_for_a_deterministic_plain_dataset():
             return {"x": torch.tensor([index * index]), "i": index}
 
     data = Squares()
-    reference = torch.utils.data.DataLoader(Squares(), batch_size=3, shuffle=True,
-                                            generator=torch.Generator().manual_seed(4))
+    reference = torch.utils.data.DataLoader(
+        Squares(), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(4)
+    )
     theirs = [list(reference) for _ in range(3)]
-    dl = DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(4),
-                    cache_items=True, cache_ram="1MiB")
+    dl = DataLoader(
+        data,
+        batch_size=3,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(4),
+        cache_items=True,
+        cache_ram="1MiB",
+    )
     epochs = [list(dl) for _ in range(3)]
     stats = dl.stats()
     dl.close()
     assert [len(e) for e in epochs] == [len(e) for e in theirs]
-    assert all(torch.equal(a["x"], b["x"]) and torch.equal(a["i"], b["i"])
-               for ours, reference_epoch in zip(epochs, theirs) for a, b in zip(reference_epoch, ours))
+    assert all(
+        torch.equal(a["x"], b["x"]) and torch.equal(a["i"], b["i"])
+        for ours, reference_epoch in zip(epochs, theirs)
+        for a, b in zip(reference_epoch, ours)
+    )
     assert data.calls == 20 and stats["storage_reads"] == 20 and stats["ram_hits"] == 40

@@ -1,6 +1,7 @@
 """Peer exchange across two real ranks (torchrun, gloo on CPU): after epoch 1 every sample
 either rank needs is held by one of them, so storage is not read again; the samples come
 from the peer and the batches still equal torch's."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,18 @@ def test_two_ranks_take_samples_from_each_other(tmp_path, workers):
     root = write_files(tmp_path / "data", 64)
     out = tmp_path / "out"
     out.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "tests.loader.peer_run", root, str(out), str(workers)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "tests.loader.peer_run",
+        root,
+        str(out),
+        str(workers),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=os.getcwd(), env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,5 +1,6 @@
 """Belady placement against an exhaustive search for the fewest misses, and the shared
 data area's allocator against overlap and leaks."""
+
 from __future__ import annotations
 
 import itertools
@@ -21,7 +22,7 @@ def fewest_misses(stream: list[int], capacity: int) -> int:
             if item in content:
                 options = [(content, misses)]
             else:
-                options = [(content, misses + 1)]                       # bypass
+                options = [(content, misses + 1)]  # bypass
                 if len(content) < capacity:
                     options.append((content | {item}, misses + 1))
                 options += [((content - {old}) | {item}, misses + 1) for old in content]

@@ -1,12 +1,19 @@
 """The plan against torch's samplers: the streams they really yield are the oracle, and
 planning must not move any RNG."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.utils.data as tud
-from torch.utils.data import (BatchSampler, DistributedSampler, RandomSampler, SequentialSampler,
-                              SubsetRandomSampler, WeightedRandomSampler)
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from loader.plan import is_plannable, plan_epoch, rank_streams
 
@@ -52,7 +59,7 @@ def test_following_epochs_predicted_through_torchs_base_seed_draws():
     every epoch; the plan made at the first draw of epoch 0 predicts epochs 1 and 2."""
     g = torch.Generator().manual_seed(8)
     dl = tud.DataLoader(DATA, batch_size=4, shuffle=True, generator=g)
-    it = iter(dl)                                           # base seed drawn; sampler not yet
+    it = iter(dl)  # base seed drawn; sampler not yet
     plan = plan_epoch(dl._index_sampler, loader_generator=g, horizon_epochs=3)
     epochs = [[int(i) for b in it for i in b]] + [[int(i) for b in dl for i in b] for _ in range(2)]
     assert [plan.indices.tolist()] + [f.tolist() for f in plan.following] == epochs

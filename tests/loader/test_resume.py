@@ -1,6 +1,7 @@
 """Resume mid-epoch: a loader rebuilt from state_dict() yields the rest of the epoch and
 the following epochs exactly as an uninterrupted torch DataLoader does, random
 augmentation in the workers included."""
+
 from __future__ import annotations
 
 import os
@@ -48,7 +49,7 @@ def train(dl, generator, epoch, stop=None):
     batches = []
     for batch in dl:
         batches.append(batch)
-        torch.rand(1)                              # the training step's own randomness
+        torch.rand(1)  # the training step's own randomness
         if stop is not None and len(batches) == stop:
             break
     return batches, torch.get_rng_state(), generator.get_state()
@@ -121,8 +122,11 @@ def plain(value) -> bool:
     """Only what torch.load(weights_only=True) reads without any class: no pickled bytes anywhere."""
     if isinstance(value, dict):
         return all(type(k) in (str, int) and plain(v) for k, v in value.items())
-    return value is None or type(value) in (int, str) or (isinstance(value, torch.Tensor) and value.dtype in
-                                                         (torch.uint8, torch.int64))
+    return (
+        value is None
+        or type(value) in (int, str)
+        or (isinstance(value, torch.Tensor) and value.dtype in (torch.uint8, torch.int64))
+    )
 
 
 def test_weights_only_checkpoint_resumes_and_never_runs_code(files, tmp_path):
@@ -143,10 +147,10 @@ def test_weights_only_checkpoint_resumes_and_never_runs_code(files, tmp_path):
     marker = str(tmp_path / "code-ran")
     hostile = dict(loaded, worker_rng={0: pickle.dumps(_RunsCode(marker)), 1: loaded["worker_rng"][1]})
     torch.save(hostile, tmp_path / "hostile.pt")
-    hostile = torch.load(tmp_path / "hostile.pt", weights_only=True)    # bytes pass weights_only...
+    hostile = torch.load(tmp_path / "hostile.pt", weights_only=True)  # bytes pass weights_only...
     dl, g = build(DataLoader, files, "generator", WORKERS["w2"], cache_ram="1MiB")
     with pytest.raises(ValueError, match=r"worker_rng\[0\] must hold uint8 tensors"):
-        dl.load_state_dict(hostile)                                   # ...and the loader refuses them
+        dl.load_state_dict(hostile)  # ...and the loader refuses them
     list(dl)
     dl.close()
     assert not os.path.exists(marker)
@@ -163,11 +167,24 @@ def plain_decode(raw: bytes) -> torch.Tensor:
 def test_resume_with_other_num_workers_yields_the_rest_once(files, resumed_workers):
     """A checkpoint from 2 workers resumes with another number: the same remaining batches (the
     workers' augmentation streams differ, as in torch when num_workers changes), with a warning."""
+
     def make(workers):
-        return DataLoader(FileDataset(files, decode=plain_decode), batch_size=4, shuffle=True,
-                          generator=torch.Generator().manual_seed(5), num_workers=workers)
-    expected = list(tud.DataLoader(FileDataset(files, decode=plain_decode), batch_size=4, shuffle=True,
-                                   generator=torch.Generator().manual_seed(5)))
+        return DataLoader(
+            FileDataset(files, decode=plain_decode),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5),
+            num_workers=workers,
+        )
+
+    expected = list(
+        tud.DataLoader(
+            FileDataset(files, decode=plain_decode),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5),
+        )
+    )
     dl = make(2)
     for step, _ in enumerate(dl):
         if step + 1 == STOP:

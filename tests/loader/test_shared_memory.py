@@ -1,5 +1,6 @@
 """Budgets hold at every step, and shared memory is gone once the loader and its workers
 are: after close(), after garbage collection, after an exception, after SIGKILL."""
+
 from __future__ import annotations
 
 import gc
@@ -31,12 +32,20 @@ def disk_usage(directory: str) -> int:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_budgets_are_never_exceeded(tmp_path, workers):
-    sizes = lambda i: 40 + (i * 37) % 200                     # noqa: E731 - uneven samples
+    sizes = lambda i: 40 + (i * 37) % 200  # noqa: E731 - uneven samples
     dataset = FileDataset(write_files(tmp_path / "data", 80, size=sizes), decode=noisy_decode)
     ram, disk, staging = 2000, 3000, 900
-    dl = DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2),
-                    num_workers=workers, cache_ram=ram, cache_disk=str(tmp_path / "disk"), cache_disk_bytes=disk,
-                    prefetch_bytes=staging)
+    dl = DataLoader(
+        dataset,
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(2),
+        num_workers=workers,
+        cache_ram=ram,
+        cache_disk=str(tmp_path / "disk"),
+        cache_disk_bytes=disk,
+        prefetch_bytes=staging,
+    )
     disk_dir = None
     for _ in range(3):
         for _ in dl:
@@ -48,9 +57,9 @@ def test_budgets_are_never_exceeded(tmp_path, workers):
     segment = os.path.getsize(f"/dev/shm/{dl._engine.shared.name}")
     dl.close()
     assert stats["cache_ram_peak_bytes"] <= ram and stats["cache_disk_peak_bytes"] <= disk
-    assert stats["cache_ram_peak_bytes"] > ram * 0.8 and stats["disk_hits"] > 0   # the tiers were used
+    assert stats["cache_ram_peak_bytes"] > ram * 0.8 and stats["disk_hits"] > 0  # the tiers were used
     assert stats["shared_memory_bytes"] == ram + staging
-    assert segment < ram + staging + (4 << 20)                # data area plus control block and rings
+    assert segment < ram + staging + (4 << 20)  # data area plus control block and rings
     assert not os.path.exists(disk_dir)
 
 
@@ -128,14 +137,19 @@ def test_released_when_the_process_dies(files, tmp_path, ending):
     on a position the dead prefetcher will never publish), the resource tracker unlinks the segment,
     and the next loader on the node removes the disk tier's directory."""
     disk = str(tmp_path / "disk")
-    process = subprocess.Popen([sys.executable, "-c", SCRIPT, files, disk, ending], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=os.getcwd())
+    process = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, files, disk, ending],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+    )
     assert process.stdout.readline().strip() == "iterating", process.communicate()
     pid = process.pid
     assert shm_names(pid), "the loader should hold a segment while it runs"
     assert [name for name in os.listdir(disk) if name.startswith(f"prescient-{pid}-")]
     if ending == "hang":
-        time.sleep(1)                          # the workers are now waiting on positions 12 and on
+        time.sleep(1)  # the workers are now waiting on positions 12 and on
     workers = {p for p in children(pid) if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()}
     assert len(workers) == 2, workers
     if ending != "raise":
@@ -150,9 +164,10 @@ def test_released_when_the_process_dies(files, tmp_path, ending):
         assert "the training step failed" in process.stderr.read()
         assert not os.listdir(disk)
         return
-    assert os.listdir(disk)                    # SIGKILL leaves the directory; the next loader takes it back
-    dl = DataLoader(FileDataset(files), batch_size=4, cache_ram="1MiB", cache_disk=disk,
-                    cache_disk_bytes="1MiB")
+    assert os.listdir(disk)  # SIGKILL leaves the directory; the next loader takes it back
+    dl = DataLoader(
+        FileDataset(files), batch_size=4, cache_ram="1MiB", cache_disk=disk, cache_disk_bytes="1MiB"
+    )
     next(iter(dl))
     assert [name for name in os.listdir(disk) if not name.startswith(f"prescient-{os.getpid()}-")] == []
     dl.close()
@@ -206,11 +221,16 @@ def test_loaders_sharing_a_small_dev_shm_never_overcommit_it(tmp_path):
     SIGBUS; a third segment that cannot fit is a clear error."""
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs unshare -m (root) to give the test its own small /dev/shm")
-    root = write_files(tmp_path / "data", 400, size=lambda i: 64 << 10)      # 25 MiB of samples
-    command = f"mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c \"$0\" {root}"
-    result = subprocess.run(["unshare", "-m", "sh", "-c", command, SMALL_SHM_SCRIPT], capture_output=True,
-                            text=True, timeout=120, cwd=os.getcwd())
-    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])     # -7 is a SIGBUS
+    root = write_files(tmp_path / "data", 400, size=lambda i: 64 << 10)  # 25 MiB of samples
+    command = f'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c "$0" {root}'
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", command, SMALL_SHM_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.getcwd(),
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])  # -7 is a SIGBUS
     assert "do not fit in the free space of" in result.stdout
     shm = int(result.stdout.split("SHM ")[1].split()[0])
     assert 20 << 20 < shm <= 32 << 20

@@ -1,6 +1,7 @@
 """Storage reads, counted by the storage itself (an independent oracle), against what a
 clairvoyant cache can do: one read per needed sample in epoch 1, none afterwards when the
 cache holds the data, and no more than Belady's optimum with a cache of 30%."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,8 +47,15 @@ def test_epoch_one_reads_each_needed_sample_once(counting, workers, cache_ram):
 def test_cache_holding_the_data_reads_nothing_after_epoch_one(counting, workers, shuffle):
     dataset = counting(60)
     generator = torch.Generator().manual_seed(1) if shuffle == "generator" else None
-    dl = DataLoader(dataset, batch_size=5, shuffle=True, generator=generator, num_workers=workers,
-                    persistent_workers=workers > 0, cache_ram=60 * SAMPLE_BYTES)
+    dl = DataLoader(
+        dataset,
+        batch_size=5,
+        shuffle=True,
+        generator=generator,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        cache_ram=60 * SAMPLE_BYTES,
+    )
     reads = epochs_of_reads(dl, dataset, 3)
     stats = dl.stats()
     dl.close()
@@ -83,10 +91,17 @@ def farthest_in_future(stream: list[int], capacity: int, epoch_len: int) -> list
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_thirty_percent_cache_reads_no_more_than_the_optimum(counting, workers):
-    n, epochs, capacity = 60, 4, 18            # 18 of 60 samples: 30 %
+    n, epochs, capacity = 60, 4, 18  # 18 of 60 samples: 30 %
     dataset = counting(n)
-    dl = DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(21),
-                    num_workers=workers, cache_ram=capacity * SAMPLE_BYTES, prefetch_bytes=8 * SAMPLE_BYTES)
+    dl = DataLoader(
+        dataset,
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(21),
+        num_workers=workers,
+        cache_ram=capacity * SAMPLE_BYTES,
+        prefetch_bytes=8 * SAMPLE_BYTES,
+    )
     reads = [int(r.sum()) for r in epochs_of_reads(dl, dataset, epochs)]
     peak = dl.stats()["cache_ram_peak_bytes"]
     dl.close()
@@ -97,7 +112,7 @@ def test_thirty_percent_cache_reads_no_more_than_the_optimum(counting, workers):
     print(f"storage reads per epoch: {reads}; Belady optimum: {optimum}")
     assert reads[0] == n
     assert all(r <= o for r, o in zip(reads, optimum)), (reads, optimum)
-    assert reads[1] < n                         # the cache did save reads
+    assert reads[1] < n  # the cache did save reads
     assert peak <= capacity * SAMPLE_BYTES
 
 
@@ -106,14 +121,16 @@ class SlowStorage(tud.Dataset):
 
     def __init__(self, latency: float):
         import multiprocessing
+
         self.latency = latency
-        self.state = multiprocessing.Array("q", 2)      # reads in flight now, most ever
+        self.state = multiprocessing.Array("q", 2)  # reads in flight now, most ever
 
     def __len__(self):
         return 48
 
     def read(self, index):
         import time
+
         with self.state.get_lock():
             self.state[0] += 1
             self.state[1] = max(self.state[1], self.state[0])
@@ -123,7 +140,7 @@ class SlowStorage(tud.Dataset):
         return bytes([index]) * 16
 
     def decode(self, raw, index):
-        return torch.tensor(list(raw[:4])) + torch.rand(1)      # draws from the worker's RNG, in order
+        return torch.tensor(list(raw[:4])) + torch.rand(1)  # draws from the worker's RNG, in order
 
     def __getitem__(self, index):
         return self.decode(self.read(index), index)
@@ -133,15 +150,20 @@ class SlowStorage(tud.Dataset):
 def test_a_worker_reads_its_batch_with_reads_in_flight(latency, in_flight):
     """Without a cache a worker reads its batch itself, on slow storage several reads at once (the
     threads given to it); batches equal torch's, on slow and on fast storage."""
+
     def batches(dl):
         torch.manual_seed(3)
         return [list(dl) for _ in range(2)]
 
-    theirs = batches(tud.DataLoader(SlowStorage(latency), batch_size=8, shuffle=True, num_workers=1,
-                                    persistent_workers=True))
+    theirs = batches(
+        tud.DataLoader(
+            SlowStorage(latency), batch_size=8, shuffle=True, num_workers=1, persistent_workers=True
+        )
+    )
     storage = SlowStorage(latency)
-    dl = DataLoader(storage, batch_size=8, shuffle=True, num_workers=1, persistent_workers=True,
-                    prefetch_threads=4)
+    dl = DataLoader(
+        storage, batch_size=8, shuffle=True, num_workers=1, persistent_workers=True, prefetch_threads=4
+    )
     torch.manual_seed(3)
     ours = [list(dl)]
     storage.state[1] = 0
@@ -155,11 +177,14 @@ def test_a_worker_reads_its_batch_with_reads_in_flight(latency, in_flight):
 def test_fast_reads_stay_in_the_calling_thread():
     """A read faster than a thread hand-off is made in the worker's own thread, in order."""
     import threading
+
     reader = BatchReader(4)
     threads = []
+
     def read(index):
         threads.append(threading.current_thread())
         return bytes([index])
+
     for _ in range(10):
         threads.clear()
         assert reader.read_all(read, list(range(8))) == [bytes([i]) for i in range(8)]

@@ -1,4 +1,5 @@
 """Shared, expensive fixtures: the engine in float32 and transformers' reference model, loaded once."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Paged attention (the C decode kernel, the PyTorch decode path, chunked prefill) against dense attention."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,28 +42,40 @@ def build(lengths, new_tokens, seed=0):
 
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lengths", [[1, 5, 16, 17, 40, 100], [37]])   # many sequences, and one split by head
+@pytest.mark.parametrize("lengths", [[1, 5, 16, 17, 40, 100], [37]])  # many sequences, and one split by head
 def test_decode_matches_dense(native, dtype, lengths, monkeypatch):
     if native:
-        assert native_attention.load() is not None, "the C kernel must build on this machine (gcc is required)"
+        assert native_attention.load() is not None, (
+            "the C kernel must build on this machine (gcc is required)"
+        )
     else:
         monkeypatch.setattr(native_attention, "usable", lambda *a: False)
     k_cache, v_cache, seqs, qs = build(lengths, [1] * len(lengths))
     width = max(len(t) for t, _, _ in seqs)
     tables = torch.tensor([t + [0] * (width - len(t)) for t, _, _ in seqs])
     lens = torch.tensor(lengths)
-    bias = torch.zeros(len(lengths), width * BS).masked_fill(torch.arange(width * BS) >= lens.unsqueeze(1),
-                                                           float("-inf")).view(len(lengths), 1, 1, -1)
+    bias = (
+        torch.zeros(len(lengths), width * BS)
+        .masked_fill(torch.arange(width * BS) >= lens.unsqueeze(1), float("-inf"))
+        .view(len(lengths), 1, 1, -1)
+    )
     q = torch.cat(qs).to(dtype)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode=len(lengths),
-                             decode_block_tables=tables, decode_context_lens=lens, decode_bias=bias)
-    out = paged_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache.to(dtype), v_cache.to(dtype), meta, D ** -0.5)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        num_decode=len(lengths),
+        decode_block_tables=tables,
+        decode_context_lens=lens,
+        decode_bias=bias,
+    )
+    out = paged_attention(
+        q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache.to(dtype), v_cache.to(dtype), meta, D**-0.5
+    )
     assert out.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-2     # bfloat16 output: 8 bits of mantissa
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 output: 8 bits of mantissa
     for i, (table, k, v) in enumerate(seqs):
         # the reference sees the same (rounded) inputs, in float32
-        expected = dense(qs[i].to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), D ** -0.5)
-        torch.testing.assert_close(out[i:i + 1].float(), expected, atol=tol, rtol=tol)
+        expected = dense(qs[i].to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), D**-0.5)
+        torch.testing.assert_close(out[i : i + 1].float(), expected, atol=tol, rtol=tol)
 
 
 def test_prefill_chunks_after_cached_prefix_match_dense():
@@ -76,6 +89,8 @@ def test_prefill_chunks_after_cached_prefix_match_dense():
     k_new = torch.cat([k[-n:] for (_, k, _), n in zip(seqs, new)])
     v_new = torch.cat([v[-n:] for (_, _, v), n in zip(seqs, new)])
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), prefills=chunks)
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, D ** -0.5)
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, D**-0.5)
     for (table, k, v), chunk, qi in zip(seqs, chunks, qs):
-        torch.testing.assert_close(out[chunk.start:chunk.end], dense(qi, k, v, D ** -0.5), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[chunk.start : chunk.end], dense(qi, k, v, D**-0.5), atol=1e-5, rtol=1e-5
+        )

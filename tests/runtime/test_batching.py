@@ -5,6 +5,7 @@ preemption (a tiny KV pool), under chunked prefill (a tiny token budget) and
 with shared prefixes hitting the prefix cache must give exactly those tokens.
 Float32 and greedy, so equality is exact.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -63,19 +64,29 @@ def test_chunked_prefill_equals_alone(engine_fp32, prompts, alone):
 
 
 def test_shared_prefix_hits_cache_and_equals_alone(engine_fp32):
-    system = ("You are a meticulous assistant. Answer carefully, cite your reasoning step by step, "
-              "and keep every answer under fifty words. ") * 3
-    prompts = [engine_fp32.tokenizer.apply_chat_template(
-        [{"role": "system", "content": system}, {"role": "user", "content": c}], tokenize=True) for c in CHATS[:4]]
-    expected = [variant(engine_fp32, enable_prefix_caching=False).generate([p], PARAMS)[0].token_ids
-                for p in prompts]
+    system = (
+        "You are a meticulous assistant. Answer carefully, cite your reasoning step by step, "
+        "and keep every answer under fifty words. "
+    ) * 3
+    prompts = [
+        engine_fp32.tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": c}], tokenize=True
+        )
+        for c in CHATS[:4]
+    ]
+    expected = [
+        variant(engine_fp32, enable_prefix_caching=False).generate([p], PARAMS)[0].token_ids for p in prompts
+    ]
     engine = variant(engine_fp32)
-    first = engine.generate(prompts[:1], PARAMS)   # fills the cache with the shared prefix
+    first = engine.generate(prompts[:1], PARAMS)  # fills the cache with the shared prefix
     rest = engine.generate(prompts[1:], PARAMS)
     outs = first + rest
     assert [o.token_ids for o in outs] == expected
-    shared = len(engine_fp32.tokenizer.apply_chat_template([{"role": "system", "content": system}],
-                                                           add_generation_prompt=False, tokenize=True))
+    shared = len(
+        engine_fp32.tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}], add_generation_prompt=False, tokenize=True
+        )
+    )
     bs = engine.kv.block_size
     for out in rest:
         assert out.num_cached_tokens >= (shared // bs) * bs - bs

@@ -1,4 +1,5 @@
 """dtype='auto' on CPU: the dtype that measured fastest, never one the CPU emulates (timings injected)."""
+
 from __future__ import annotations
 
 import torch

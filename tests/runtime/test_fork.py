@@ -1,5 +1,6 @@
 """n samples of one prompt on the real engine: the prompt is prefilled once and its KV blocks shared; each
 sequence j draws from its own seed stream (seed + j), so it equals a single-sequence request with that seed."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,14 +10,14 @@ from runtime import SamplingParams
 
 def test_n_prefills_once_and_shares_blocks(engine_fp32):
     engine = engine_fp32
-    prompt = list(range(1000, 1512))   # 512 tokens: 64 full blocks of 8
+    prompt = list(range(1000, 1512))  # 512 tokens: 64 full blocks of 8
     before = engine.stats()["computed_tokens"]
     engine.add_request("fork-n4", prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=11, n=4))
     outputs = []
     while not any(o.token_ids for o in outputs):
         outputs = engine.step()
     stats = engine.stats()
-    assert stats["computed_tokens"] - before == 512          # the prompt went through the model once
+    assert stats["computed_tokens"] - before == 512  # the prompt went through the model once
     assert stats["num_running"] == 4
     bm = engine.scheduler.block_manager
     tables = [r.block_table for r in engine.scheduler.running]
@@ -26,22 +27,25 @@ def test_n_prefills_once_and_shares_blocks(engine_fp32):
     while engine.has_unfinished_requests():
         done.update({o.index: o for o in engine.step() if o.finished})
     assert sorted(done) == [0, 1, 2, 3] and {o.request_id for o in done.values()} == {"fork-n4"}
-    for j, out in done.items():   # the first token comes from the same prefill row: exactly equal
+    for j, out in done.items():  # the first token comes from the same prefill row: exactly equal
         alone = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=1.0, seed=11 + j))[0]
         assert out.token_ids[0] == alone.token_ids[0]
     assert len({tuple(o.token_ids) for o in done.values()}) > 1
 
 
 def test_n_with_a_partial_last_block_matches_single_requests(engine_fp32):
-    prompt = "The three primary colors are"          # not a multiple of the block size: copy on write
+    prompt = "The three primary colors are"  # not a multiple of the block size: copy on write
     params = SamplingParams(max_tokens=12, temperature=0.9, seed=5, n=3, logprobs=1)
     outs = engine_fp32.generate([prompt], params)
     assert [o.index for o in outs] == [0, 1, 2]
     for j, out in enumerate(outs):
-        alone = engine_fp32.generate([prompt], SamplingParams(max_tokens=12, temperature=0.9, seed=5 + j,
-                                                              logprobs=1))[0]
+        alone = engine_fp32.generate(
+            [prompt], SamplingParams(max_tokens=12, temperature=0.9, seed=5 + j, logprobs=1)
+        )[0]
         assert out.token_ids == alone.token_ids and out.text == alone.text
-        assert [s.logprob for s in out.logprobs] == pytest.approx([s.logprob for s in alone.logprobs], abs=1e-4)
+        assert [s.logprob for s in out.logprobs] == pytest.approx(
+            [s.logprob for s in alone.logprobs], abs=1e-4
+        )
     assert engine_fp32.scheduler.block_manager.num_used_blocks == 0
 
 

@@ -1,4 +1,5 @@
 """A Hugging Face Llama directory (config.json, safetensors, tokenizer.json) loads and matches transformers."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,10 +16,19 @@ def hf_dir(tmp_path_factory, reference):
     ref_tok, _ = reference
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=ref_tok.vocab_size, hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
-                         eos_token_id=2, bos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=ref_tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path, safe_serialization=True)
     ref_tok.save_pretrained(path)

@@ -1,4 +1,5 @@
 """Our model against transformers on the same GGUF: logits and greedy tokens in float32."""
+
 from __future__ import annotations
 
 import torch
@@ -10,11 +11,17 @@ from tests.runtime.conftest import CHATS, chat_ids, reference_greedy
 def test_prefill_logits_match_transformers(engine_fp32, reference):
     ref_tok, ref_model = reference
     ids = chat_ids(engine_fp32.tokenizer, CHATS[0] + " And of Italy?")
-    assert ids == ref_tok.apply_chat_template([{"role": "user", "content": CHATS[0] + " And of Italy?"}],
-                                              tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ids == ref_tok.apply_chat_template(
+        [{"role": "user", "content": CHATS[0] + " And of Italy?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
     ours = engine_fp32.prompt_logits(ids)
     with torch.no_grad():
-        theirs = ref_model(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0]
+        theirs = ref_model(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+        ).logits[0]
     assert ours.shape == theirs.shape
     diff = (ours - theirs).abs().max().item()
     assert diff < 1e-3, f"max logit difference {diff}"
@@ -35,10 +42,15 @@ def test_stops_on_end_of_turn_like_transformers(engine_fp32, reference):
     prompt = chat_ids(engine_fp32.tokenizer, "Say just the word 'yes'.")
     out = engine_fp32.generate([prompt], SamplingParams(max_tokens=64, temperature=0))[0]
     with torch.no_grad():
-        ref = ref_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 max_new_tokens=64, do_sample=False, eos_token_id=ref_tok.eos_token_id,
-                                 pad_token_id=ref_tok.eos_token_id)
-    expected = ref[0, len(prompt):].tolist()
+        ref = ref_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=64,
+            do_sample=False,
+            eos_token_id=ref_tok.eos_token_id,
+            pad_token_id=ref_tok.eos_token_id,
+        )
+    expected = ref[0, len(prompt) :].tolist()
     assert expected[-1] == ref_tok.eos_token_id, "reference did not stop; pick another prompt"
     assert out.finish_reason == "stop"
     assert out.token_ids == expected

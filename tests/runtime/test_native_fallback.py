@@ -1,5 +1,6 @@
 """The native decode kernel never stops startup: every way it can fail to build or load ends on the PyTorch
 path with exactly one warning line. Real processes, a real compiler, a real noexec mount where one can be made."""
+
 from __future__ import annotations
 
 import os
@@ -24,17 +25,24 @@ PROBE = textwrap.dedent("""
 
 def probe(env: dict, script: str = PROBE, timeout: float = 120) -> tuple[str, list[str], float]:
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                         timeout=timeout, env={**os.environ, "PRESCIENT_NATIVE": "1", **env})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PRESCIENT_NATIVE": "1", **env},
+    )
     assert out.returncode == 0, out.stderr
     kernel = next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("KERNEL"))
     warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
-    assert len(out.stderr.strip().splitlines()) == len(warnings), out.stderr   # nothing but warning lines
+    assert len(out.stderr.strip().splitlines()) == len(warnings), out.stderr  # nothing but warning lines
     return kernel, warnings, time.monotonic() - started
 
 
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                              reason="no C compiler on this machine")
+needs_cc = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler on this machine"
+)
 
 
 def test_unwritable_cache_directory(tmp_path):
@@ -49,8 +57,9 @@ def test_hung_compiler_times_out(tmp_path):
     hung = tmp_path / "hung-cc"
     hung.write_text("#!/bin/sh\nsleep 600\n")
     hung.chmod(0o755)
-    kernel, warnings, seconds = probe({"PRESCIENT_CACHE": str(tmp_path / "cache"), "CC": str(hung),
-                                       "PRESCIENT_NATIVE_BUILD_TIMEOUT": "2"})
+    kernel, warnings, seconds = probe(
+        {"PRESCIENT_CACHE": str(tmp_path / "cache"), "CC": str(hung), "PRESCIENT_NATIVE_BUILD_TIMEOUT": "2"}
+    )
     assert kernel == "pytorch"
     assert len(warnings) == 1 and "did not finish in 2 s" in warnings[0]
     assert seconds < 60
@@ -90,8 +99,9 @@ def test_corrupt_library_and_no_compiler_fall_back(tmp_path, built_cache):
     cache = tmp_path / "cache"
     shutil.copytree(built_cache, cache)
     next((cache / "kernels").glob("*.so")).write_bytes(b"garbage")
-    kernel, warnings, _ = probe({"PRESCIENT_CACHE": str(cache), "CC": "/nonexistent/cc",
-                                 "PATH": str(tmp_path)})   # no cc, no gcc on this PATH
+    kernel, warnings, _ = probe(
+        {"PRESCIENT_CACHE": str(cache), "CC": "/nonexistent/cc", "PATH": str(tmp_path)}
+    )  # no cc, no gcc on this PATH
     assert kernel == "pytorch" and len(warnings) == 1 and "no C compiler" in warnings[0]
 
 
@@ -99,8 +109,9 @@ def _noexec_mount(path) -> list[str] | None:
     """A command prefix running under a private mount namespace with a noexec tmpfs at path, if allowed."""
     if shutil.which("unshare") is None:
         return None
-    check = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o noexec,size=16m tmpfs {path}"],
-                           capture_output=True)
+    check = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o noexec,size=16m tmpfs {path}"], capture_output=True
+    )
     return ["unshare", "-m", "sh", "-c"] if check.returncode == 0 else None
 
 
@@ -112,8 +123,10 @@ def test_noexec_cache_directory(tmp_path):
     if prefix is None:
         pytest.skip("cannot mount a noexec tmpfs here (needs a private mount namespace)")
     script = PROBE.replace('"', '\\"')
-    command = (f"mount -t tmpfs -o noexec,size=16m tmpfs {mount_point} && "
-               f"PRESCIENT_CACHE={mount_point} PRESCIENT_NATIVE=1 {sys.executable} -c \"{script}\"")
+    command = (
+        f"mount -t tmpfs -o noexec,size=16m tmpfs {mount_point} && "
+        f'PRESCIENT_CACHE={mount_point} PRESCIENT_NATIVE=1 {sys.executable} -c "{script}"'
+    )
     out = subprocess.run(prefix + [command], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "KERNEL pytorch" in out.stdout
@@ -132,6 +145,9 @@ def test_engine_starts_and_generates_with_a_hung_compiler(tmp_path):
         assert len(out.token_ids) == 3
         print("GENERATED", engine.runner.native_decode)
     """)
-    kernel, warnings, _ = probe({"PRESCIENT_CACHE": str(tmp_path / "cache"), "CC": str(hung),
-                                 "PRESCIENT_NATIVE_BUILD_TIMEOUT": "1"}, script=script, timeout=300)
+    kernel, warnings, _ = probe(
+        {"PRESCIENT_CACHE": str(tmp_path / "cache"), "CC": str(hung), "PRESCIENT_NATIVE_BUILD_TIMEOUT": "1"},
+        script=script,
+        timeout=300,
+    )
     assert kernel == "pytorch" and len(warnings) == 1

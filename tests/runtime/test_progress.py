@@ -1,5 +1,6 @@
 """Progress draws on a terminal only: a real pseudo-terminal shows the model load; a pipe, or a process that
 configured logging (the server does), shows nothing."""
+
 from __future__ import annotations
 
 import io
@@ -33,7 +34,7 @@ def run_on_pty(code: str) -> str:
     while True:
         try:
             chunk = os.read(leader, 4096)
-        except OSError:   # EIO: the child closed the terminal
+        except OSError:  # EIO: the child closed the terminal
             break
         if not chunk:
             break
@@ -51,8 +52,9 @@ def test_counts_to_the_total_on_a_terminal(monkeypatch):
         for _ in range(3):
             progress.update()
     lines = stream.getvalue().split("\r")
-    assert [line.split(": ")[1].split(" s")[0].rsplit(" ", 1)[0] for line in lines if "work:" in line][-1] \
-        == "3/3 (100%)"
+    assert [line.split(": ")[1].split(" s")[0].rsplit(" ", 1)[0] for line in lines if "work:" in line][
+        -1
+    ] == "3/3 (100%)"
     assert stream.getvalue().endswith("\n")
 
 

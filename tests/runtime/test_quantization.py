@@ -2,6 +2,7 @@
 
 Oracles: the gguf library's own dequantizer, x @ W^T over its dequantized
 weights, and the float32 engine's perplexity on a fixed text."""
+
 from __future__ import annotations
 
 import gguf
@@ -64,8 +65,9 @@ def test_default_runs_the_gguf_blocks_packed_at_float32_quality(engine_fp32, fp3
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_requantized_weights_stay_within_one_percent_perplexity(fp32_perplexity, quantization):
     """The GGUF dequantized to float, then quantized again on load, as a float checkpoint would be."""
-    engine = Engine.from_pretrained(dtype="bfloat16", device="cpu", kv_cache_bytes=16 << 20,
-                                    quantization=quantization)
+    engine = Engine.from_pretrained(
+        dtype="bfloat16", device="cpu", kv_cache_bytes=16 << 20, quantization=quantization
+    )
     assert isinstance(engine.model.layers[0].gate_up, Int4Linear)
     assert abs(perplexity(engine) / fp32_perplexity - 1) < 0.01
 

@@ -1,4 +1,5 @@
 """Sampling knobs and stop conditions, checked against their definitions."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,10 +15,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine_fp32):
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     alone = engine_fp32.generate([prompt], params)[0].token_ids
     others = [chat_ids(engine_fp32.tokenizer, f"Count to {n}.") for n in range(3)]
-    mixed = engine_fp32.generate(others + [prompt], [SamplingParams(max_tokens=20, temperature=1.0)] * 3 + [params])
+    mixed = engine_fp32.generate(
+        others + [prompt], [SamplingParams(max_tokens=20, temperature=1.0)] * 3 + [params]
+    )
     assert mixed[-1].token_ids == alone
-    other_seed = engine_fp32.generate([prompt], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95,
-                                                               seed=99, ignore_eos=True))[0].token_ids
+    other_seed = engine_fp32.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True)
+    )[0].token_ids
     assert other_seed != alone
 
 
@@ -48,7 +52,9 @@ def test_top_p_draws_only_from_the_nucleus():
 def test_temperature_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     gen = torch.Generator().manual_seed(7)
-    draws = [sample(probs.log().unsqueeze(0), [SamplingParams(temperature=1.0)], [gen])[0] for _ in range(3000)]
+    draws = [
+        sample(probs.log().unsqueeze(0), [SamplingParams(temperature=1.0)], [gen])[0] for _ in range(3000)
+    ]
     freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
     assert torch.allclose(freq, probs, atol=0.03)
 
@@ -57,10 +63,10 @@ def test_stop_string_is_removed_and_reported(engine_fp32):
     prompt = chat_ids(engine_fp32.tokenizer, "Count from 1 to 20, separated by commas.")
     free = engine_fp32.generate([prompt], SamplingParams(max_tokens=60, temperature=0))[0]
     assert "7" in free.text, free.text
-    stop_at = free.text[free.text.index("7"):free.text.index("7") + 2]
+    stop_at = free.text[free.text.index("7") : free.text.index("7") + 2]
     out = engine_fp32.generate([prompt], SamplingParams(max_tokens=60, temperature=0, stop=[stop_at]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
-    assert out.text == free.text[:free.text.index(stop_at)]
+    assert out.text == free.text[: free.text.index(stop_at)]
 
 
 def test_stop_token_ids_and_max_tokens(engine_fp32):
@@ -68,9 +74,11 @@ def test_stop_token_ids_and_max_tokens(engine_fp32):
     free = engine_fp32.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
     assert len(free.token_ids) == 16 and free.finish_reason == "length"
     target = free.token_ids[5]
-    out = engine_fp32.generate([prompt], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[target]))[0]
+    out = engine_fp32.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[target])
+    )[0]
     cut = free.token_ids.index(target)
-    assert out.token_ids == free.token_ids[:cut + 1]
+    assert out.token_ids == free.token_ids[: cut + 1]
     assert out.finish_reason == "stop" and out.stop_reason == target
 
 
@@ -79,22 +87,35 @@ def test_ignore_eos_runs_past_end_of_turn(engine_fp32):
     stopped = engine_fp32.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == engine_fp32.tokenizer.eos_token_id
     longer = engine_fp32.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
-    assert len(longer.token_ids) == 40 and longer.token_ids[:len(stopped.token_ids)] == stopped.token_ids
+    assert len(longer.token_ids) == 40 and longer.token_ids[: len(stopped.token_ids)] == stopped.token_ids
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-3), "top_k"),
-    (dict(max_tokens="8"), "max_tokens"), (dict(stop=[""]), "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-3), "top_k"),
+        (dict(max_tokens="8"), "max_tokens"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("penalties", [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
-                                       dict(repetition_penalty=1.3),
-                                       dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5)])
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        dict(frequency_penalty=1.5),
+        dict(presence_penalty=2.0),
+        dict(repetition_penalty=1.3),
+        dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5),
+    ],
+)
 def test_penalties_greedy_equal_transformers_with_the_published_formulas(engine_fp32, reference, penalties):
     """Greedy under penalties against transformers' forward, with the repetition penalty from transformers'
     own logits processor (prompt and output tokens) and OpenAI's documented frequency/presence formula
@@ -110,20 +131,30 @@ def test_penalties_greedy_equal_transformers_with_the_published_formulas(engine_
         for _ in range(24):
             logits = rep(ids, out.logits[:, -1].float().clone())[0]
             counts = torch.bincount(torch.tensor(expected, dtype=torch.int64), minlength=logits.shape[0])
-            logits -= penalties.get("frequency_penalty", 0) * counts + penalties.get("presence_penalty", 0) * (counts > 0)
+            logits -= penalties.get("frequency_penalty", 0) * counts + penalties.get(
+                "presence_penalty", 0
+            ) * (counts > 0)
             token = int(logits.argmax())
             expected.append(token)
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
             out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     plain = engine_fp32.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
-    got = engine_fp32.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                                        **penalties))[0]
+    got = engine_fp32.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **penalties)
+    )[0]
     assert got.token_ids == expected
     assert got.token_ids != plain.token_ids, "the penalty was meant to change this output"
 
 
-@pytest.mark.parametrize("kwargs", [dict(presence_penalty=2.5), dict(frequency_penalty=-3),
-                                    dict(repetition_penalty=0), dict(repetition_penalty="1")])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(repetition_penalty=0),
+        dict(repetition_penalty="1"),
+    ],
+)
 def test_bad_penalties_name_the_field(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)

@@ -1,4 +1,5 @@
 """Our tokenizer (built from the GGUF vocabulary) against transformers' on the same file."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,21 +26,32 @@ def test_encode_decode_match_transformers(engine_fp32, reference, text):
     assert ours.decode(ids, skip_special_tokens=False) == ref_tok.decode(ids, skip_special_tokens=False)
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Hi"}],
+        [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
+    ],
+)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(engine_fp32, reference, messages, add_generation_prompt):
     ref_tok, _ = reference
     ours = engine_fp32.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    theirs = ref_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    theirs = ref_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert ours == theirs
 
 
 def test_bad_messages_name_the_field(engine_fp32):
     with pytest.raises(ValueError, match=r"messages\[1\]\.content"):
-        engine_fp32.tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": 3}])
+        engine_fp32.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "user", "content": 3}]
+        )
     with pytest.raises(ValueError, match="non-empty"):
         engine_fp32.tokenizer.apply_chat_template([])

@@ -1,4 +1,5 @@
 """Bad input gets a ValueError that names the field and says the limit."""
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,9 @@ def test_unknown_model_path(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     with pytest.raises(ValueError, match="unsupported architecture"):
         Engine.from_pretrained(str(tmp_path))
 

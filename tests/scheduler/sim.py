@@ -3,6 +3,7 @@
 No tensors: each step every request that reaches its end gets one token. The
 simulation checks the block manager's invariants after every step.
 """
+
 from __future__ import annotations
 
 import random
@@ -10,15 +11,31 @@ import random
 from scheduler import Request, SamplingParams, Scheduler
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int, tenant: str = "default", weight: float = 1.0,
-                 arrival: float = 0.0, priority: int = 0, vocab: int = 50, seed: int = 0,
-                 prefix: list[int] = ()) -> Request:
+def make_request(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int,
+    tenant: str = "default",
+    weight: float = 1.0,
+    arrival: float = 0.0,
+    priority: int = 0,
+    vocab: int = 50,
+    seed: int = 0,
+    prefix: list[int] = (),
+) -> Request:
     """A request of prompt_len tokens: `prefix` (cut to prompt_len) then random ids from `seed`."""
     rng = random.Random(seed)
     prompt = list(prefix[:prompt_len]) + [rng.randrange(3, vocab) for _ in range(prompt_len - len(prefix))]
-    return Request(rid, prompt,
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_id=2, tenant=tenant,
-                   weight=weight, priority=priority, arrival_time=arrival)
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        eos_token_id=2,
+        tenant=tenant,
+        weight=weight,
+        priority=priority,
+        arrival_time=arrival,
+    )
 
 
 class ShadowKV:
@@ -36,7 +53,7 @@ class ShadowKV:
 
     def run(self, plan) -> None:
         bs = self.block_size
-        for src, dst in plan.block_copies:   # copy on write of a forked block, before the step
+        for src, dst in plan.block_copies:  # copy on write of a forked block, before the step
             for offset in range(bs):
                 if src * bs + offset in self.slots:
                     self.slots[dst * bs + offset] = self.slots[src * bs + offset]
@@ -67,10 +84,12 @@ def step(scheduler: Scheduler, token_of=lambda req: 7, kv: ShadowKV | None = Non
     sampled = {}
     for req, n in plan.scheduled:
         assert n >= 1
-        assert len(req.block_table) * bs >= req.num_computed_tokens + n, "blocks must cover the scheduled tokens"
+        assert len(req.block_table) * bs >= req.num_computed_tokens + n, (
+            "blocks must cover the scheduled tokens"
+        )
         if req.num_computed_tokens + n == req.num_tokens:
             sampled[req.request_id] = token_of(req)
-            for child in req.forks:   # sequences of the same prompt sample from its last row
+            for child in req.forks:  # sequences of the same prompt sample from its last row
                 sampled[child.request_id] = token_of(child)
     finished = scheduler.update_from_output(plan, sampled)
     check_invariants(scheduler)
@@ -90,7 +109,7 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert sum(t["running"] for t in tenants) == stats["num_running"] == len(scheduler.running)
     assert sum(t["waiting"] for t in tenants) == stats["num_waiting"] == len(list(scheduler.policy.waiting()))
     assert stats["num_running"] + stats["num_waiting"] == len(scheduler.requests)
-    slots = {}   # physical slots holding a computed token
+    slots = {}  # physical slots holding a computed token
     for r in scheduler.running:
         for p in range(r.num_computed_tokens):
             slots[r.block_table[p // bs] * bs + p % bs] = True

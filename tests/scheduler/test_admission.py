@@ -1,4 +1,5 @@
 """The admission rule alone: room() and check() agree at every boundary, and refusals name the field."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,7 @@ def test_room_is_the_largest_max_tokens_admitted(max_model_len, capacity):
 
 def test_kv_bound_counts_the_last_token_once():
     rule = AdmissionRule(max_model_len=10**6, kv_capacity_tokens=32)
-    rule.check(10, 23)                      # 32 tokens hold KV; the 33rd is sampled, never fed back
+    rule.check(10, 23)  # 32 tokens hold KV; the 33rd is sampled, never fed back
     with pytest.raises(InvalidRequestError, match="at most 23") as err:
         rule.check(10, 24)
     assert err.value.param == "max_tokens"

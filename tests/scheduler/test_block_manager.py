@@ -1,4 +1,5 @@
 """Block manager: ref counts, LRU eviction, prefix hits counted in tokens, no leaks."""
+
 from __future__ import annotations
 
 import random
@@ -24,7 +25,7 @@ def test_shared_prefix_reuses_blocks_and_counts_tokens():
     a = make_request("a", 10, 1)
     b = make_request("b", 11, 1, prefix=a.prompt_token_ids[:8] + [40, 41, 42])
     assert admit(bm, a) == 0
-    assert admit(bm, b) == 8          # two full blocks of 4 tokens shared
+    assert admit(bm, b) == 8  # two full blocks of 4 tokens shared
     assert a.block_table[:2] == b.block_table[:2]
     assert a.block_table[2] != b.block_table[2]
     assert bm.ref_counts[a.block_table[0]] == 2
@@ -37,12 +38,12 @@ def test_full_prompt_hit_leaves_last_token_to_compute():
     admit(bm, a)
     b = make_request("b", 8, 1)
     assert b.prompt_token_ids == a.prompt_token_ids
-    assert admit(bm, b) == 4          # not 8: the last block is recomputed to get logits
+    assert admit(bm, b) == 4  # not 8: the last block is recomputed to get logits
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_uncached_first_then_lru():
     bm = BlockManager(num_blocks=6, block_size=4)
-    first = make_request("first", 9, 1, seed=1)     # 3 blocks: 2 full (cached) + a partial tail
+    first = make_request("first", 9, 1, seed=1)  # 3 blocks: 2 full (cached) + a partial tail
     second = make_request("second", 9, 1, seed=2)
     admit(bm, first)
     bm.free(first)
@@ -53,12 +54,12 @@ def test_freed_blocks_stay_cached_and_are_evicted_uncached_first_then_lru():
     def hits(seed):
         return len(bm.find_cached_prefix(make_request("probe", 9, 1, seed=seed)))
 
-    assert hits(1) == 2 and hits(2) == 2       # both prefixes survive their owners
+    assert hits(1) == 2 and hits(2) == 2  # both prefixes survive their owners
     filler = make_request("filler", 8, 1, seed=3)
-    assert bm.allocate(filler, 8)             # takes the two uncached tails: nothing evicted
+    assert bm.allocate(filler, 8)  # takes the two uncached tails: nothing evicted
     assert hits(1) == 2 and hits(2) == 2
     more = make_request("more", 4, 1, seed=4)
-    assert bm.allocate(more, 4)               # least recently used: first's chain, deepest block first
+    assert bm.allocate(more, 4)  # least recently used: first's chain, deepest block first
     assert hits(1) == 1 and hits(2) == 2
     assert bm.allocate(more, 8 - more.num_computed_tokens)
     assert hits(1) == 0 and hits(2) == 2
@@ -66,15 +67,15 @@ def test_freed_blocks_stay_cached_and_are_evicted_uncached_first_then_lru():
 
 def test_a_cache_hit_makes_the_block_recently_used_again():
     bm = BlockManager(num_blocks=4, block_size=4)
-    first = make_request("first", 8, 1, seed=1)     # 2 full blocks; 1 block's worth is reused on a hit
+    first = make_request("first", 8, 1, seed=1)  # 2 full blocks; 1 block's worth is reused on a hit
     second = make_request("second", 8, 1, seed=2)
     admit(bm, first)
     admit(bm, second)
     bm.free(first)
     bm.free(second)
     again = make_request("again", 8, 1, seed=1)
-    assert admit(bm, again) == 4              # revives first's head block (ref 0 -> 1)
-    bm.free(again)                            # ... which is now more recent than second's blocks
+    assert admit(bm, again) == 4  # revives first's head block (ref 0 -> 1)
+    bm.free(again)  # ... which is now more recent than second's blocks
     filler = make_request("filler", 8, 1, seed=3)
     assert bm.allocate(filler, 8)
     assert len(bm.find_cached_prefix(make_request("p1", 8, 1, seed=1))) == 1
@@ -96,16 +97,24 @@ def test_allocation_fails_cleanly_when_short():
 @pytest.mark.parametrize("policy", ["fcfs", "vtc", "priority"])
 def test_random_mix_of_finish_abort_preempt_leaks_nothing(seed, policy):
     rng = random.Random(seed)
-    sched = Scheduler(SchedulerConfig(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=20,
-                                      policy=policy))
+    sched = Scheduler(
+        SchedulerConfig(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=20, policy=policy)
+    )
     reqs = {}
     shared = [rng.randrange(3, 50) for _ in range(12)]
     for i in range(40):
         prompt_len = rng.randrange(1, 30)
         prefix = shared if rng.random() < 0.4 else []
-        req = make_request(f"r{i}", max(prompt_len, len(prefix) + 1), rng.randrange(1, 20),
-                           tenant=rng.choice("abc"), priority=rng.randrange(3), arrival=i, seed=seed * 100 + i,
-                           prefix=prefix)
+        req = make_request(
+            f"r{i}",
+            max(prompt_len, len(prefix) + 1),
+            rng.randrange(1, 20),
+            tenant=rng.choice("abc"),
+            priority=rng.randrange(3),
+            arrival=i,
+            seed=seed * 100 + i,
+            prefix=prefix,
+        )
         reqs[req.request_id] = req
     pending = list(reqs.values())
     done = set()
@@ -118,7 +127,7 @@ def test_random_mix_of_finish_abort_preempt_leaks_nothing(seed, policy):
             victim = rng.choice(sorted(sched.requests))
             sched.abort_request(victim)
             done.add(victim)
-        if rng.random() < 0.03 and sched.running:   # the runtime saw a stop string
+        if rng.random() < 0.03 and sched.running:  # the runtime saw a stop string
             stopped = rng.choice(sched.running).request_id
             sched.finish_request(stopped, RequestStatus.FINISHED_STOPPED, "stop")
             done.add(stopped)

@@ -6,6 +6,7 @@ divided by the tenant's weight. Two backlogged tenants' weighted service must
 never differ by more than 2U, U = max(w_p x longest prompt, w_q x tokens that
 fit in a batch (the KV pool)).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -21,8 +22,14 @@ MAX_PROMPT, MAX_OUTPUT = 96, 48
 
 
 def config(policy: str, prefix_caching: bool = False) -> SchedulerConfig:
-    return SchedulerConfig(num_blocks=48, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
-                           policy=policy, enable_prefix_caching=prefix_caching)
+    return SchedulerConfig(
+        num_blocks=48,
+        block_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        policy=policy,
+        enable_prefix_caching=prefix_caching,
+    )
 
 
 def bound(cfg: SchedulerConfig) -> float:
@@ -47,10 +54,18 @@ class Workload:
             for _ in range(self.depth[tenant] - queued):
                 i = next(self.ids)
                 # self.shared: a system prompt every request starts with, served from the prefix cache
-                sched.add_request(make_request(f"{tenant}{i}", self.rng.randint(1, MAX_PROMPT),
-                                               self.rng.randint(1, MAX_OUTPUT), tenant=tenant,
-                                               weight=self.weights[tenant], arrival=float(i), seed=i,
-                                               prefix=self.shared))
+                sched.add_request(
+                    make_request(
+                        f"{tenant}{i}",
+                        self.rng.randint(1, MAX_PROMPT),
+                        self.rng.randint(1, MAX_OUTPUT),
+                        tenant=tenant,
+                        weight=self.weights[tenant],
+                        arrival=float(i),
+                        seed=i,
+                        prefix=self.shared,
+                    )
+                )
 
     def step(self, sched: Scheduler) -> None:
         """One scheduler step, booking prompt service at first admission and output service per token."""
@@ -64,11 +79,17 @@ class Workload:
                 self.service[req.tenant] += W_Q / self.weights[req.tenant]
 
 
-def max_gap(policy: str, weights: dict[str, float], seed: int, steps: int = 1500, shared_prefix: int = 0,
-            raw_service: dict | None = None) -> float:
+def max_gap(
+    policy: str,
+    weights: dict[str, float],
+    seed: int,
+    steps: int = 1500,
+    shared_prefix: int = 0,
+    raw_service: dict | None = None,
+) -> float:
     """Worst |weighted service of a - of b| over the run; raw_service, if given, gets tokens per tenant."""
     sched = Scheduler(config(policy, prefix_caching=bool(shared_prefix)))
-    load = Workload(seed, weights, depth={"a": 12, "b": 4}, shared_prefix=shared_prefix)   # a floods 3:1
+    load = Workload(seed, weights, depth={"a": 12, "b": 4}, shared_prefix=shared_prefix)  # a floods 3:1
     worst = 0.0
     for _ in range(steps):
         load.top_up(sched, weights)
@@ -117,12 +138,12 @@ def idle_return_gap(policy: VTCPolicy) -> tuple[float, float]:
     cfg = config("vtc")
     sched = Scheduler(cfg, policy)
     load = Workload(7, {"a": 1.0, "b": 1.0}, depth={"a": 8, "b": 4})
-    for i in range(1000):     # b has a few requests, then goes idle while a is served a lot
+    for i in range(1000):  # b has a few requests, then goes idle while a is served a lot
         load.top_up(sched, ["a"] if i else ["a", "b"])
         load.step(sched)
     start = dict(load.service)
     worst = 0.0
-    for _ in range(800):      # both backlogged again
+    for _ in range(800):  # both backlogged again
         load.top_up(sched, ["a", "b"])
         load.step(sched)
         got_a = load.service["a"] - start["a"]
@@ -134,7 +155,7 @@ def idle_return_gap(policy: VTCPolicy) -> tuple[float, float]:
 
 def test_tenant_returning_from_idle_gets_no_burst():
     worst, banked = idle_return_gap(VTCPolicy(W_P, W_Q))
-    assert banked > 10 * bound(config("vtc"))   # a was served far more than the bound while b was idle
+    assert banked > 10 * bound(config("vtc"))  # a was served far more than the bound while b was idle
     assert worst <= bound(config("vtc")), worst
 
 

@@ -1,6 +1,7 @@
 """The runner's narrow view of the plan is enough: a runner that keeps its own per-sequence state from
 new_requests / cached_requests / finished and preempted ids (and appends what it samples) always holds
 exactly the scheduler's token ids and block table for every request it is asked to run."""
+
 from __future__ import annotations
 
 import random
@@ -17,7 +18,7 @@ class PlanOnlyRunner:
     def __init__(self):
         self.tokens: dict[str, list[int]] = {}
         self.tables: dict[str, list[int]] = {}
-        self.forks: dict[str, tuple[int, list[str]]] = {}   # id -> (prompt length, its forks' ids)
+        self.forks: dict[str, tuple[int, list[str]]] = {}  # id -> (prompt length, its forks' ids)
 
     def apply(self, plan) -> None:
         for rid in plan.finished_request_ids + plan.preempted_request_ids:
@@ -41,7 +42,7 @@ class PlanOnlyRunner:
         for rid, n in plan.num_scheduled_tokens.items():
             if self.computed[rid] + n == len(self.tokens[rid]):
                 prompt_len, forks = self.forks[rid]
-                if self.computed[rid] < prompt_len:   # a prompt ends: its forks draw a first token too
+                if self.computed[rid] < prompt_len:  # a prompt ends: its forks draw a first token too
                     sampled.update((child, token_of(child)) for child in forks)
                 sampled[rid] = token_of(rid)
                 self.tokens[rid].append(sampled[rid])
@@ -51,13 +52,22 @@ class PlanOnlyRunner:
 def drive(seed: int, policy: str) -> int:
     """A random workload (shared prefixes, a small pool, aborts, stop strings); returns the preemptions."""
     rng = random.Random(seed)
-    sched = Scheduler(SchedulerConfig(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16,
-                                      policy=policy))
+    sched = Scheduler(
+        SchedulerConfig(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, policy=policy)
+    )
     shared = [rng.randrange(3, 50) for _ in range(12)]
-    pending = [make_request(f"r{i}", rng.randrange(13, 30) if rng.random() < 0.4 else rng.randrange(1, 30),
-                            rng.randrange(1, 20), tenant=rng.choice("ab"), arrival=i, seed=seed * 100 + i,
-                            prefix=shared if rng.random() < 0.4 else [])
-               for i in range(30)]
+    pending = [
+        make_request(
+            f"r{i}",
+            rng.randrange(13, 30) if rng.random() < 0.4 else rng.randrange(1, 30),
+            rng.randrange(1, 20),
+            tenant=rng.choice("ab"),
+            arrival=i,
+            seed=seed * 100 + i,
+            prefix=shared if rng.random() < 0.4 else [],
+        )
+        for i in range(30)
+    ]
     runner = PlanOnlyRunner()
     preemptions = 0
     for _ in range(3000):
@@ -71,7 +81,7 @@ def drive(seed: int, policy: str) -> int:
         preemptions += len(plan.preempted)
         assert [r.request_id for r, _ in plan.scheduled] == list(plan.num_scheduled_tokens)
         runner.apply(plan)
-        for req, _ in plan.scheduled:   # what the runner holds is the scheduler's truth
+        for req, _ in plan.scheduled:  # what the runner holds is the scheduler's truth
             assert runner.tokens[req.request_id] == req.all_token_ids
             assert runner.tables[req.request_id] == req.block_table
             assert runner.computed[req.request_id] == req.num_computed_tokens
@@ -81,7 +91,7 @@ def drive(seed: int, policy: str) -> int:
         if not pending and not sched.has_unfinished_requests():
             break
     assert not pending and not sched.has_unfinished_requests()
-    runner.apply(sched.schedule())   # the last finishes reach the runner with the next plan
+    runner.apply(sched.schedule())  # the last finishes reach the runner with the next plan
     assert not runner.tokens
     return preemptions
 
@@ -96,6 +106,7 @@ def test_forks_and_their_copies_on_write_reach_the_runner():
     """n > 1: the forks start from the parent's blocks; a shared partial block copied on write under a
     sequence the runner already holds replaces that entry of its table (CachedRequestData)."""
     from tests.scheduler.test_fork import forked
+
     sched = Scheduler(SchedulerConfig(num_blocks=40, block_size=4, max_num_batched_tokens=64))
     sched.add_request(forked("a", 10, 4, max_tokens=9))
     sched.add_request(forked("b", 7, 3, max_tokens=6))

@@ -1,4 +1,5 @@
 """The step contract the runtime codes against: plans, lazy blocks, stops, aborts, preemption, stats."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,7 @@ def test_plan_names_the_tokens_and_blocks_cover_them_before_num_computed_advance
     assert req.all_token_ids[-2:] == [req.prompt_token_ids[-1], 11]
     assert req.first_token_time is not None
     plan = s.schedule()
-    assert plan.scheduled == [(req, 1)]          # decode: the token sampled last step
+    assert plan.scheduled == [(req, 1)]  # decode: the token sampled last step
 
 
 def test_blocks_are_allocated_lazily_for_the_scheduled_chunk_only():
@@ -46,7 +47,7 @@ def test_blocks_are_allocated_lazily_for_the_scheduled_chunk_only():
     s.add_request(req)
     _, _, plan = step(s)
     assert plan.scheduled == [(req, 8)]
-    assert len(req.block_table) == 2             # 8 tokens of 40, not 10 blocks up front
+    assert len(req.block_table) == 2  # 8 tokens of 40, not 10 blocks up front
     assert s.stats()["live_token_slots"] == s.stats()["allocated_token_slots"] == 8
 
 
@@ -86,12 +87,15 @@ def test_max_num_seqs_caps_the_running_batch():
     assert len(run_to_end(s)) == 7
 
 
-@pytest.mark.parametrize("params, token, status, length, reason", [
-    (SamplingParams(max_tokens=5), 2, RequestStatus.FINISHED_STOPPED, 1, None),           # eos
-    (SamplingParams(max_tokens=5, ignore_eos=True), 2, RequestStatus.FINISHED_LENGTH, 5, None),
-    (SamplingParams(max_tokens=5, stop_token_ids=[9]), 9, RequestStatus.FINISHED_STOPPED, 1, 9),
-    (SamplingParams(max_tokens=4), 7, RequestStatus.FINISHED_LENGTH, 4, None),
-])
+@pytest.mark.parametrize(
+    "params, token, status, length, reason",
+    [
+        (SamplingParams(max_tokens=5), 2, RequestStatus.FINISHED_STOPPED, 1, None),  # eos
+        (SamplingParams(max_tokens=5, ignore_eos=True), 2, RequestStatus.FINISHED_LENGTH, 5, None),
+        (SamplingParams(max_tokens=5, stop_token_ids=[9]), 9, RequestStatus.FINISHED_STOPPED, 1, 9),
+        (SamplingParams(max_tokens=4), 7, RequestStatus.FINISHED_LENGTH, 4, None),
+    ],
+)
 def test_stop_conditions(params, token, status, length, reason):
     s = sched()
     req = Request("r", [5, 6, 7], params, eos_token_id=2)
@@ -150,7 +154,7 @@ def test_preemption_recomputes_from_scratch_and_keeps_generated_tokens():
         if plan.preempted:
             preempted = plan.preempted
             break
-    assert preempted == [new]                      # fcfs: the newest
+    assert preempted == [new]  # fcfs: the newest
     assert new.status is RequestStatus.PREEMPTED and new.num_preemptions == 1
     assert new.num_computed_tokens == 0 and new.block_table == [] and new.num_output_tokens > 0
     assert s.num_waiting == 1 and s.stats()["num_preemptions"] == 1
@@ -158,7 +162,7 @@ def test_preemption_recomputes_from_scratch_and_keeps_generated_tokens():
     while new.status is RequestStatus.PREEMPTED:
         _, _, plan = step(s)
     assert new.status is RequestStatus.RUNNING
-    assert new.output_token_ids[:len(generated)] == generated
+    assert new.output_token_ids[: len(generated)] == generated
     run_to_end(s)
     assert old.num_output_tokens == new.num_output_tokens == 12
 
@@ -180,7 +184,7 @@ def test_a_request_at_its_end_without_a_sampled_token_is_rolled_back_not_stalled
     req = make_request("r", 5, 2)
     s.add_request(req)
     plan = s.schedule()
-    s.update_from_output(plan, {})                 # the runtime sampled nothing
+    s.update_from_output(plan, {})  # the runtime sampled nothing
     assert req.num_computed_tokens == 4
     plan = s.schedule()
     assert plan.scheduled == [(req, 1)]
@@ -189,13 +193,13 @@ def test_a_request_at_its_end_without_a_sampled_token_is_rolled_back_not_stalled
 
 
 def test_request_that_can_never_fit_is_refused_upfront():
-    cfg = SchedulerConfig(num_blocks=4, block_size=4)     # 16 token slots
-    cfg.check_request(10, 7)                              # 16 tokens hold KV; the 17th never does
+    cfg = SchedulerConfig(num_blocks=4, block_size=4)  # 16 token slots
+    cfg.check_request(10, 7)  # 16 tokens hold KV; the 17th never does
     with pytest.raises(ValueError, match="max_tokens"):
         cfg.check_request(10, 8)
     SchedulerConfig(num_blocks=4, block_size=4, max_model_len=12).check_request(10, 100)
     s = Scheduler(cfg)
-    with pytest.raises(ValueError, match="prompt"):      # the prompt alone overfills the pool
+    with pytest.raises(ValueError, match="prompt"):  # the prompt alone overfills the pool
         s.add_request(make_request("big", 17, 1))
     s.add_request(make_request("ok", 16, 1))
     with pytest.raises(ValueError, match="request_id"):
@@ -230,12 +234,12 @@ def test_config_errors_name_the_field():
 
 def test_a_victim_already_planned_this_step_leaves_the_batch_and_returns_its_budget():
     s = sched(num_blocks=2, policy="vtc", watermark=0.0)
-    heavy = make_request("heavy", 2, 5, tenant="h", arrival=0.0)      # room left in its block
-    light = make_request("light", 4, 4, tenant="l", arrival=1.0, seed=1)   # its next token needs a block
+    heavy = make_request("heavy", 2, 5, tenant="h", arrival=0.0)  # room left in its block
+    light = make_request("light", 4, 4, tenant="l", arrival=1.0, seed=1)  # its next token needs a block
     s.add_request(heavy)
     s.add_request(light)
     step(s)
-    s.policy.charge_output(heavy, 100)          # h is far above its share
+    s.policy.charge_output(heavy, 100)  # h is far above its share
     plan = s.schedule()
     assert plan.preempted == [heavy] and plan.scheduled == [(light, 1)] and plan.num_batched_tokens == 1
     assert heavy.status is RequestStatus.PREEMPTED and heavy.block_table == []

@@ -1,4 +1,5 @@
 """Real servers on loopback (`python -m server` subprocesses) and the offline engine as the oracle."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,6 @@ import time
 import urllib.request
 
 import pytest
-
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,8 +29,18 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"prescient-server-{self.port}.log")
         self.log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--dtype", dtype,
-               "--kv-cache-bytes", kv_cache, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "server",
+            "--port",
+            str(self.port),
+            "--dtype",
+            dtype,
+            "--kv-cache-bytes",
+            kv_cache,
+            *args,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -91,12 +101,14 @@ def server():
 @pytest.fixture(scope="session")
 def offline_engine():
     from runtime import Engine
+
     return Engine.from_pretrained(dtype="float32", device="cpu", kv_cache_bytes=128 << 20)
 
 
 @pytest.fixture
 def client(server):
     from openai import OpenAI
+
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -105,7 +117,8 @@ def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
     deadline = time.time() + timeout
     while True:
         m = server.metrics()
-        if (m["prescient:num_requests_running{}"] == 0 and m["prescient:num_requests_waiting{}"] == 0) \
-                or time.time() > deadline:
+        if (
+            m["prescient:num_requests_running{}"] == 0 and m["prescient:num_requests_waiting{}"] == 0
+        ) or time.time() > deadline:
             return m
         time.sleep(0.1)

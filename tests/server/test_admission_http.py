@@ -1,5 +1,6 @@
 """Over HTTP, a request that cannot fit is a 400 whose envelope names the field in `param`, and the
 largest max_tokens the server says fits is admitted."""
+
 from __future__ import annotations
 
 import json

@@ -1,10 +1,10 @@
 """API keys map callers to tenants (and 401 otherwise); SIGTERM drains in-flight work and exits 0."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 import signal
-import time
 
 import aiohttp
 import pytest
@@ -23,8 +23,12 @@ def keyed_server(tmp_path_factory):
 
 def test_missing_and_wrong_keys_get_401(keyed_server):
     for key in ("sk-wrong", ""):
-        client = OpenAI(base_url=keyed_server.url + "/v1", api_key=key or "x", max_retries=0,
-                        default_headers={} if key else {"Authorization": ""})
+        client = OpenAI(
+            base_url=keyed_server.url + "/v1",
+            api_key=key or "x",
+            max_retries=0,
+            default_headers={} if key else {"Authorization": ""},
+        )
         with pytest.raises(AuthenticationError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert info.value.status_code == 401
@@ -34,8 +38,13 @@ def test_missing_and_wrong_keys_get_401(keyed_server):
 def test_keys_bill_their_tenants(keyed_server):
     for key, tokens in (("sk-alpha", 5), ("sk-beta", 3)):
         client = OpenAI(base_url=keyed_server.url + "/v1", api_key=key, max_retries=0)
-        out = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=tokens, extra_body={
-            "ignore_eos": True}, user="ignored-when-keys-are-set")
+        out = client.completions.create(
+            model=MODEL,
+            prompt="Hello there",
+            max_tokens=tokens,
+            extra_body={"ignore_eos": True},
+            user="ignored-when-keys-are-set",
+        )
         assert out.usage.completion_tokens == tokens
     m = wait_idle(keyed_server)
     prompt = out.usage.prompt_tokens
@@ -52,9 +61,11 @@ def test_keys_bill_their_tenants(keyed_server):
 def test_tenant_labels_are_capped(server, client):
     for i in range(40):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, user=f"user-{i}")
-    client.completions.create(model=MODEL, prompt="x", max_tokens=1)   # no user: tenant "default"
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1)  # no user: tenant "default"
     m = wait_idle(server)
-    tenants = {k.split("tenant=")[1].rstrip("}") for k in m if k.startswith("prescient:tenant_service_tokens_total")}
+    tenants = {
+        k.split("tenant=")[1].rstrip("}") for k in m if k.startswith("prescient:tenant_service_tokens_total")
+    }
     # 32 free-form names, then "other"; "default" (like API-key tenants) always keeps its own label
     assert len(tenants) <= 34 and {"other", "default"} <= tenants
 
@@ -62,15 +73,19 @@ def test_tenant_labels_are_capped(server, client):
 def test_sigterm_drains_in_flight_requests_then_exits_zero():
     server = Server("--drain-timeout", "60")
     try:
+
         async def main():
             async with aiohttp.ClientSession() as session:
+
                 async def long_one(i):
-                    async with session.post(server.url + "/v1/completions", json={
-                            "prompt": f"Essay {i}:", "max_tokens": 40, "ignore_eos": True}) as r:
+                    async with session.post(
+                        server.url + "/v1/completions",
+                        json={"prompt": f"Essay {i}:", "max_tokens": 40, "ignore_eos": True},
+                    ) as r:
                         return r.status, await r.json()
 
                 tasks = [asyncio.create_task(long_one(i)) for i in range(4)]
-                await asyncio.sleep(1.0)                       # they are running now
+                await asyncio.sleep(1.0)  # they are running now
                 server.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 try:

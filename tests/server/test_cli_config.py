@@ -1,5 +1,6 @@
 """The CLI's flags are built from EngineConfig and ServerConfig: same defaults, one flag per field,
 and sizes read the way the whole project reads them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,25 +27,51 @@ def test_every_setting_has_a_flag():
 
 
 def test_flags_reach_the_nested_config():
-    args = parse_args(["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--policy", "fcfs",
-                       "--no-prefix-caching", "--dtype", "float32", "--kv-cache-bytes", "256MiB",
-                       "--num-threads", "2"])
+    args = parse_args(
+        [
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "128",
+            "--policy",
+            "fcfs",
+            "--no-prefix-caching",
+            "--dtype",
+            "float32",
+            "--kv-cache-bytes",
+            "256MiB",
+            "--num-threads",
+            "2",
+        ]
+    )
     config = engine_config(args)
-    assert config.scheduler == dataclasses.replace(SchedulerConfig(), max_num_seqs=8,
-                                                   max_num_batched_tokens=128, policy="fcfs",
-                                                   enable_prefix_caching=False)
+    assert config.scheduler == dataclasses.replace(
+        SchedulerConfig(),
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        policy="fcfs",
+        enable_prefix_caching=False,
+    )
     assert config.model.dtype == "float32"
     assert config.cache.kv_cache_bytes == 256 << 20
     assert config.parallel.num_threads == 2
 
 
-@pytest.mark.parametrize("text, expected", [("1G", 1 << 30), ("1GiB", 1 << 30), ("1GB", 10**9),
-                                            ("512M", 512 << 20), ("512MB", 512 * 10**6),
-                                            ("1073741824", 1 << 30)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1G", 1 << 30),
+        ("1GiB", 1 << 30),
+        ("1GB", 10**9),
+        ("512M", 512 << 20),
+        ("512MB", 512 * 10**6),
+        ("1073741824", 1 << 30),
+    ],
+)
 def test_one_size_reading_everywhere(text, expected):
-    assert parse_size(text, "x") == expected                                   # the loader's options
-    assert CacheConfig(text).kv_cache_bytes == expected                        # the engine's config
-    assert parse_args(["--kv-cache-bytes", text]).kv_cache_bytes == expected   # the server's flag
+    assert parse_size(text, "x") == expected  # the loader's options
+    assert CacheConfig(text).kv_cache_bytes == expected  # the engine's config
+    assert parse_args(["--kv-cache-bytes", text]).kv_cache_bytes == expected  # the server's flag
 
 
 def test_bad_settings_name_the_field():

@@ -1,4 +1,5 @@
 """Clients that vanish mid-stream free everything; more requests than the queue admits get 429."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,15 @@ from tests.server.conftest import MODEL, running_server, wait_idle
 
 async def stream_and_vanish(session: aiohttp.ClientSession, url: str, i: int, rng: random.Random) -> int:
     """Read a random number of chunks (maybe none), then drop the connection."""
-    body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 200, "ignore_eos": True,
-            "stream": True, "temperature": 0.8, "seed": i}
+    body = {
+        "model": MODEL,
+        "prompt": f"Story {i}: once upon a time",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0.8,
+        "seed": i,
+    }
     keep = rng.randrange(0, 12)
     read = 0
     try:
@@ -34,8 +42,9 @@ async def vanish_during_wait(url: str) -> None:
     timeout = aiohttp.ClientTimeout(total=0.3)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         try:
-            await session.post(url + "/v1/completions", json={"prompt": "Long essay:", "max_tokens": 300,
-                                                               "ignore_eos": True})
+            await session.post(
+                url + "/v1/completions", json={"prompt": "Long essay:", "max_tokens": 300, "ignore_eos": True}
+            )
         except asyncio.TimeoutError:
             pass
 
@@ -46,8 +55,10 @@ def test_fifty_disconnecting_streams_free_every_block(server):
     async def main():
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
-            reads = await asyncio.gather(*(stream_and_vanish(session, server.url, i, rng) for i in range(50)),
-                                         *(vanish_during_wait(server.url) for _ in range(5)))
+            reads = await asyncio.gather(
+                *(stream_and_vanish(session, server.url, i, rng) for i in range(50)),
+                *(vanish_during_wait(server.url) for _ in range(5)),
+            )
         return reads
 
     reads = asyncio.run(main())
@@ -59,17 +70,24 @@ def test_fifty_disconnecting_streams_free_every_block(server):
     assert after["prescient:request_success_total{finished_reason=abort}"] >= 50
     # and the server still answers
     import urllib.request
-    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(
-        {"prompt": "Hi", "max_tokens": 2}).encode(), headers={"Content-Type": "application/json"})
+
+    req = urllib.request.Request(
+        server.url + "/v1/completions",
+        data=json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status == 200
 
 
 def test_overload_gets_429_with_retry_after_and_the_rest_complete():
     with running_server("--max-num-seqs", "2", "--max-waiting", "3") as server:
+
         async def one(session, i):
-            async with session.post(server.url + "/v1/completions", json={
-                    "prompt": f"Item {i}:", "max_tokens": 24, "ignore_eos": True}) as resp:
+            async with session.post(
+                server.url + "/v1/completions",
+                json={"prompt": f"Item {i}:", "max_tokens": 24, "ignore_eos": True},
+            ) as resp:
                 return resp.status, resp.headers.get("Retry-After"), await resp.json()
 
         async def main():
@@ -85,7 +103,7 @@ def test_overload_gets_429_with_retry_after_and_the_rest_complete():
         assert all(r[1] is not None and int(r[1]) >= 1 for r in rejected)
         assert all(r[2]["error"]["type"] == "rate_limit_error" for r in rejected)
         assert all(r[2]["usage"]["completion_tokens"] == 24 for r in ok)
-        counted = server.metrics()   # what an operator's 429 alert reads
+        counted = server.metrics()  # what an operator's 429 alert reads
         assert counted["prescient:http_responses_total{code=429,handler=/v1/completions}"] == len(rejected)
         assert counted["prescient:http_responses_total{code=200,handler=/v1/completions}"] == len(ok)
         assert counted["prescient:requests_rejected_total{reason=queue_full}"] == len(rejected)

@@ -1,5 +1,6 @@
 """After --drain-timeout, what is still running is aborted for real: streams end with an error event and
 [DONE], waiting clients get a 503 envelope, and the process exits 0 soon after (inside the k8s grace period)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +16,13 @@ from tests.server.conftest import Server
 def test_requests_outliving_the_drain_timeout_are_aborted_cleanly():
     server = Server("--drain-timeout", "2")
     try:
+
         async def stream(session):
             events = []
-            async with session.post(server.url + "/v1/completions", json={
-                    "prompt": "An endless story:", "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
+            async with session.post(
+                server.url + "/v1/completions",
+                json={"prompt": "An endless story:", "max_tokens": 4000, "ignore_eos": True, "stream": True},
+            ) as r:
                 assert r.status == 200
                 async for line in r.content:
                     if line.startswith(b"data: "):
@@ -26,15 +30,17 @@ def test_requests_outliving_the_drain_timeout_are_aborted_cleanly():
             return events
 
         async def wait_whole(session):
-            async with session.post(server.url + "/v1/completions", json={
-                    "prompt": "Another endless story:", "max_tokens": 4000, "ignore_eos": True}) as r:
+            async with session.post(
+                server.url + "/v1/completions",
+                json={"prompt": "Another endless story:", "max_tokens": 4000, "ignore_eos": True},
+            ) as r:
                 return r.status, await r.json()
 
         async def main():
             async with aiohttp.ClientSession() as session:
                 tasks = [asyncio.create_task(stream(session)) for _ in range(2)]
                 tasks.append(asyncio.create_task(wait_whole(session)))
-                await asyncio.sleep(2.0)                       # all running, streams have tokens
+                await asyncio.sleep(2.0)  # all running, streams have tokens
                 server.proc.send_signal(signal.SIGTERM)
                 sent = time.monotonic()
                 results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
@@ -45,7 +51,7 @@ def test_requests_outliving_the_drain_timeout_are_aborted_cleanly():
             assert events[-1] == b"[DONE]"
             error = json.loads(events[-2])["error"]
             assert error["code"] == "shutdown" and "retry" in error["message"]
-            assert any(json.loads(e)["choices"][0]["text"] for e in events[:-2])   # tokens came before
+            assert any(json.loads(e)["choices"][0]["text"] for e in events[:-2])  # tokens came before
         assert status == 503 and body["error"]["code"] == "shutdown"
         assert answered_after < 2 + 10
         assert server.proc.wait(timeout=30) == 0

@@ -4,6 +4,7 @@ The HTTP-level test (test_disconnect_overload) shows it under random timing; the
 pin the timings that raced: a request added and abandoned before the engine
 thread's next iteration.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,11 +26,11 @@ async def test_abandoned_before_the_engine_thread_sees_it(offline_engine):
     bridge = AsyncEngine(offline_engine)
     outputs = bridge.generate("Hello there", SamplingParams(max_tokens=200, ignore_eos=True), "early-leaver")
     first = asyncio.create_task(outputs.__anext__())
-    await asyncio.sleep(0.05)          # the add is queued; the engine thread has not started
+    await asyncio.sleep(0.05)  # the add is queued; the engine thread has not started
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
-    await outputs.aclose()             # the consumer left: the abort is queued behind the add
-    bridge.start()                     # one iteration sees both
+    await outputs.aclose()  # the consumer left: the abort is queued behind the add
+    bridge.start()  # one iteration sees both
     try:
         stats = await _idle(bridge)
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0
@@ -43,8 +44,9 @@ async def test_abandoned_mid_stream_frees_its_blocks(offline_engine):
     bridge.start()
     try:
         got = 0
-        async for out in bridge.generate("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True),
-                                         "mid-leaver"):
+        async for out in bridge.generate(
+            "Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True), "mid-leaver"
+        ):
             got = len(out.token_ids)
             if got >= 3:
                 break
@@ -61,9 +63,11 @@ async def test_a_stalled_reader_gets_coalesced_outputs_not_a_backlog(offline_eng
     bridge = AsyncEngine(offline_engine)
     bridge.start()
     try:
-        outputs = bridge.generate("Once upon a time", SamplingParams(max_tokens=40, ignore_eos=True), "stalled")
-        first = await outputs.__anext__()                 # the request is running
-        while bridge.stats()["num_running"]:              # ...and the reader stalls until it is done
+        outputs = bridge.generate(
+            "Once upon a time", SamplingParams(max_tokens=40, ignore_eos=True), "stalled"
+        )
+        first = await outputs.__anext__()  # the request is running
+        while bridge.stats()["num_running"]:  # ...and the reader stalls until it is done
             await asyncio.sleep(0.05)
         rest = [out async for out in outputs]
         assert len(rest) == 1 and rest[0].finished and len(rest[0].token_ids) == 40

@@ -2,6 +2,7 @@
 
 Everything is real: `python -m server` on loopback, its core process, signals.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
@@ -67,8 +69,10 @@ def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
 
         # through the core: batched prompts, logit_bias and min_tokens work; n > 1 and logprobs are a 400
-        status, body = _post(server.url, {"prompt": ["Hello", [1, 2, 3]], "max_tokens": 2, "min_tokens": 2,
-                                          "logit_bias": {"0": -100}})
+        status, body = _post(
+            server.url,
+            {"prompt": ["Hello", [1, 2, 3]], "max_tokens": 2, "min_tokens": 2, "logit_bias": {"0": -100}},
+        )
         assert status == 200 and [c["index"] for c in json.loads(body)["choices"]] == [0, 1]
         for field, extra in (("n", {"n": 2}), ("logprobs", {"logprobs": 1}), ("n", {"best_of": 2})):
             status, body = _post(server.url, {"prompt": "Hello", "max_tokens": 2, **extra})
@@ -76,11 +80,15 @@ def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
             assert status == 400 and error["param"] == field and "--engine-process" in error["message"], body
 
         # a stream in flight when the core dies ends with an error event and [DONE], not a hang
-        req = urllib.request.Request(server.url + "/v1/completions", json.dumps({
-            "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}).encode(),
-            {"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            server.url + "/v1/completions",
+            json.dumps(
+                {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            ).encode(),
+            {"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=60) as stream:
-            assert stream.readline().startswith(b"data: ")   # the first token arrived: the request runs
+            assert stream.readline().startswith(b"data: ")  # the first token arrived: the request runs
             os.kill(core, signal.SIGKILL)
             events = [line[6:].strip() for line in stream.read().split(b"\n") if line.startswith(b"data: ")]
         assert events[-1] == b"[DONE]"
@@ -111,8 +119,21 @@ def test_a_killed_server_takes_its_core_with_it():
 
 
 def test_a_core_that_cannot_load_is_a_startup_error():
-    proc = subprocess.run([sys.executable, "-m", "server", "--model", "/nonexistent/model.gguf",
-                           "--port", "1", "--engine-process"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--port",
+            "1",
+            "--engine-process",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "model" in proc.stderr and "Traceback" not in proc.stderr

@@ -4,6 +4,7 @@ The fault is injected (named so): the model runner raises whenever a marked prom
 for any bug or hardware fault inside a step. Everything else is real: the model, the engine thread, the aiohttp
 app on loopback.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,9 @@ def faulty_engine(offline_engine, monkeypatch):
     real_execute = runner.execute
 
     def execute_with_injected_fault(plan):
-        if ARMED.is_set() and any(req.prompt_token_ids[:3] == POISON and req.output_token_ids
-                                  for req, _ in plan.scheduled):
+        if ARMED.is_set() and any(
+            req.prompt_token_ids[:3] == POISON and req.output_token_ids for req, _ in plan.scheduled
+        ):
             raise RuntimeError("injected fault: secret detail that must not reach the client")
         return real_execute(plan)
 
@@ -50,8 +52,9 @@ async def test_failing_step_is_a_500_for_its_request_and_the_engine_keeps_servin
     url = str(server.make_url("")).rstrip("/")
     try:
         async with aiohttp.ClientSession() as session:
-            status, body = await _post(session, url, {"prompt": POISON + [28, 29], "max_tokens": 3,
-                                                     "ignore_eos": True})
+            status, body = await _post(
+                session, url, {"prompt": POISON + [28, 29], "max_tokens": 3, "ignore_eos": True}
+            )
             assert status == 500
             error = json.loads(body)["error"]
             assert error["code"] == "engine_error" and "RuntimeError" in error["message"]
@@ -59,20 +62,26 @@ async def test_failing_step_is_a_500_for_its_request_and_the_engine_keeps_servin
 
             # streaming: the stream ends with an error event, then [DONE]
             ARMED.clear()
-            async with session.post(url + "/v1/completions", json={
-                    "prompt": POISON + [30], "max_tokens": 50, "stream": True, "ignore_eos": True}) as resp:
+            async with session.post(
+                url + "/v1/completions",
+                json={"prompt": POISON + [30], "max_tokens": 50, "stream": True, "ignore_eos": True},
+            ) as resp:
                 assert resp.status == 200
                 events = []
                 async for line in resp.content:
                     if line.startswith(b"data: "):
                         events.append(line[6:].strip())
-                        ARMED.set()   # the stream has started: now let the fault fire
+                        ARMED.set()  # the stream has started: now let the fault fire
             assert events[-1] == b"[DONE]"
             assert json.loads(events[-2])["error"]["code"] == "engine_error"
 
             # the engine still serves, concurrently too, and is healthy
-            results = await asyncio.gather(*(_post(session, url, {"prompt": f"Count {i}:", "max_tokens": 4,
-                                                                  "ignore_eos": True}) for i in range(4)))
+            results = await asyncio.gather(
+                *(
+                    _post(session, url, {"prompt": f"Count {i}:", "max_tokens": 4, "ignore_eos": True})
+                    for i in range(4)
+                )
+            )
             assert [s for s, _ in results] == [200] * 4
             assert all(json.loads(b)["usage"]["completion_tokens"] == 4 for _, b in results)
             async with session.get(url + "/health") as resp:
@@ -115,15 +124,17 @@ async def test_request_arriving_while_the_engine_dies_gets_an_error(offline_engi
     try:
         first = asyncio.create_task(_drain(bridge.generate("Hello", SamplingParams(max_tokens=3))))
         await died.wait()
-        late = [asyncio.create_task(_drain(bridge.generate(f"Late {i}", SamplingParams(max_tokens=3))))
-                for i in range(20)]
+        late = [
+            asyncio.create_task(_drain(bridge.generate(f"Late {i}", SamplingParams(max_tokens=3))))
+            for i in range(20)
+        ]
         results = await asyncio.wait_for(asyncio.gather(first, *late, return_exceptions=True), timeout=30)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert bridge.num_in_flight == 0
     finally:
         monkeypatch.undo()
         await bridge.shutdown()
-        for request_id in list(offline_engine._tracked):   # leave the shared engine clean for other tests
+        for request_id in list(offline_engine._tracked):  # leave the shared engine clean for other tests
             offline_engine.abort_request(request_id)
 
 

@@ -3,6 +3,7 @@
 After the whole table the engine still serves (a request that killed the engine thread would leave every
 later request with a 500), and /health is still ok.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -12,10 +13,10 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.server.conftest import running_server
-from tests.server.test_bad_inputs import COMP, CHAT, MSG, call
+from tests.server.test_bad_inputs import CHAT, COMP, MSG, call
 
-HUGE_INT = "9" * 4300 + "1"   # beyond Python's int-from-string limit: json.loads itself raises ValueError
-BIG_INT = "9" * 4000          # within the limit: a real int, but no float holds it
+HUGE_INT = "9" * 4300 + "1"  # beyond Python's int-from-string limit: json.loads itself raises ValueError
+BIG_INT = "9" * 4000  # within the limit: a real int, but no float holds it
 
 
 def raw(template: str) -> bytes:
@@ -27,44 +28,116 @@ CASES = [
     ("temperature NaN", COMP, raw('{"prompt": "Hello", "max_tokens": 3, "temperature": NaN}'), 400, "NaN"),
     ("top_p NaN", COMP, raw('{"prompt": "Hello", "max_tokens": 3, "top_p": NaN}'), 400, "NaN"),
     ("temperature Infinity", COMP, raw('{"prompt": "Hello", "temperature": Infinity}'), 400, "Infinity"),
-    ("penalty -Infinity", CHAT, raw('{"messages": [{"role": "user", "content": "hi"}], '
-                                    '"presence_penalty": -Infinity}'), 400, "Infinity"),
-    ("NaN deep inside", CHAT, raw('{"messages": [{"role": "user", "content": "hi"}], '
-                                  '"metadata": {"a": [1, NaN]}}'), 400, "NaN"),
+    (
+        "penalty -Infinity",
+        CHAT,
+        raw('{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": -Infinity}'),
+        400,
+        "Infinity",
+    ),
+    (
+        "NaN deep inside",
+        CHAT,
+        raw('{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": [1, NaN]}}'),
+        400,
+        "NaN",
+    ),
     ("float overflowing to inf", COMP, raw('{"prompt": "Hello", "top_p": 1e400}'), 400, "finite"),
     ("4,300-digit max_tokens", COMP, raw('{"prompt": "Hello", "max_tokens": %s}' % HUGE_INT), 400, "digits"),
-    ("4,000-digit temperature", COMP, raw('{"prompt": "Hello", "temperature": %s}' % BIG_INT), 400,
-     "'temperature'"),
+    (
+        "4,000-digit temperature",
+        COMP,
+        raw('{"prompt": "Hello", "temperature": %s}' % BIG_INT),
+        400,
+        "'temperature'",
+    ),
     ("4,000-digit seed", COMP, raw('{"prompt": "Hello", "seed": %s}' % BIG_INT), 400, "'seed'"),
     ("seed beyond 64 bits", COMP, raw('{"prompt": "Hello", "seed": 18446744073709551616}'), 400, "64 bits"),
-    ("4,000-digit presence_penalty", COMP, raw('{"prompt": "Hello", "presence_penalty": -%s}' % BIG_INT), 400,
-     "'presence_penalty'"),
-    ("nested 50,000 deep", COMP, raw('{"prompt": "Hello", "x": ' + "[" * 50_000 + "]" * 50_000 + "}"), 400,
-     "nested"),
+    (
+        "4,000-digit presence_penalty",
+        COMP,
+        raw('{"prompt": "Hello", "presence_penalty": -%s}' % BIG_INT),
+        400,
+        "'presence_penalty'",
+    ),
+    (
+        "nested 50,000 deep",
+        COMP,
+        raw('{"prompt": "Hello", "x": ' + "[" * 50_000 + "]" * 50_000 + "}"),
+        400,
+        "nested",
+    ),
     ("nested objects 50,000 deep", CHAT, raw('{"a": ' * 50_000 + "1" + "}" * 50_000), 400, "nested"),
     ("invalid UTF-8", COMP, b'{"prompt": "caf\xe9 \xff"}', 400, "UTF-8"),
     ("wrong type: messages a string", CHAT, raw('{"messages": "hello"}'), 400, "'messages'"),
-    ("wrong type: temperature a list", COMP, raw('{"prompt": "x", "temperature": [1]}'), 400, "'temperature'"),
-    ("wrong type: role an object", CHAT, raw('{"messages": [{"role": {"x": 1}, "content": "hi"}]}'), 400,
-     "role"),
-    ("100,000 stop strings", COMP, json.dumps({"prompt": "x", "stop": ["a"] * 100_000}).encode(), 400,
-     "'stop' may hold at most"),
-    ("a 100,000-character stop string", COMP, json.dumps({"prompt": "x", "stop": "z" * 100_000}).encode(), 400,
-     "'stop' strings may be at most"),
-    ("100,000 stop token ids", COMP, json.dumps({"prompt": "x", "stop_token_ids": [5] * 100_000}).encode(), 400,
-     "'stop_token_ids'"),
-    ("priority raised above the caller's own", COMP, raw('{"prompt": "x", "priority": -1}'), 400, "'priority'"),
-    ("priority a 4,000-digit integer", COMP, raw('{"prompt": "x", "priority": %s}' % BIG_INT), 400, "'priority'"),
-    ("huge role string", CHAT, raw('{"messages": [{"role": "%s", "content": "hi"}]}' % ("r" * 100_000)), 400,
-     "role"),
+    (
+        "wrong type: temperature a list",
+        COMP,
+        raw('{"prompt": "x", "temperature": [1]}'),
+        400,
+        "'temperature'",
+    ),
+    (
+        "wrong type: role an object",
+        CHAT,
+        raw('{"messages": [{"role": {"x": 1}, "content": "hi"}]}'),
+        400,
+        "role",
+    ),
+    (
+        "100,000 stop strings",
+        COMP,
+        json.dumps({"prompt": "x", "stop": ["a"] * 100_000}).encode(),
+        400,
+        "'stop' may hold at most",
+    ),
+    (
+        "a 100,000-character stop string",
+        COMP,
+        json.dumps({"prompt": "x", "stop": "z" * 100_000}).encode(),
+        400,
+        "'stop' strings may be at most",
+    ),
+    (
+        "100,000 stop token ids",
+        COMP,
+        json.dumps({"prompt": "x", "stop_token_ids": [5] * 100_000}).encode(),
+        400,
+        "'stop_token_ids'",
+    ),
+    (
+        "priority raised above the caller's own",
+        COMP,
+        raw('{"prompt": "x", "priority": -1}'),
+        400,
+        "'priority'",
+    ),
+    (
+        "priority a 4,000-digit integer",
+        COMP,
+        raw('{"prompt": "x", "priority": %s}' % BIG_INT),
+        400,
+        "'priority'",
+    ),
+    (
+        "huge role string",
+        CHAT,
+        raw('{"messages": [{"role": "%s", "content": "hi"}]}' % ("r" * 100_000)),
+        400,
+        "role",
+    ),
 ]
 
 ACCEPTED = [
     # Bodies that are odd but valid: the answer is a 200, and the engine must survive the step.
-    ("repetition_penalty 1e-300", {"prompt": "Hello", "max_tokens": 3, "repetition_penalty": 1e-300,
-                                   "temperature": 1.0, "seed": 1}),
-    ("repetition_penalty 1e-300, greedy", {"prompt": "Hello", "max_tokens": 3, "repetition_penalty": 1e-300,
-                                           "temperature": 0}),
+    (
+        "repetition_penalty 1e-300",
+        {"prompt": "Hello", "max_tokens": 3, "repetition_penalty": 1e-300, "temperature": 1.0, "seed": 1},
+    ),
+    (
+        "repetition_penalty 1e-300, greedy",
+        {"prompt": "Hello", "max_tokens": 3, "repetition_penalty": 1e-300, "temperature": 0},
+    ),
     ("temperature 1e-300", {"prompt": "Hello", "max_tokens": 3, "temperature": 1e-300}),
     ("duplicate keys: the last one wins", raw('{"prompt": "Hello", "max_tokens": 0, "max_tokens": 2}')),
 ]
@@ -87,11 +160,19 @@ def test_odd_but_valid_body_is_served(server, case):
 
 
 def test_temperature_too_small_for_float32_is_greedy(server):
-    greedy = call(server.url, "POST", COMP, {"prompt": "The capital of France is", "max_tokens": 8,
-                                             "temperature": 0, "ignore_eos": True})
+    greedy = call(
+        server.url,
+        "POST",
+        COMP,
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+    )
     for tiny in (1e-300, 1e-40, 1e-6):
-        code, payload, _ = call(server.url, "POST", COMP, {"prompt": "The capital of France is", "max_tokens": 8,
-                                                           "temperature": tiny, "ignore_eos": True})
+        code, payload, _ = call(
+            server.url,
+            "POST",
+            COMP,
+            {"prompt": "The capital of France is", "max_tokens": 8, "temperature": tiny, "ignore_eos": True},
+        )
         assert code == 200, payload
         assert payload["choices"][0]["text"] == greedy[1]["choices"][0]["text"]
 
@@ -118,7 +199,7 @@ def _post_with_authorization(url: str, authorization: bytes) -> tuple[int, dict]
         conn.putrequest("POST", "/v1/completions")
         conn.putheader("Content-Type", "application/json")
         conn.putheader("Content-Length", str(len(body)))
-        conn.putheader("Authorization", authorization)   # bytes go on the wire as they are
+        conn.putheader("Authorization", authorization)  # bytes go on the wire as they are
         conn.endheaders(body)
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read())

@@ -1,4 +1,5 @@
 """After a burst of concurrent streams, /metrics agrees with what the clients were served."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +11,15 @@ from tests.server.conftest import MODEL, wait_idle
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, i: int) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Write {i + 2} words about rivers."}],
-            "max_tokens": 8 + i % 11, "temperature": 0.7, "seed": i, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Write {i + 2} words about rivers."}],
+        "max_tokens": 8 + i % 11,
+        "temperature": 0.7,
+        "seed": i,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     usage, pieces = None, 0
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
@@ -54,14 +61,20 @@ def test_metrics_match_a_burst_of_streams(server):
     assert delta("prescient:request_prompt_tokens_sum{}") == prompt
     assert delta("prescient:request_generation_tokens_sum{}") == completion
     reasons = {k: v for k, v in after.items() if k.startswith("prescient:request_success_total")}
-    assert sum(reasons.values()) - sum(v for k, v in before.items()
-                                       if k.startswith("prescient:request_success_total")) == n
+    assert (
+        sum(reasons.values())
+        - sum(v for k, v in before.items() if k.startswith("prescient:request_success_total"))
+        == n
+    )
     # histogram buckets are cumulative and end at the count
-    assert after['prescient:time_to_first_token_seconds_bucket{le=+Inf}'] == \
-        after["prescient:time_to_first_token_seconds_count{}"]
+    assert (
+        after["prescient:time_to_first_token_seconds_bucket{le=+Inf}"]
+        == after["prescient:time_to_first_token_seconds_count{}"]
+    )
     assert after["prescient:kv_cache_usage_perc{}"] == 0
-    served = sum(v for k, v in after.items() if k.startswith("prescient:tenant_service_tokens_total")) - \
-        sum(v for k, v in before.items() if k.startswith("prescient:tenant_service_tokens_total"))
+    served = sum(v for k, v in after.items() if k.startswith("prescient:tenant_service_tokens_total")) - sum(
+        v for k, v in before.items() if k.startswith("prescient:tenant_service_tokens_total")
+    )
     assert served == prompt + completion
 
 
@@ -69,11 +82,17 @@ def test_prefix_cache_metrics_count_hits(server, client):
     before = wait_idle(server)
     system = "You are a careful assistant for a bakery. " * 8
     for question in ("What bread is best for toast?", "Do you sell croissants?"):
-        client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
-            {"role": "system", "content": system}, {"role": "user", "content": question}])
+        client.chat.completions.create(
+            model=MODEL,
+            max_tokens=2,
+            temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )
     after = wait_idle(server)
     hits = after["prescient:prefix_cache_hits_total{}"] - before["prescient:prefix_cache_hits_total{}"]
-    queries = after["prescient:prefix_cache_queries_total{}"] - before["prescient:prefix_cache_queries_total{}"]
+    queries = (
+        after["prescient:prefix_cache_queries_total{}"] - before["prescient:prefix_cache_queries_total{}"]
+    )
     assert hits >= 64 and queries > hits
 
 
@@ -87,7 +106,7 @@ def test_ttft_is_recorded_for_streams_abandoned_after_their_first_token(server):
         async with session.post(server.url + "/v1/completions", json=body) as resp:
             async for line in resp.content:
                 if line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                    return   # leaving the block drops the connection
+                    return  # leaving the block drops the connection
 
     async def main():
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
@@ -95,7 +114,13 @@ def test_ttft_is_recorded_for_streams_abandoned_after_their_first_token(server):
 
     asyncio.run(main())
     after = wait_idle(server)
-    assert after["prescient:request_success_total{finished_reason=abort}"] - \
-        before.get("prescient:request_success_total{finished_reason=abort}", 0) == 3
-    assert after["prescient:time_to_first_token_seconds_count{}"] - \
-        before["prescient:time_to_first_token_seconds_count{}"] == 3
+    assert (
+        after["prescient:request_success_total{finished_reason=abort}"]
+        - before.get("prescient:request_success_total{finished_reason=abort}", 0)
+        == 3
+    )
+    assert (
+        after["prescient:time_to_first_token_seconds_count{}"]
+        - before["prescient:time_to_first_token_seconds_count{}"]
+        == 3
+    )

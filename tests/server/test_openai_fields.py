@@ -1,5 +1,6 @@
 """The OpenAI fields evaluation harnesses and SDK users send (batched prompts, echo, logprobs, logit_bias,
 min_tokens), through the official openai client, sync and async, streaming and not."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,9 +21,11 @@ def transformers_model():
     from transformers import AutoModelForCausalLM
 
     from runtime.checkpoint import default_model_path
+
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -36,7 +39,9 @@ def test_echo_logprobs_is_transformers_log_likelihood(client, offline_engine, tr
     assert "".join(lp.tokens) == TEXT
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
     with torch.no_grad():
-        logits = transformers_model(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits
+        logits = transformers_model(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+        ).logits
     ref = torch.log_softmax(logits[0].float(), dim=-1)
     for pos in range(1, len(ids)):
         assert abs(lp.token_logprobs[pos] - ref[pos - 1, ids[pos]].item()) < 1e-3
@@ -44,7 +49,11 @@ def test_echo_logprobs_is_transformers_log_likelihood(client, offline_engine, tr
 
 
 def test_batched_prompts_are_indexed_prompt_major(client, offline_engine):
-    prompts = ["The capital of France is", "One, two, three,", offline_engine.tokenizer.encode("Water boils at")]
+    prompts = [
+        "The capital of France is",
+        "One, two, three,",
+        offline_engine.tokenizer.encode("Water boils at"),
+    ]
     resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     expected = offline_engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
@@ -57,35 +66,49 @@ def test_streamed_batch_with_echo_and_logprobs_assembles(client, offline_engine)
     prompts = ["The capital of France is", "One, two, three,"]
     expected = offline_engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0, logprobs=2))
     texts, tokens, finish = ["", ""], [[], []], [None, None]
-    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, logprobs=2,
-                                           echo=True, stream=True):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=5, temperature=0, logprobs=2, echo=True, stream=True
+    ):
         c = chunk.choices[0]
         texts[c.index] += c.text
         tokens[c.index] += c.logprobs.token_logprobs if c.logprobs else []
         finish[c.index] = c.finish_reason or finish[c.index]
     for i, e in enumerate(expected):
         assert texts[i] == prompts[i] + e.text and finish[i] == e.finish_reason
-        generated = tokens[i][len(e.prompt_token_ids):]
+        generated = tokens[i][len(e.prompt_token_ids) :]
         assert tokens[i][0] is None and len(tokens[i]) == len(e.prompt_token_ids) + len(e.token_ids)
         assert generated == pytest.approx([s.logprob for s in e.logprobs], abs=1e-4)
 
 
 def test_chat_logprobs_sync_and_async_streaming(client, server, offline_engine):
     messages = [{"role": "user", "content": "Name a color."}]
-    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = resp.choices[0].logprobs.content
     assert "".join(t.token for t in content) == resp.choices[0].message.content
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for t in content)
     assert all(bytes(t.bytes).decode("utf-8", "replace") == t.token for t in content)
 
     async def streamed():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as aclient:
-            stream = await aclient.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
-                                                           temperature=0, logprobs=True, top_logprobs=3,
-                                                           stream=True)
-            return [t async for chunk in stream if chunk.choices and chunk.choices[0].logprobs
-                    for t in chunk.choices[0].logprobs.content]
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0
+        ) as aclient:
+            stream = await aclient.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=8,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=3,
+                stream=True,
+            )
+            return [
+                t
+                async for chunk in stream
+                if chunk.choices and chunk.choices[0].logprobs
+                for t in chunk.choices[0].logprobs.content
+            ]
 
     got = asyncio.run(streamed())
     assert [t.token for t in got] == [t.token for t in content]
@@ -94,22 +117,31 @@ def test_chat_logprobs_sync_and_async_streaming(client, server, offline_engine):
 
 def test_logit_bias_and_min_tokens_over_http(client, offline_engine):
     forced = offline_engine.tokenizer.encode(" banana")[0]
-    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
-                                     logit_bias={str(forced): 100})
+    resp = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(forced): 100}
+    )
     assert resp.choices[0].text == " banana" * 3
-    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
-                                     extra_body={"min_tokens": 5, "stop_token_ids": [forced]},
-                                     logit_bias={str(forced): 100})
+    resp = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"min_tokens": 5, "stop_token_ids": [forced]},
+        logit_bias={str(forced): 100},
+    )
     assert resp.usage.completion_tokens == 5 and "banana" not in resp.choices[0].text
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(prompt="Hi", max_tokens=0), "max_tokens"),
-    (dict(prompt="Hi", logprobs=21), "logprobs"),
-    (dict(prompt=["Hi", 3]), "prompt"),
-    (dict(prompt="Hi", logit_bias={"x": 1}), "logit_bias"),
-    (dict(prompt="Hi", max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(prompt="Hi", max_tokens=0), "max_tokens"),
+        (dict(prompt="Hi", logprobs=21), "logprobs"),
+        (dict(prompt=["Hi", 3]), "prompt"),
+        (dict(prompt="Hi", logit_bias={"x": 1}), "logit_bias"),
+        (dict(prompt="Hi", max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
+    ],
+)
 def test_bad_fields_name_the_param(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, **kwargs)
@@ -118,18 +150,29 @@ def test_bad_fields_name_the_param(client, kwargs, param):
 
 def test_n_choices_sync_and_async_stream_each_with_its_seed(client, server, offline_engine):
     prompt = "My favourite fruit is"
-    resp = client.completions.create(model=MODEL, prompt=[prompt, "Hi"], max_tokens=6, temperature=1.0, seed=7,
-                                     n=3)
+    resp = client.completions.create(
+        model=MODEL, prompt=[prompt, "Hi"], max_tokens=6, temperature=1.0, seed=7, n=3
+    )
     assert [c.index for c in resp.choices] == list(range(6))
-    alone = [offline_engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=7 + j))[0].text
-             for j in range(3)]
+    alone = [
+        offline_engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=7 + j))[0].text
+        for j in range(3)
+    ]
     assert [c.text for c in resp.choices[:3]] == alone
 
     async def streamed():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as aclient:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0
+        ) as aclient:
             stream = await aclient.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6,
-                temperature=1.0, seed=3, n=2, stream=True)
+                model=MODEL,
+                messages=[{"role": "user", "content": "Name a fruit."}],
+                max_tokens=6,
+                temperature=1.0,
+                seed=3,
+                n=2,
+                stream=True,
+            )
             texts, finish = ["", ""], [None, None]
             async for chunk in stream:
                 for c in chunk.choices:
@@ -141,15 +184,19 @@ def test_n_choices_sync_and_async_stream_each_with_its_seed(client, server, offl
     messages = [{"role": "user", "content": "Name a fruit."}]
     ids = offline_engine.tokenizer.apply_chat_template(messages, tokenize=True)
     for j in range(2):
-        expected = offline_engine.generate([ids], SamplingParams(max_tokens=6, temperature=1.0, seed=3 + j))[0]
+        expected = offline_engine.generate([ids], SamplingParams(max_tokens=6, temperature=1.0, seed=3 + j))[
+            0
+        ]
         assert texts[j] == expected.text and finish[j] == expected.finish_reason
 
 
 def test_best_of_returns_the_most_likely_of_its_samples(client, offline_engine):
     prompt = "My favourite fruit is"
-    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0, seed=21, n=1,
-                                     best_of=3)
-    samples = offline_engine.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=21, n=3,
-                                                               logprobs=0))
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0, seed=21, n=1, best_of=3
+    )
+    samples = offline_engine.generate(
+        [prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=21, n=3, logprobs=0)
+    )
     best = max(samples, key=lambda o: sum(s.logprob for s in o.logprobs) / len(o.logprobs))
     assert len(resp.choices) == 1 and resp.choices[0].text == best.text and resp.choices[0].logprobs is None

@@ -1,5 +1,6 @@
 """A real Prometheus scrapes the server and a training loader; the dashboards' queries and the rules run
 on what it stored."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,8 +21,13 @@ from tests.server.conftest import MODEL, ROOT, free_port, wait_idle
 DASHBOARDS = os.path.join(ROOT, "deploy", "grafana", "dashboards")
 RULES = os.path.join(ROOT, "deploy", "prometheus", "rules.yml")
 TRAIN_EXAMPLE = os.path.join(ROOT, "deploy", "examples", "train", "train.py")
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*", "$instance": ".*", "$tenant": ".*",
-                     "$loader": ".*"}   # what Grafana puts in with "All" selected
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "1m",
+    "$model_name": ".*",
+    "$instance": ".*",
+    "$tenant": ".*",
+    "$loader": ".*",
+}  # what Grafana puts in with "All" selected
 
 
 def api(base: str, path: str, **params) -> dict:
@@ -52,8 +58,15 @@ def training_loader():
     `prescient:loader_x` samples as `prescient_loader_x`; the text format keeps the names.)
     """
     from loader import DataLoader
-    dl = DataLoader(Squares(), batch_size=8, shuffle=True, cache_ram="1MiB", name="train",
-                    generator=torch.Generator().manual_seed(0))
+
+    dl = DataLoader(
+        Squares(),
+        batch_size=8,
+        shuffle=True,
+        cache_ram="1MiB",
+        name="train",
+        generator=torch.Generator().manual_seed(0),
+    )
     for _ in range(2):
         for _ in dl:
             pass
@@ -77,11 +90,19 @@ def prometheus(server, training_loader, tmp_path_factory):
         "scrape_configs:\n"
         f"  - job_name: prescient\n    static_configs: [{{targets: ['127.0.0.1:{server.port}']}}]\n"
         "  - job_name: prescient-train\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{training_loader}']}}]\n")
+        f"    static_configs: [{{targets: ['127.0.0.1:{training_loader}']}}]\n"
+    )
     port = free_port()
-    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                            stderr=open(work / "log", "w"))
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(work / "log", "w"),
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -116,7 +137,9 @@ def scraped(base: str, expr: str, want: float, timeout: float = 20) -> float:
 def test_prometheus_sees_what_was_served(server, client, prometheus):
     served = 0
     for i in range(3):
-        out = client.completions.create(model=MODEL, prompt=f"Fact {i}:", max_tokens=6, extra_body={"ignore_eos": True})
+        out = client.completions.create(
+            model=MODEL, prompt=f"Fact {i}:", max_tokens=6, extra_body={"ignore_eos": True}
+        )
         served += out.usage.completion_tokens
     own = wait_idle(server)["prescient:generation_tokens_total{}"]
     assert served == 18 and own >= served
@@ -145,7 +168,7 @@ def test_every_dashboard_query_returns_real_data(server, client, prometheus, nam
         reply = api(prometheus, "/api/v1/query", query=grafana(expr))
         assert reply["status"] == "success", (expr, reply)
         assert reply["data"]["result"], f"no series for {expr!r}"
-    for variable in dashboard["templating"]["list"]:   # label_values(metric{...}, label): the values offered
+    for variable in dashboard["templating"]["list"]:  # label_values(metric{...}, label): the values offered
         metric, label = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["definition"]).groups()
         values = api(prometheus, f"/api/v1/label/{label}/values", **{"match[]": grafana(metric)})["data"]
         assert values, f"template variable {variable['name']} offers nothing"
@@ -157,15 +180,19 @@ def test_rules_evaluate_on_real_metrics(server, client, prometheus):
     while True:
         groups = api(prometheus, "/api/v1/rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        evaluated = rules and all(r.get("lastEvaluation", "").startswith("2") and r["health"] != "unknown"
-                                  for r in rules)
+        evaluated = rules and all(
+            r.get("lastEvaluation", "").startswith("2") and r["health"] != "unknown" for r in rules
+        )
         if evaluated or time.time() > deadline:
             break
         time.sleep(0.5)
     assert len(rules) >= 15
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
     names = set(api(prometheus, "/api/v1/label/__name__/values")["data"])
-    assert "prescient:generation_tokens:rate5m" in names   # recording rules write series
-    firing = [a["labels"]["alertname"] for a in api(prometheus, "/api/v1/alerts")["data"]["alerts"]
-              if a["state"] == "firing"]
-    assert firing == [], firing   # a healthy idle server and loader raise nothing
+    assert "prescient:generation_tokens:rate5m" in names  # recording rules write series
+    firing = [
+        a["labels"]["alertname"]
+        for a in api(prometheus, "/api/v1/alerts")["data"]["alerts"]
+        if a["state"] == "firing"
+    ]
+    assert firing == [], firing  # a healthy idle server and loader raise nothing

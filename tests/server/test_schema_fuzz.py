@@ -4,6 +4,7 @@ loopback: valid and invalid bodies alike get no 5xx and no hang, and the server 
 The server runs with a short context (--max-model-len) so that any valid body generates briefly, which
 keeps the whole run well under a minute of fuzzing.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,27 +37,40 @@ def test_no_route_answers_5xx_or_hangs(fuzz_server):
     seen = []
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=8, deadline=None, derandomize=True, database=None,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=8,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             def fuzz(case):
-                response = case.call(timeout=30)   # a hang fails here
+                response = case.call(timeout=30)  # a hang fails here
                 seen.append(response.status_code)
-                assert response.status_code < 500, (case.method, case.path, str(case.body)[:300],
-                                                     response.text[:300])
+                assert response.status_code < 500, (
+                    case.method,
+                    case.path,
+                    str(case.body)[:300],
+                    response.text[:300],
+                )
                 if response.status_code >= 400 and "json" in response.headers.get("Content-Type", ""):
                     error = response.json()["error"]
                     assert error["message"] and "Traceback" not in error["message"]
 
             try:
                 fuzz()
-            except Unsatisfiable:   # no invalid input exists for a route without parameters (GET /health)
+            except Unsatisfiable:  # no invalid input exists for a route without parameters (GET /health)
                 assert mode is GenerationMode.NEGATIVE
     assert len(seen) >= 50 and any(s == 200 for s in seen) and any(400 <= s < 500 for s in seen)
 
     # and the server still answers
-    req = urllib.request.Request(fuzz_server.url + "/v1/completions", data=json.dumps(
-        {"prompt": "Hello", "max_tokens": 3}).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        fuzz_server.url + "/v1/completions",
+        data=json.dumps({"prompt": "Hello", "max_tokens": 3}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1
     with urllib.request.urlopen(fuzz_server.url + "/health", timeout=10) as r:

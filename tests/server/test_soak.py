@@ -1,6 +1,7 @@
 """A bounded soak on loopback: concurrent streams, a third of the clients vanish at random points, some
 readers stall, some requests are hostile. Afterwards nothing is stuck, the KV cache is empty, nothing runs
 or waits, and the server's memory has not grown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +14,14 @@ import aiohttp
 
 from tests.server.conftest import MODEL, wait_idle
 
-HOSTILE = [b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": 1e400}',
-           b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", b'{"prompt": "\xff\xfe"}',
-           json.dumps({"prompt": "x", "stop": ["s"] * 1000}).encode(), b'{"prompt": "x", "max_tokens": -1}']
+HOSTILE = [
+    b'{"prompt": "x", "temperature": NaN}',
+    b'{"prompt": "x", "top_p": 1e400}',
+    b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+    b'{"prompt": "\xff\xfe"}',
+    json.dumps({"prompt": "x", "stop": ["s"] * 1000}).encode(),
+    b'{"prompt": "x", "max_tokens": -1}',
+]
 
 
 def rss_bytes(pid: int) -> int:
@@ -26,13 +32,20 @@ def rss_bytes(pid: int) -> int:
 async def client(session: aiohttp.ClientSession, url: str, i: int, rng: random.Random) -> str:
     kind = rng.choices(["normal", "vanish", "stall", "hostile"], weights=[4, 4, 2, 2])[0]
     if kind == "hostile":
-        async with session.post(url + "/v1/completions", data=rng.choice(HOSTILE),
-                                headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(
+            url + "/v1/completions", data=rng.choice(HOSTILE), headers={"Content-Type": "application/json"}
+        ) as resp:
             assert 400 <= resp.status < 500, resp.status
         return kind
     chat = rng.random() < 0.5
-    body = {"model": MODEL, "max_tokens": rng.randrange(4, 40), "stream": True, "temperature": 0.8, "seed": i,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "max_tokens": rng.randrange(4, 40),
+        "stream": True,
+        "temperature": 0.8,
+        "seed": i,
+        "ignore_eos": True,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": f"Tell story {i}."}]
     else:
@@ -46,9 +59,9 @@ async def client(session: aiohttp.ClientSession, url: str, i: int, rng: random.R
                 continue
             events += 1
             if leave_after is not None and events > leave_after:
-                return kind                      # drop the connection mid-stream
+                return kind  # drop the connection mid-stream
             if kind == "stall":
-                await asyncio.sleep(rng.uniform(0.05, 0.4))   # a slow reader
+                await asyncio.sleep(rng.uniform(0.05, 0.4))  # a slow reader
             if line.strip() == b"data: [DONE]":
                 return kind
     raise AssertionError(f"stream {i} ({kind}) ended without [DONE]")
@@ -59,17 +72,19 @@ def test_soak(server):
         rng = random.Random(seed)
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
+
             async def staggered(i):
                 await asyncio.sleep(rng.uniform(0, 3))
                 return await client(session, server.url, i, rng)
+
             return await asyncio.wait_for(asyncio.gather(*(staggered(i) for i in range(n))), timeout=240)
 
-    asyncio.run(round_of(12, seed=1))            # warm-up: allocator pools, caches
+    asyncio.run(round_of(12, seed=1))  # warm-up: allocator pools, caches
     wait_idle(server)
     before = rss_bytes(server.proc.pid)
     started = time.monotonic()
     kinds = []
-    while time.monotonic() - started < 30:       # bounded: about half a minute of load
+    while time.monotonic() - started < 30:  # bounded: about half a minute of load
         kinds += asyncio.run(round_of(24, seed=len(kinds) + 2))
     after_metrics = wait_idle(server, timeout=60)
     after = rss_bytes(server.proc.pid)
@@ -79,5 +94,5 @@ def test_soak(server):
     assert after_metrics["prescient:num_requests_waiting{}"] == 0
     assert after_metrics["prescient:kv_cache_usage_perc{}"] == 0.0
     assert after - before < 64 << 20, f"RSS grew by {(after - before) >> 20} MiB over {len(kinds)} clients"
-    with urllib.request.urlopen(server.url + "/health", timeout=10) as r:   # and it still answers
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as r:  # and it still answers
         assert r.status == 200

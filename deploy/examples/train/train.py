@@ -9,6 +9,7 @@ after the first epoch storage is read only for samples the rank has not seen yet
 (`prescient:loader_*`) are served in Prometheus's text format on `--metrics-port` + local rank.
 Each rank writes its losses and loader stats to `--out`/rank<N>.json when asked.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ from torch.utils.data import DistributedSampler
 
 from loader import DataLoader, FileDataset
 
-SIDE = 12        # pixels per image side
+SIDE = 12  # pixels per image side
 CLASSES = 4
 
 
@@ -38,12 +39,12 @@ def make_dataset(root: str, samples: int, seed: int = 0) -> None:
     for i in range(samples):
         k = i % CLASSES
         image = torch.randint(0, 160, (SIDE, SIDE), generator=generator, dtype=torch.uint8)
-        image[3 * k: 3 * k + 3] += 40
+        image[3 * k : 3 * k + 3] += 40
         header = f"P5\n{SIDE} {SIDE}\n255\n".encode()
         path = os.path.join(root, f"class{k}", f"{i:05d}.pgm")
         with open(path + ".tmp", "wb") as f:
             f.write(header + image.numpy().tobytes())
-        os.replace(path + ".tmp", path)   # another rank never sees half a file
+        os.replace(path + ".tmp", path)  # another rank never sees half a file
 
 
 def decode_pgm(raw: bytes) -> torch.Tensor:
@@ -92,8 +93,13 @@ def serve_metrics(port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
 
 
 def model() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                         nn.Linear(8 * (SIDE // 2) ** 2, CLASSES))
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8 * (SIDE // 2) ** 2, CLASSES),
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,8 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-ram", default="16MiB")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve /metrics on this port + the local rank (0: off)")
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="serve /metrics on this port + the local rank (0: off)"
+    )
     p.add_argument("--read-log", default=None, help="append each storage read's index to FILE.rank<N>")
     p.add_argument("--out", default=None, help="write rank<N>.json (losses, loader stats) here")
     return p.parse_args(argv)
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     if distributed:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:   # once per node: pods do not share a disk
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per node: pods do not share a disk
         make_dataset(args.data, args.samples, args.seed)
     if distributed:
         dist.barrier()
@@ -130,8 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     read_log = f"{args.read_log}.rank{rank}" if args.read_log else None
     dataset = LoggedFiles(args.data, read_log)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                        cache_ram=args.cache_ram, name="train")
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.workers,
+        cache_ram=args.cache_ram,
+        name="train",
+    )
     torch.manual_seed(args.seed)
     net = model()
     if distributed:
@@ -147,14 +160,23 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.step()
             losses.append(loss.item())
         if rank == 0:
-            print(f"epoch {epoch}: loss {sum(losses[-len(loader):]) / len(loader):.3f}", flush=True)
+            print(f"epoch {epoch}: loss {sum(losses[-len(loader) :]) / len(loader):.3f}", flush=True)
     stats = loader.stats()
     loader.close()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "world": world, "losses": losses, "stats": stats,
-                       "samples": len(dataset), "paths": dataset.paths}, f)
+            json.dump(
+                {
+                    "rank": rank,
+                    "world": world,
+                    "losses": losses,
+                    "stats": stats,
+                    "samples": len(dataset),
+                    "paths": dataset.paths,
+                },
+                f,
+            )
     if distributed:
         dist.destroy_process_group()
 
