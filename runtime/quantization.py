@@ -78,7 +78,9 @@ class GGUFBlocks:
         return w.reshape(n, k)
 
     def take_rows(self, order: np.ndarray) -> GGUFBlocks:
-        pick = lambda a: None if a is None else np.ascontiguousarray(a[order])
+        def pick(a):
+            return None if a is None else np.ascontiguousarray(a[order])
+
         return GGUFBlocks(self.kind, pick(self.codes), pick(self.scale), pick(self.minimum))
 
     @staticmethod
@@ -86,7 +88,10 @@ class GGUFBlocks:
         """Row-wise concatenation (fused projections); None when the parts differ in kind."""
         if len({p.kind for p in parts}) != 1:
             return None
-        cat = lambda xs: None if xs[0] is None else np.concatenate(xs)
+
+        def cat(xs):
+            return None if xs[0] is None else np.concatenate(xs)
+
         return GGUFBlocks(
             parts[0].kind,
             cat([p.codes for p in parts]),

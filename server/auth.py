@@ -3,7 +3,8 @@
 The keys file is a JSON object {"sk-...": {"tenant": "a", "weight": 2}}; optional per key:
 "prefix_cache_group": "g" (tenants naming the same group share prefix-cache blocks; by default each
 tenant's cache is its own) and "priority_range": [-10, 100] (the request priorities it may use; by
-default [0, 2**20]: a client may only make its own requests less urgent). Without keys, the tenant is the request's `user` field, else "default".
+default [0, 2**20]: a client may only make its own requests less urgent).
+Without keys, the tenant is the request's `user` field, else "default".
 """
 
 from __future__ import annotations

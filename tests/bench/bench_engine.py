@@ -132,7 +132,7 @@ def llama_cpp_rates() -> dict | None:
 
     rates = {"prefill": 512 / statistics.median(_timed(prefill) for _ in range(3))}
     decode = []
-    for seed in range(3):
+    for _ in range(3):
         llm.reset()
         llm.eval(prompt[:64])
         start = time.perf_counter()
@@ -146,7 +146,6 @@ def llama_cpp_rates() -> dict | None:
     logits = torch.tensor(llm.scores[: len(ids) - 1], dtype=torch.float32)
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     rates["perplexity"] = float(torch.exp(nll))
-    del llm
     return rates
 
 

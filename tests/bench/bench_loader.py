@@ -133,7 +133,7 @@ def compare(
 ) -> list[dict]:
     """Both loaders on the same storage with the same arguments; one row per epoch."""
     rows = []
-    for label, cls, extra, count in (
+    for who, cls, extra, count in (
         ("torch", tud.DataLoader, {}, torch_epochs),
         (label, DataLoader, cache, epochs),
     ):
@@ -154,13 +154,13 @@ def compare(
             rows.append(
                 {
                     "config": name,
-                    "loader": label,
+                    "loader": who,
                     **row,
                     "epoch": epoch + 1,
                     "storage_reads": storage.reads.value - before,
                 }
             )
-        if label != "torch":
+        if who != "torch":
             dl.close()
         del dl
     return rows
@@ -194,7 +194,7 @@ def issue_cases(repeats: int = 3) -> tuple[list[dict], list[str]]:
         write_samples(root, 20_000, 4096)
         fast = SimulatedStorage(root, latency=0.0, bandwidth=0.0, count=20_000)
         slow = SimulatedStorage(root, latency=0.003, bandwidth=0.0, count=1024)
-        for repeat in range(repeats):
+        for _ in range(repeats):
             rows += compare("fast, no compute, no cache", fast, epochs=2, torch_epochs=2, step=0.0, batch=64)
             rows += compare(
                 "fast, no compute, cache_ram",

@@ -240,7 +240,8 @@ def run() -> dict:
     notes.append(
         f"server CPU at concurrency 32: the event-loop thread (HTTP, JSON, SSE) used {loop_cpu:.1f} s of "
         f"the server's {all_cpu:.1f} CPU s ({loop_cpu / all_cpu:.1%}); the rest is the engine (its own "
-        f"process with --engine-process) and its torch threads. This measure of the server's own overhead does not depend on other load."
+        f"process with --engine-process) and its torch threads. "
+        "This measure of the server's own overhead does not depend on other load."
     )
     notes.append(
         f"shared-prefix TTFT p50: {uncached['TTFT p50 ms']:.0f} ms without the prefix cache vs "

@@ -130,7 +130,7 @@ async def run_load(
             rng = random.Random(seed)
             tasks = []
             next_at = 0.0
-            for i, spec in enumerate(specs):
+            for spec in specs:
                 delay = t0 + next_at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)

@@ -72,7 +72,7 @@ def test_decode_matches_dense(native, dtype, lengths, monkeypatch):
     )
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 output: 8 bits of mantissa
-    for i, (table, k, v) in enumerate(seqs):
+    for i, (_, k, v) in enumerate(seqs):
         # the reference sees the same (rounded) inputs, in float32
         expected = dense(qs[i].to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), D**-0.5)
         torch.testing.assert_close(out[i : i + 1].float(), expected, atol=tol, rtol=tol)
@@ -90,7 +90,7 @@ def test_prefill_chunks_after_cached_prefix_match_dense():
     v_new = torch.cat([v[-n:] for (_, _, v), n in zip(seqs, new)])
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), prefills=chunks)
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, D**-0.5)
-    for (table, k, v), chunk, qi in zip(seqs, chunks, qs):
+    for (_, k, v), chunk, qi in zip(seqs, chunks, qs):
         torch.testing.assert_close(
             out[chunk.start : chunk.end], dense(qi, k, v, D**-0.5), atol=1e-5, rtol=1e-5
         )
