@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.prescient-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve test bench prometheus crd-schemas clean
+.PHONY: install serve test lint bench prometheus crd-schemas clean
 
 install: $(STAMP)
 
@@ -43,7 +43,11 @@ $(CRD_SCHEMAS):
 serve: $(STAMP)
 	$(PY) -m server --host $(HOST) --port $(PORT)
 
-test: $(STAMP) prometheus $(CRD_SCHEMAS)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) prometheus $(CRD_SCHEMAS) lint
 	$(PY) -m pytest -q tests --ignore=tests/bench
 
 # llama-cpp-python (the `bench` extra) is built from source once; if it cannot build, the engine bench
