@@ -48,7 +48,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP) prometheus $(CRD_SCHEMAS) lint
-	$(PY) -m pytest -q tests --ignore=tests/bench
+	$(PY) -m pytest -q --durations=20 tests --ignore=tests/bench
 
 # llama-cpp-python (the `bench` extra) is built from source once; if it cannot build, the engine bench
 # says so and skips its llama.cpp column.
