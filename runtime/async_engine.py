@@ -87,6 +87,16 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than the server admits; retry later."""
 
 
+def check_queue_room(in_flight: int, stats: dict, max_num_seqs: int, max_waiting: int | None) -> None:
+    """QueueFullError when max_waiting requests already wait. Requests in flight that will not be in the
+    running batch count as waiting: those beyond what runs now, or beyond max_num_seqs (a burst arrives
+    before the engine has admitted anyone). Shared by every engine client."""
+    running = max(stats.get("num_running", 0), min(in_flight, max_num_seqs))
+    waiting = in_flight - running
+    if max_waiting is not None and waiting >= max_waiting:
+        raise QueueFullError(f"{waiting} requests are already waiting (limit {max_waiting})")
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error; nothing more will be served."""
 
@@ -232,13 +242,7 @@ class AsyncEngine:
         with self._lock:
             if self.error is not None:  # it died since the check above: never queue into a dead engine
                 raise EngineDeadError("the engine stopped after an internal error")
-            # Requests in flight that will not be in the running batch: those beyond what runs now, or
-            # beyond max_num_seqs (a burst arrives before the engine thread has admitted anyone).
-            in_flight = len(self._sinks)
-            running = max(self._stats.get("num_running", 0), min(in_flight, self._max_num_seqs))
-            waiting = in_flight - running
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
+            check_queue_room(len(self._sinks), self._stats, self._max_num_seqs, self.max_waiting)
             if request_id in self._sinks:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             self._sinks[request_id] = sink

@@ -49,6 +49,7 @@ class EngineClient(Protocol):
         weight: float = 1.0,
         priority: int = 0,
         clamp_max_tokens: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Snapshots of one request's output, the last with finished=True. Raises
         scheduler.InvalidRequestError (with .param) for a request that cannot run, QueueFullError

@@ -27,7 +27,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from runtime.async_engine import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError
+from runtime.async_engine import (
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+    check_queue_room,
+)
 from runtime.engine_core import CoreInfo, Delta, run_engine_core
 from runtime.outputs import RequestOutput
 from scheduler import InvalidRequestError, SamplingParams
@@ -208,7 +213,7 @@ class EngineCoreClient:
         weight: float = 1.0,
         priority: int = 0,
         clamp_max_tokens: bool = False,
-        **options,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output as tokens arrive (each a snapshot); the last one has finished=True."""
         self.check_health()
@@ -217,16 +222,14 @@ class EngineCoreClient:
         ids, params = self.admit(prompt, params, clamp_max_tokens=clamp_max_tokens)
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
-        in_flight = len(self._streams)
-        running = max(self._stats.get("num_running", 0), min(in_flight, self.info.max_num_seqs))
-        waiting = in_flight - running
-        if self.max_waiting is not None and waiting >= self.max_waiting:
-            raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
+        check_queue_room(len(self._streams), self._stats, self.info.max_num_seqs, self.max_waiting)
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         stream = _Stream(RequestOutput(request_id, ids, [], "", arrival_time=arrival))
         self._streams[request_id] = stream
-        options.update(tenant=tenant, weight=weight, priority=priority, arrival_time=arrival)
+        options = dict(
+            tenant=tenant, weight=weight, priority=priority, arrival_time=arrival, cache_salt=cache_salt
+        )
         self._outbox.put(("add", request_id, ids, params, options))
         finished = False
         try:
