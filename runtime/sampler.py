@@ -2,12 +2,18 @@
 
 Penalties (repetition, then frequency and presence) adjust the penalized rows
 first, from token counts built with one scatter. Greedy rows take the argmax.
-Other rows are scaled by their temperature; rows with top-k or top-p are cut
-to their candidates (the largest logits, found with topk rather than a full
-sort, widened only when a row's top-p mass lies beyond them) and every row
-draws by inverse CDF with one uniform number: a request with a seed takes its
-number from its own generator, so its tokens do not depend on what else is in
-the batch; the rest share one draw from the global generator.
+Other rows are scaled by their temperature. Rows with top-k are cut to their k
+largest logits (topk, never a full sort) and top-p, if any, applies within them.
+Rows with top-p alone never sort or look for their largest logits at all: they
+draw from the whole distribution and keep the draw when it lies in the nucleus
+(the probability above the drawn token's is below top_p); otherwise every token
+no more likely than the drawn one is outside the nucleus too, so those are cut
+and the row draws again. Accepted draws follow the nucleus's renormalised
+distribution exactly, and a draw is accepted with probability at least top_p,
+so a batch needs about two rounds of a few passes over the vocabulary.
+Every draw is an inverse CDF with one uniform number per row: a request with a
+seed takes its numbers from its own generator, so its tokens do not depend on
+what else is in the batch; the rest share one draw from the global generator.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import torch
 
 from scheduler import SamplingParams
 
-CANDIDATES = 256
-"""First guess at how many of the largest logits hold every top-p row's nucleus."""
+MAX_ROUNDS = 64
+"""Nucleus rejection rounds before a row takes its most likely remaining token (each round accepts with
+probability >= top_p, so a row rejected 64 times is a float rounding corner, not chance)."""
 
 
 @torch.inference_mode()
@@ -32,24 +39,34 @@ def sample(
     penalized = [i for i, p in enumerate(params) if p.penalized]
     if penalized:
         _penalize(logits, penalized, params, histories)
-    tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(rows) == len(params):
+        tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+    else:
+        tokens = logits.argmax(dim=-1)
     if rows:
         sub = logits[rows] if len(rows) < len(params) else logits
-        uniform = _uniforms([generators[i] for i in rows], sub.device)
+        gens = [generators[i] for i in rows]
         temperature = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype, device=sub.device)
         sub = sub / temperature.unsqueeze(1)
         vocab = sub.shape[-1]
         top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
         top_p = [params[i].top_p for i in rows]
-        cut = [j for j in range(len(rows)) if top_k[j] < vocab or top_p[j] < 1.0]
-        free = [j for j in range(len(rows)) if j not in set(cut)] if cut else list(range(len(rows)))
+        cut = [j for j in range(len(rows)) if top_k[j] < vocab]
+        nucleus = [j for j in range(len(rows)) if top_k[j] == vocab and top_p[j] < 1.0]
+        free = [j for j in range(len(rows)) if top_k[j] == vocab and top_p[j] >= 1.0]
         drawn = torch.empty(len(rows), dtype=torch.int64, device=sub.device)
-        if free:
-            part = sub[free] if len(free) < len(rows) else sub
-            drawn[free] = _inverse_cdf(torch.softmax(part, dim=-1), uniform[free])
-        if cut:
-            drawn[cut] = _sample_cut(sub[cut], [top_k[j] for j in cut], [top_p[j] for j in cut], uniform[cut])
+        for group, draw in ((free, _sample_free), (nucleus, _sample_nucleus), (cut, _sample_cut)):
+            if not group:
+                continue
+            part = sub[group] if len(group) < len(rows) else sub
+            picked = draw(
+                part, [top_k[j] for j in group], [top_p[j] for j in group], [gens[j] for j in group]
+            )
+            if len(group) < len(rows):
+                drawn[group] = picked
+            else:
+                drawn = picked
         tokens[rows] = drawn
     return tokens.tolist()
 
@@ -70,35 +87,57 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _sample_cut(
-    logits: torch.Tensor, top_k: list[int], top_p: list[float], uniform: torch.Tensor
+def _sample_free(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """Rows with a top-k and/or top-p cut (top_k = vocab: none): draw among the largest logits only.
-    top-p applies to the distribution left after top-k, as it did with a full sort."""
-    vocab = logits.shape[-1]
+    """Rows with neither cut: one draw from the whole distribution."""
+    return _inverse_cdf(torch.softmax(logits, dim=-1), _uniforms(generators, logits.device))
+
+
+def _sample_nucleus(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Rows with top-p alone, by rejection (module docstring): draw j; keep it when the mass of tokens more
+    likely than j is below top_p, else zero every token no more likely than j and draw again."""
+    probs = torch.softmax(logits, dim=-1)
+    p = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)
+    tokens = torch.empty(len(top_p), dtype=torch.int64, device=probs.device)
+    pending = list(range(len(top_p)))
+    for _ in range(MAX_ROUNDS):
+        part = probs[pending] if len(pending) < len(top_p) else probs
+        draw = _inverse_cdf(part, _uniforms([generators[j] for j in pending], probs.device))
+        chosen = part.gather(1, draw.unsqueeze(1))
+        above = torch.where(part > chosen, part, 0.0).sum(-1)
+        # tokens cut in earlier rounds are all less likely than j, so this is j's mass above in the full row
+        accepted = (above < p[pending]).tolist()
+        keep = [pending[i] for i, ok in enumerate(accepted) if ok]
+        if keep:
+            tokens[keep] = draw[[i for i, ok in enumerate(accepted) if ok]]
+        rejected = [i for i, ok in enumerate(accepted) if not ok]
+        if not rejected:
+            return tokens
+        rows = [pending[i] for i in rejected]
+        probs[rows] = part[rejected].masked_fill(part[rejected] <= chosen[rejected], 0.0)
+        pending = rows
+    tokens[pending] = probs[pending].argmax(dim=-1)
+    return tokens
+
+
+def _sample_cut(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Rows with a top-k cut: draw among their k largest logits; top-p applies to the distribution left
+    after top-k (the order topk returns is the sorted order the nucleus is defined on)."""
     k = torch.tensor(top_k, device=logits.device).unsqueeze(1)
     p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
-    limited = k < vocab  # rows whose top-k set lies inside the candidates, renormalised over it
-    width = max([x for x in top_k if x < vocab], default=0)
-    need_p = min(top_p) < 1.0
-    if need_p and not bool(limited.all()):
-        width = max(width, min(CANDIDATES, vocab))
-        log_total = torch.logsumexp(logits, dim=-1, keepdim=True)  # rows without top-k: the whole vocabulary
-    while True:
-        values, order = logits.topk(width, dim=-1)  # largest first
-        ranks = torch.arange(width, device=logits.device).unsqueeze(0)
-        values = values.masked_fill(ranks >= k, float("-inf"))
-        probs = torch.softmax(values, dim=-1)
-        if not need_p or bool(limited.all()):
-            break
-        probs = torch.where(limited, probs, (values - log_total).exp())
-        if width == vocab or bool((limited | (probs.sum(-1, keepdim=True) >= p)).all()):
-            break
-        width = min(vocab, width * 4)  # some nucleus reaches past the candidates
-    if need_p:
+    values, order = logits.topk(max(top_k), dim=-1)  # largest first
+    ranks = torch.arange(values.shape[-1], device=logits.device).unsqueeze(0)
+    probs = torch.softmax(values.masked_fill(ranks >= k, float("-inf")), dim=-1)
+    if min(top_p) < 1.0:
         # drop a token when the mass before it already reaches top_p (the most likely always stays)
         before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(before >= p, 0.0)
+    uniform = _uniforms(generators, logits.device)
     return order.gather(1, _inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
 
 

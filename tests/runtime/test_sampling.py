@@ -49,6 +49,41 @@ def test_top_p_draws_only_from_the_nucleus():
     assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.8: the rest is cut
 
 
+def _nucleus_by_sort(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """The definition, computed with a full sort (the sampler never sorts): keep the largest probabilities
+    until the mass before the next one reaches top_p, renormalise."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    values, order = probs.sort(descending=True)
+    if top_k:
+        values = torch.softmax((logits / temperature)[order][:top_k], dim=-1)
+        order = order[:top_k]
+    keep = (values.cumsum(0) - values) < top_p
+    out = torch.zeros_like(probs)
+    out[order[keep]] = values[keep]
+    return out / out.sum()
+
+
+def test_top_p_and_top_k_rows_follow_their_nucleus_in_a_mixed_batch():
+    torch.manual_seed(3)
+    logits = torch.randn(5, 40) * torch.tensor([[0.5], [2.0], [1.0], [3.0], [0.3]])
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),  # a flat row: a wide nucleus, many rejections
+        SamplingParams(temperature=0.7, top_p=0.5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.3, top_k=6, top_p=0.8),
+        SamplingParams(temperature=0.8, top_p=0.97),
+    ]
+    copies = 3000  # each row repeated: one call draws them all (rows without a seed share the global RNG)
+    batch = logits.repeat(copies, 1)
+    draws = torch.tensor(sample(batch, params * copies, [None] * len(batch))).view(copies, 5)
+    assert (draws[:, 2] == logits[2].argmax()).all()
+    for row, p in [(0, params[0]), (1, params[1]), (3, params[3]), (4, params[4])]:
+        expected = _nucleus_by_sort(logits[row], p.temperature, p.top_p, max(p.top_k, 0))
+        freq = torch.bincount(draws[:, row], minlength=40).float() / len(draws)
+        assert set(draws[:, row].tolist()) <= set(expected.nonzero().flatten().tolist()), row
+        assert torch.allclose(freq, expected, atol=0.03), (row, freq, expected)
+
+
 def test_temperature_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     gen = torch.Generator().manual_seed(7)
