@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from runtime.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
-from runtime.quantization import BlockEmbedding, GGUFBlocks, linear, make_linear, weight_nbytes
+from runtime.quantization import (
+    BlockEmbedding,
+    GGUFBlocks,
+    Int4Linear,
+    linear,
+    make_linear,
+    measure_dense_rows,
+    weight_nbytes,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,6 +80,8 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.quantization = quantization
+        self.dense_rows: int | None = None
+        """Packed projections run as dense matmuls from this many rows up (None: always packed)."""
 
         def source(name: str) -> np.ndarray | GGUFBlocks:
             if name not in weights:
@@ -88,7 +98,7 @@ class LlamaModel:
             fused = GGUFBlocks.stack(parts) if all(isinstance(p, GGUFBlocks) for p in parts) else None
             if fused is None:
                 fused = np.concatenate([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts])
-            return make_linear(fused, how, dtype, device)
+            return make_linear(fused, how, dtype, device, dense=how == "gguf")
 
         embed = source("model.embed_tokens.weight")
         if quantization != "none" and (config.tie_word_embeddings or isinstance(embed, GGUFBlocks)):
@@ -111,8 +121,29 @@ class LlamaModel:
             )
             for i in range(config.num_layers)
         ]
+        self._choose_dense_rows()
         self.rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, dtype, device)
         self.scale = config.head_dim**-0.5
+
+    def _packed(self) -> list[Int4Linear]:
+        ws = [self.lm_head] + [
+            w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        return [w for w in ws if isinstance(w, Int4Linear)]
+
+    def _choose_dense_rows(self) -> None:
+        """Packed projections with a dense copy use it from the row count where it measured faster on the
+        first layer's gate/up projection; where it never did, the copies are dropped."""
+        packed = [w for w in self._packed() if w.dense is not None]
+        if not packed:
+            return
+        probe = self.layers[0].gate_up
+        rows = measure_dense_rows(probe) if isinstance(probe, Int4Linear) else None
+        for w in packed:
+            w.dense_rows = rows
+            if rows is None:
+                w.dense = None
+        self.dense_rows = rows
 
     @property
     def weight_bytes(self) -> int:

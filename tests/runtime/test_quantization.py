@@ -75,3 +75,20 @@ def test_requantized_weights_stay_within_one_percent_perplexity(fp32_perplexity,
 def test_unknown_quantization_names_the_field():
     with pytest.raises(ValueError, match="quantization"):
         Engine.from_pretrained(device="cpu", quantization="int3")
+
+
+def test_a_dense_copy_serves_many_rows_as_the_same_function():
+    """From dense_rows rows up a packed GGUF projection multiplies by its dequantized copy: the same
+    function as the packed blocks (float32, so both match x @ W^T to rounding); fewer rows stay packed."""
+    w = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    reference = torch.from_numpy(_reference_dequant(raw, "Q4_1", w.shape))
+    packed = pack_gguf(GGUFBlocks.parse("Q4_1", raw, w.shape), torch.float32, dense=True)
+    packed.dense_rows = 8
+    many, few = torch.randn(8, 96), torch.randn(7, 96)
+    assert torch.allclose(packed(many), many @ reference.T, atol=1e-4)
+    assert torch.allclose(packed(few), few @ reference.T, atol=1e-4)
+    packed.dense = None  # the few-row call never touches the copy
+    packed(few)
+    with pytest.raises(TypeError):
+        packed(many)
