@@ -69,9 +69,11 @@ from torch.utils.data.dataloader import _DatasetKind
 from loader.cache_disk import DiskTier
 from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
 from loader.exchange import PeerExchange
+from loader.peer_plan import homes_for
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
 from loader.resume import EpochStart, ResumePoint, capture, restore
+from loader.retry import RetryPolicy
 from loader.source import ByteSource, has_read_decode
 from loader.view import CachedItemsView, CachedView
 
@@ -94,6 +96,9 @@ class CacheOptions:
     horizon_epochs: int = 2  # epochs the placement looks ahead when the order is seeded
     peer_exchange: bool = False  # fetch samples other ranks hold (torch.distributed, gloo)
     peer_window: int = 128  # samples per exchange window
+    peer_timeout: float = 60.0  # seconds a window may wait for the other ranks before storage takes over
+    read_attempts: int = 3  # storage reads tried per sample on an OSError, the first included
+    read_retry_delay: float = 0.05  # seconds before the second try, doubled before each further one
 
 
 @dataclass
@@ -132,7 +137,8 @@ class Clairvoyant:
         self.map_style = loader._dataset_kind == _DatasetKind.Map
         own_batching = callable(getattr(dataset, "__getitems__", None))
         cacheable = self.map_style and not own_batching and (has_read_decode(dataset) or options.cache_items)
-        self.source = ByteSource(dataset, items=not has_read_decode(dataset)) if cacheable else None
+        retry = RetryPolicy(options.read_attempts, options.read_retry_delay)
+        self.source = ByteSource(dataset, items=not has_read_decode(dataset), retry=retry) if cacheable else None
         self.num_workers = loader.num_workers
         self.persistent = loader.persistent_workers and loader.num_workers > 0
         self.snap_ring = (loader.prefetch_factor or 0) * loader.num_workers + 2 * loader.num_workers
@@ -146,6 +152,7 @@ class Clairvoyant:
         self.stall_seconds = 0.0
         self.batches = 0
         self.peer_group = None
+        self.homes_decided = False
         if options.peer_exchange and self.source is not None and self.source.items:
             raise ValueError(
                 "peer_exchange: a dataset cached with cache_items=True is cached as pickled "
@@ -270,7 +277,7 @@ class Clairvoyant:
         if plan is not None:
             skip_pos = min(plan.batch_bounds(skip)[0], len(plan.indices))
             pos0 = base - skip_pos
-            self.prefetcher.begin_epoch(plan.indices[skip_pos:], plan.following, base)
+            self.prefetcher.begin_epoch(plan.indices[skip_pos:], plan.following, base, self._homes(index_sampler))
         elif self.shared is not None:
             self.shared.header[GEN_BASE] = base
             self.shared.header[MODE] = DIRECT
@@ -284,6 +291,14 @@ class Clairvoyant:
             expected=plan.indices.tolist() if plan is not None else None,
         )
         return self.epoch, after_first_draw
+
+    def _homes(self, index_sampler):
+        """Once, at the first planned epoch: which samples this rank keeps for its peers."""
+        peers = self.prefetcher.peers
+        if peers is None or self.homes_decided:
+            return None
+        self.homes_decided = True
+        return homes_for(index_sampler, self.shared.layout.samples, peers.rank, peers.world)
 
     def plan_broken(self) -> None:
         """The sampler yielded something the plan did not predict: stop trusting the plan."""

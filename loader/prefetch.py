@@ -79,10 +79,15 @@ class Prefetcher:
             thread.start()
 
     # --- called from the main thread ---------------------------------------------------------
-    def begin_epoch(self, stream: np.ndarray, following: list[np.ndarray], base: int) -> None:
+    def begin_epoch(
+        self, stream: np.ndarray, following: list[np.ndarray], base: int, home: np.ndarray | None = None
+    ) -> None:
         """Switch to a new epoch's stream, whose first entry is global plan position `base`
-        (larger than any position used before, so old ring entries never match)."""
+        (larger than any position used before, so old ring entries never match). `home`: the
+        samples this rank keeps for its peers (peer_plan.py), when they are decided."""
         with self.lock:
+            if home is not None:
+                self.holdings.home = home
             if self.peers is not None:
                 self.peers.finish(self.holdings.copy_of)  # every rank ends the window in flight alike
             self.windows_started = 0
