@@ -61,6 +61,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -138,7 +139,9 @@ class Clairvoyant:
         own_batching = callable(getattr(dataset, "__getitems__", None))
         cacheable = self.map_style and not own_batching and (has_read_decode(dataset) or options.cache_items)
         retry = RetryPolicy(options.read_attempts, options.read_retry_delay)
-        self.source = ByteSource(dataset, items=not has_read_decode(dataset), retry=retry) if cacheable else None
+        self.source = (
+            ByteSource(dataset, items=not has_read_decode(dataset), retry=retry) if cacheable else None
+        )
         self.num_workers = loader.num_workers
         self.persistent = loader.persistent_workers and loader.num_workers > 0
         self.snap_ring = (loader.prefetch_factor or 0) * loader.num_workers + 2 * loader.num_workers
@@ -168,7 +171,8 @@ class Clairvoyant:
                     "after dist.init_process_group); build the loader after that"
                 )
             # All ranks build the loader together; the loader's collectives get their own group.
-            self.peer_group = dist.new_group(backend="gloo")
+            # Its timeout ends a collective a dead or stalled peer never joins (see exchange.py).
+            self.peer_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=options.peer_timeout))
 
     @property
     def shared(self) -> SharedState | None:
@@ -213,7 +217,11 @@ class Clairvoyant:
         self.resources.shared = SharedState(layout)
         if placing:
             disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
-            peers = PeerExchange(self.peer_group, opts.peer_window) if self.peer_group is not None else None
+            peers = (
+                PeerExchange(self.peer_group, opts.peer_window, opts.peer_timeout)
+                if self.peer_group is not None
+                else None
+            )
             self.resources.prefetcher = Prefetcher(
                 self.shared,
                 self.source,
@@ -277,7 +285,9 @@ class Clairvoyant:
         if plan is not None:
             skip_pos = min(plan.batch_bounds(skip)[0], len(plan.indices))
             pos0 = base - skip_pos
-            self.prefetcher.begin_epoch(plan.indices[skip_pos:], plan.following, base, self._homes(index_sampler))
+            self.prefetcher.begin_epoch(
+                plan.indices[skip_pos:], plan.following, base, self._homes(index_sampler)
+            )
         elif self.shared is not None:
             self.shared.header[GEN_BASE] = base
             self.shared.header[MODE] = DIRECT
