@@ -20,8 +20,8 @@ import torch.utils.data as tud
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from loader.clairvoyant import CacheOptions, Clairvoyant
-from loader.retry import check_retry_options
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
+from loader.retry import check_retry_options
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
 from loader.view import FIRST, LAST, NEAR_END, PLANNED_READ, Ticket, TicketBatch
@@ -200,7 +200,11 @@ class DataLoader(tud.DataLoader[T_co]):
         if not isinstance(peer_window, int) or isinstance(peer_window, bool) or peer_window < 1:
             raise ValueError(f"peer_window: expected an int >= 1 (samples per exchange), got {peer_window!r}")
         options.peer_exchange, options.peer_window = bool(peer_exchange), peer_window
-        if isinstance(peer_timeout, bool) or not isinstance(peer_timeout, (int, float)) or not peer_timeout > 0:
+        if (
+            isinstance(peer_timeout, bool)
+            or not isinstance(peer_timeout, (int, float))
+            or not peer_timeout > 0
+        ):
             raise ValueError(f"peer_timeout: expected seconds > 0 (a number), got {peer_timeout!r}")
         options.peer_timeout = float(peer_timeout)
         retry = check_retry_options(read_attempts, read_retry_delay)
