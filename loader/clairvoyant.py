@@ -53,6 +53,9 @@ batch started with, or, if it never starts one (the iterator was dropped, or it 
 left this epoch), the state after its last batch. A new loader replays the sampler from
 the saved states, skips the yielded batches, rotates torch's round robin so batch b still
 goes to worker b % num_workers, and each worker restores its state before its first batch.
+Under a DistributedSampler the state also records the world size; resumed under another
+one (elastic), the rest of the epoch is what no old rank yielded, dealt out to the new ranks
+(elastic.py), and the sampler's own stream takes over again from the next epoch.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from datetime import timedelta
 
 import numpy as np
 import torch
+from torch.utils.data import BatchSampler
 from torch.utils.data.dataloader import _DatasetKind
 
 from loader.cache_disk import DiskTier
@@ -112,6 +116,7 @@ class EpochState:
     yielded: int = 0  # batches handed to the caller, skipped ones included
     batch_first: list[int] = field(default_factory=list)  # sample offset of each dispatched batch
     expected: list[int] | None = None  # the plan's indices while it still matches the sampler
+    override: list | None = None  # elastic resume: this rank's batches instead of the sampler's (elastic.py)
 
 
 class _Resources:
@@ -156,6 +161,7 @@ class Clairvoyant:
         self.batches = 0
         self.peer_group = None
         self.homes_decided = False
+        self.elastic: list | None = None  # batches of a resume under another world size (elastic.py)
         if options.peer_exchange and self.source is not None and self.source.items:
             raise ValueError(
                 "peer_exchange: a dataset cached with cache_items=True is cached as pickled "
@@ -266,11 +272,18 @@ class Clairvoyant:
             point, self.resume = self.resume, None
             after_first_draw = restore(point.start, generator, index_sampler)
             skip = point.batches_done
+            override, self.elastic = self.elastic, None
+        else:
+            override = None
         start = capture(generator, index_sampler)
         self.epochs_begun += 1
         base = self.epochs_begun * EPOCH_STRIDE
         plan = None
-        if self.prefetcher is not None:
+        if self.prefetcher is not None and override is not None:
+            batched = type(index_sampler) is BatchSampler
+            flat = [i for batch in override for i in batch] if batched else list(override)
+            plan = EpochPlan(np.asarray(flat, dtype=np.int64), index_sampler.batch_size if batched else None)
+        elif self.prefetcher is not None:
             plan = plan_epoch(
                 index_sampler,
                 loader_generator=generator,
@@ -278,7 +291,7 @@ class Clairvoyant:
                 horizon_epochs=self.options.horizon_epochs,
             )
         try:
-            num_batches = len(index_sampler)
+            num_batches = len(index_sampler) if override is None else len(override)
         except TypeError:
             num_batches = None
         pos0 = base
@@ -299,6 +312,7 @@ class Clairvoyant:
             num_batches,
             yielded=skip,
             expected=plan.indices.tolist() if plan is not None else None,
+            override=override,
         )
         return self.epoch, after_first_draw
 

@@ -20,6 +20,7 @@ import torch.utils.data as tud
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from loader.clairvoyant import CacheOptions, Clairvoyant
+from loader.elastic import distributed_state, elastic_batches
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.retry import check_retry_options
 from loader.sizes import parse_size
@@ -45,7 +46,7 @@ class PlannedSampler:
     def _epoch(self) -> Iterator:
         epoch, after_first_draw = self.engine.begin_epoch(self.inner)
         offset, batch = 0, 0
-        for item in self.inner:
+        for item in self.inner if epoch.override is None else epoch.override:
             if after_first_draw is not None:
                 after_first_draw()
                 after_first_draw = None
@@ -267,13 +268,20 @@ class DataLoader(tud.DataLoader[T_co]):
         if epoch is not None and epoch.num_batches is not None and epoch.yielded < epoch.num_batches:
             point = ResumePoint(epoch.start, epoch.yielded, engine.worker_snapshots(self.in_order))
         now = capture(self.generator, super()._index_sampler)
-        return to_dict(point, now, len(self.dataset), self.num_workers)
+        state = to_dict(point, now, len(self.dataset), self.num_workers)
+        state["distributed"] = distributed_state(super()._index_sampler)  # for a resume on another world size
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`: the next iteration yields the rest of that epoch."""
         point, now = from_dict(state, len(self.dataset), self.num_workers)
         if point is None:  # between epochs: only the generators move on
             restore(replace(now, global_rng=None, sampler_epoch=None), self.generator, super()._index_sampler)
+        else:
+            batches = elastic_batches(state, super()._index_sampler, point.batches_done)
+            if batches is not None:  # another world size: this rank's share of what no rank has seen
+                point = replace(point, batches_done=0, worker_rng={})
+            self._engine.elastic = batches
         self._engine.resume = point
 
     def close(self) -> None:

@@ -7,10 +7,11 @@ reads  ARG=epochs: peer exchange with a per-rank cache of 1.15 x dataset / world
        storage reads per epoch as the dataset counted them.
 kill   ARG=rank: that rank SIGKILLs itself in epoch 2; the others must finish with torch's batches.
 stall  ARG=rank: that rank's training loop sleeps past peer_timeout in epoch 2.
-save   ARG=batches: iterate that many batches of epoch 1, write this rank's state_dict and the
-       dataset indices it was given.
-resume ARG=path of rank 0's saved state: finish epoch 1 from it, write the indices given.
-Each rank writes OUT_DIR/rank<r>.json (and .pt for save).
+save   ROOT=samples, ARG=batches: iterate that many batches of epoch 1, write this rank's
+       state_dict (rank<r>.pt) and the sample ids it was given.
+resume ROOT=samples, ARG=a saved state: finish epoch 1 from it (resumed<r>.json: the ids
+       given), then run epoch 2 and compare it with torch's DistributedSampler.
+Each rank writes OUT_DIR/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -144,7 +145,75 @@ def main(mode: str, root: str, out_dir: str, arg: str) -> None:
 
         compare_with_torch(root, out_dir, 2, stall)
         return
+    elif mode == "save":
+        elastic_save(root, out_dir, int(arg))
+    elif mode == "resume":
+        elastic_resume(root, out_dir, arg)
     dist.destroy_process_group()
+
+
+class Indexed(tud.Dataset):
+    """Sample i is the int i (read as 8 bytes, decoded back): batches say which samples came."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def read(self, index: int) -> bytes:
+        return index.to_bytes(8, "little")
+
+    def decode(self, raw: bytes, index: int) -> int:
+        return int.from_bytes(raw, "little")
+
+    def __getitem__(self, index: int) -> int:
+        return self.decode(self.read(index), index)
+
+
+def elastic_loader(n: int):
+    dataset = Indexed(n)
+    sampler = DistributedSampler(dataset, seed=5)
+    sampler.set_epoch(0)
+    return DataLoader(dataset, batch_size=BATCH, sampler=sampler, cache_ram="1MiB"), sampler
+
+
+def elastic_save(root: str, out_dir: str, batches: int) -> None:
+    dl, _ = elastic_loader(int(root))
+    rank, seen = dist.get_rank(), []
+    for step, batch in enumerate(dl):
+        seen += batch.tolist()
+        if step + 1 == batches:
+            break
+    torch.save(dl.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump({"rank": rank, "seen": seen}, handle)
+    dl.close()
+
+
+def elastic_resume(root: str, out_dir: str, checkpoint: str) -> None:
+    n = int(root)
+    dl, sampler = elastic_loader(n)
+    dl.load_state_dict(torch.load(checkpoint, weights_only=True))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rest = [batch.tolist() for batch in dl]
+    sampler.set_epoch(1)
+    following = [batch.tolist() for batch in dl]
+    expected = DistributedSampler(range(n), num_replicas=world, rank=rank, seed=5)
+    expected.set_epoch(1)
+    order = list(expected)
+    with open(os.path.join(out_dir, f"resumed{rank}.json"), "w") as handle:
+        json.dump(
+            {
+                "rank": rank,
+                "seen": [i for batch in rest for i in batch],
+                "batch_sizes": [len(b) for b in rest],
+                "next_epoch_is_torchs": following
+                == [order[i : i + BATCH] for i in range(0, len(order), BATCH)],
+            },
+            handle,
+        )
+    dl.close()
 
 
 if __name__ == "__main__":

@@ -106,3 +106,21 @@ def test_a_stopped_rank_is_waited_for_only_peer_timeout(tmp_path, out):
         if rank["rank"] != stalled:
             assert f"rank {stalled} stopped answering" in rank["peers_lost"], rank
     assert "had already left the exchange" in ranks[stalled]["peers_lost"]
+
+
+def test_elastic_resume_from_four_ranks_to_two(out):
+    """A checkpoint of 4 ranks, 2 batches into the epoch, resumed by 2 ranks: every sample of the
+    epoch is yielded exactly once over both runs, and the next epoch is torch's for 2 ranks."""
+    n = 64
+    proc = torchrun("save", str(n), out, 2)
+    log = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 0, log[-4000:]
+    saved = results(out, range(RANKS))
+    proc = torchrun("resume", str(n), out, out / "rank0.pt", ranks=2)
+    log = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 0, log[-4000:]
+    resumed = [json.loads((out / f"resumed{r}.json").read_text()) for r in range(2)]
+    everything = [i for r in saved + resumed for i in r["seen"]]
+    assert sorted(everything) == list(range(n)), "a sample was skipped or repeated"
+    assert sum(len(r["seen"]) for r in saved) == RANKS * 2 * 4
+    assert all(r["next_epoch_is_torchs"] for r in resumed)
