@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.loader.conftest import write_files
+from loader.peer_model import traffic
+from tests.loader.conftest import SAMPLE_BYTES, write_files
 
 RANKS = 4
 
@@ -71,6 +72,10 @@ def test_four_ranks_read_storage_once_per_sample(tmp_path, out):
     assert sum(per_epoch) <= 1.05 * n, per_epoch
     assert per_epoch[1:] == [0, 0], "epochs 2 and 3 come from the ranks' caches"
     assert all(r["peer_reads"] > 0 for r in ranks)
+    # the plan's model (no data, no processes) predicts these storage reads, and bounds the peer reads
+    model = traffic(n, SAMPLE_BYTES, RANKS, int(1.15 * n / RANKS * SAMPLE_BYTES), 3, seed=5)
+    assert per_epoch == [e.storage_reads for e in model]
+    assert sum(r["peer_reads"] for r in ranks) <= sum(e.peer_reads for e in model)
 
 
 def test_a_killed_rank_leaves_the_others_to_storage(tmp_path, out):
