@@ -22,9 +22,10 @@ class Flaky(FileDataset):
     """Each read of a sample fails with `error` its first `failures` times, then succeeds;
     counts every attempt and remembers when the attempts on `watched` were made."""
 
-    def __init__(self, root, failures: int, error=ConnectionResetError, watched: int = 0):
+    def __init__(self, root, failures: int, error=ConnectionResetError, watched: int = 0, only=None):
         super().__init__(root, decode=noisy_decode)
         self.failures, self.error, self.watched = failures, error, watched
+        self.only = only  # the samples that fail (None: all)
         self.attempts = multiprocessing.Array("q", len(self))
         self.times = multiprocessing.Array("d", 8)
 
@@ -34,7 +35,7 @@ class Flaky(FileDataset):
             attempt = self.attempts[index]
         if index == self.watched and attempt <= len(self.times):
             self.times[attempt - 1] = time.monotonic()
-        if attempt <= self.failures:
+        if attempt <= self.failures and (self.only is None or index in self.only):
             raise self.error(f"storage hiccup #{attempt}")
         return super().read(index)
 
@@ -64,7 +65,7 @@ def test_reads_that_fail_then_succeed_give_torchs_batches(files, workers, cache_
 
 
 def test_the_pause_doubles_between_attempts(files):
-    flaky = Flaky(files, failures=3, watched=0)
+    flaky = Flaky(files, failures=3, watched=0, only={0})
     dl = DataLoader(flaky, batch_size=4, read_attempts=4, read_retry_delay=0.05)
     list(dl)
     dl.close()
