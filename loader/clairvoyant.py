@@ -161,7 +161,7 @@ class Clairvoyant:
         self.batches = 0
         self.peer_group = None
         self.homes_decided = False
-        self.elastic: list | None = None  # batches of a resume under another world size (elastic.py)
+        self.elastic: tuple[list, int] | None = None  # a resume under another world size (elastic.py)
         if options.peer_exchange and self.source is not None and self.source.items:
             raise ValueError(
                 "peer_exchange: a dataset cached with cache_items=True is cached as pickled "
@@ -272,9 +272,10 @@ class Clairvoyant:
             point, self.resume = self.resume, None
             after_first_draw = restore(point.start, generator, index_sampler)
             skip = point.batches_done
-            override, self.elastic = self.elastic, None
+            elastic, self.elastic = self.elastic, None
+            override, longest = elastic if elastic is not None else (None, None)
         else:
-            override = None
+            override = longest = None
         start = capture(generator, index_sampler)
         self.epochs_begun += 1
         base = self.epochs_begun * EPOCH_STRIDE
@@ -299,7 +300,7 @@ class Clairvoyant:
             skip_pos = min(plan.batch_bounds(skip)[0], len(plan.indices))
             pos0 = base - skip_pos
             self.prefetcher.begin_epoch(
-                plan.indices[skip_pos:], plan.following, base, self._homes(index_sampler)
+                plan.indices[skip_pos:], plan.following, base, self._homes(index_sampler), longest
             )
         elif self.shared is not None:
             self.shared.header[GEN_BASE] = base

@@ -278,10 +278,10 @@ class DataLoader(tud.DataLoader[T_co]):
         if point is None:  # between epochs: only the generators move on
             restore(replace(now, global_rng=None, sampler_epoch=None), self.generator, super()._index_sampler)
         else:
-            batches = elastic_batches(state, super()._index_sampler, point.batches_done)
-            if batches is not None:  # another world size: this rank's share of what no rank has seen
+            elastic = elastic_batches(state, super()._index_sampler, point.batches_done)
+            if elastic is not None:  # another world size: this rank's share of what no rank has seen
                 point = replace(point, batches_done=0, worker_rng={})
-            self._engine.elastic = batches
+            self._engine.elastic = elastic
         self._engine.resume = point
 
     def close(self) -> None:

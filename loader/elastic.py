@@ -42,8 +42,9 @@ def remaining_samples(sampler, saved_world: int, batches_done: int, batch_size: 
     return [i for i in dict.fromkeys(order) if i not in seen]
 
 
-def elastic_batches(state: dict, index_sampler, batches_done: int) -> list | None:
-    """This rank's batches for the rest of the checkpoint's epoch when the world changed, else None."""
+def elastic_batches(state: dict, index_sampler, batches_done: int) -> tuple[list, int] | None:
+    """This rank's batches for the rest of the checkpoint's epoch when the world changed, and the
+    most samples any new rank gets (peer exchange windows pair up to that); else None."""
     saved = state.get("distributed")
     sampler = distributed_sampler(index_sampler)
     if not isinstance(saved, dict) or sampler is None:
@@ -57,6 +58,7 @@ def elastic_batches(state: dict, index_sampler, batches_done: int) -> list | Non
     drop_last = bool(getattr(index_sampler, "drop_last", False))
     rest = remaining_samples(sampler, world, batches_done, batch_size, drop_last)
     mine = np.asarray(rest[sampler.rank :: sampler.num_replicas], dtype=np.int64).tolist()
+    longest = -(-len(rest) // sampler.num_replicas)
     if batch_size is None:
-        return mine
-    return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+        return mine, longest
+    return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)], longest

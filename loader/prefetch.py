@@ -53,6 +53,7 @@ class Prefetcher:
     ):
         self.shared, self.source, self.disk, self.peers = shared, source, disk, peers
         self.windows_started = 0  # peer-exchange windows of this epoch begun
+        self.longest: int | None = None  # the longest stream of any rank this epoch, if not this one's
         self.peers_lost: str | None = None  # why this rank left the peer exchange, if it did
         self._asked: list[int] = []
         self.staging = staging
@@ -84,12 +85,20 @@ class Prefetcher:
 
     # --- called from the main thread ---------------------------------------------------------
     def begin_epoch(
-        self, stream: np.ndarray, following: list[np.ndarray], base: int, home: np.ndarray | None = None
+        self,
+        stream: np.ndarray,
+        following: list[np.ndarray],
+        base: int,
+        home: np.ndarray | None = None,
+        longest: int | None = None,
     ) -> None:
         """Switch to a new epoch's stream, whose first entry is global plan position `base`
         (larger than any position used before, so old ring entries never match). `home`: the
-        samples this rank keeps for its peers (peer_plan.py), when they are decided."""
+        samples this rank keeps for its peers (peer_plan.py), when they are decided. `longest`:
+        the longest stream any rank has this epoch, when they differ (an elastic resume): every
+        rank takes part in as many exchange windows as that one needs."""
         with self.lock:
+            self.longest = longest
             if home is not None:
                 self.holdings.home = home
             if self.peers is not None:
@@ -231,6 +240,7 @@ class Prefetcher:
         """Leave the exchange for good: what was asked of the peers, and all later reads, go to
         storage (or this rank's own cache)."""
         self.peers, self.peers_lost = None, str(failure)
+        self.holdings.home = None  # nobody will ask for them: cache for this rank alone again
         log.warning(
             "prescient loader, rank %d: peer exchange failed, %s; reading from storage instead "
             "for the rest of the run",
@@ -257,9 +267,9 @@ class Prefetcher:
             self._asked = []
             return True
         size = peers.window
-        windows = -(-len(self.stream) // size)
+        windows = -(-max(len(self.stream), self.longest or 0) // size)
         start = self.windows_started * size
-        if self.windows_started >= windows or self.sched < start - size:
+        if self.windows_started >= windows or self.sched < min(start, len(self.stream)) - size:
             return False
         needs = []
         for index in dict.fromkeys(self.stream[start : start + size].tolist()):

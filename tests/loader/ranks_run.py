@@ -171,11 +171,11 @@ class Indexed(tud.Dataset):
         return self.decode(self.read(index), index)
 
 
-def elastic_loader(n: int):
+def elastic_loader(n: int, **peers):
     dataset = Indexed(n)
     sampler = DistributedSampler(dataset, seed=5)
     sampler.set_epoch(0)
-    return DataLoader(dataset, batch_size=BATCH, sampler=sampler, cache_ram="1MiB"), sampler
+    return DataLoader(dataset, batch_size=BATCH, sampler=sampler, cache_ram="1MiB", **peers), sampler
 
 
 def elastic_save(root: str, out_dir: str, batches: int) -> None:
@@ -193,7 +193,8 @@ def elastic_save(root: str, out_dir: str, batches: int) -> None:
 
 def elastic_resume(root: str, out_dir: str, checkpoint: str) -> None:
     n = int(root)
-    dl, sampler = elastic_loader(n)
+    # with peer exchange: the new ranks' shares differ by a sample, their exchange windows still pair up
+    dl, sampler = elastic_loader(n, peer_exchange=True, peer_window=8, peer_timeout=PEER_TIMEOUT)
     dl.load_state_dict(torch.load(checkpoint, weights_only=True))
     rank, world = dist.get_rank(), dist.get_world_size()
     rest = [batch.tolist() for batch in dl]
@@ -210,6 +211,7 @@ def elastic_resume(root: str, out_dir: str, checkpoint: str) -> None:
                 "batch_sizes": [len(b) for b in rest],
                 "next_epoch_is_torchs": following
                 == [order[i : i + BATCH] for i in range(0, len(order), BATCH)],
+                "peers_lost": dl._engine.prefetcher.peers_lost,
             },
             handle,
         )

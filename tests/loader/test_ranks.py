@@ -116,7 +116,7 @@ def test_a_stopped_rank_is_waited_for_only_peer_timeout(tmp_path, out):
 def test_elastic_resume_from_four_ranks_to_two(out):
     """A checkpoint of 4 ranks, 2 batches into the epoch, resumed by 2 ranks: every sample of the
     epoch is yielded exactly once over both runs, and the next epoch is torch's for 2 ranks."""
-    n = 64
+    n = 65  # 4 ranks pad it to 68; the 33 samples left split 17 + 16 (3 and 2 exchange windows of 8)
     proc = torchrun("save", str(n), out, 2)
     log = proc.communicate(timeout=180)[0]
     assert proc.returncode == 0, log[-4000:]
@@ -129,3 +129,5 @@ def test_elastic_resume_from_four_ranks_to_two(out):
     assert sorted(everything) == list(range(n)), "a sample was skipped or repeated"
     assert sum(len(r["seen"]) for r in saved) == RANKS * 2 * 4
     assert all(r["next_epoch_is_torchs"] for r in resumed)
+    assert [len(r["seen"]) for r in resumed] == [17, 16]
+    assert [r["peers_lost"] for r in resumed] == [None, None], "exchange windows did not pair up"
