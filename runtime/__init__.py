@@ -12,7 +12,7 @@ from runtime.engine import Engine
 from runtime.engine_client import EngineClient
 from runtime.engine_core_client import EngineCoreClient
 from runtime.outputs import RequestOutput
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutput
 
 __all__ = [
     "AsyncEngine",
@@ -29,4 +29,5 @@ __all__ = [
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
 ]

@@ -35,6 +35,7 @@ from runtime.async_engine import (
 )
 from runtime.engine_core import CoreInfo, Delta, run_engine_core
 from runtime.outputs import RequestOutput
+from runtime.structured_output import check_structured_output
 from scheduler import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("prescient.engine")
@@ -170,6 +171,7 @@ class EngineCoreClient:
                     f"{field} with logprobs is not served with --engine-process "
                     f"yet; leave it out, or run without --engine-process",
                 )
+        check_structured_output(params.structured_output)
         max_tokens = self.info.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
         if max_tokens != params.max_tokens:
             params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
