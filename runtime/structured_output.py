@@ -54,8 +54,8 @@ def _problem(kind: str, spec: str) -> str:
     """'' when the spec compiles, else llguidance's reason."""
     try:
         grammar = _grammar(kind, spec)
-    except ValueError as exc:
-        return str(exc)
+    except Exception as exc:  # whatever the compiler makes of a client's schema is the client's error
+        return str(exc) or type(exc).__name__
     return llguidance.LLMatcher.validate_grammar(grammar)
 
 

@@ -26,6 +26,7 @@ from server.errors import APIError, bad_request
 from server.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from server.protocol import GenerationRequest, parse_chat, parse_completion
 from server.state import ServerState, read_json
+from server.tool_calls import extract_tool_calls, held_back
 
 log = logging.getLogger("prescient.server")
 
@@ -58,7 +59,10 @@ def _prompt_ids(state: ServerState, req: GenerationRequest, messages: list[dict]
     tokenizer = state.client.tokenizer
     if messages is not None:
         try:
-            req.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            tools = req.tools.tools if req.tools is not None else None
+            req.prompt = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, tools=tools
+            )
         except ValueError as exc:
             raise InvalidRequestError("messages", str(exc)) from exc
         req.prompts = [req.prompt]
@@ -288,12 +292,13 @@ def _final_choice(state: ServerState, req: GenerationRequest, chat: bool, c: _Ch
     if chat:
         if req.logprobs_requested:
             logprobs = chat_logprobs(tok, token_ids, out.logprobs[: len(token_ids)])
-        choice = {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": out.finish_reason,
-            "logprobs": logprobs,
-        }
+        message, finish_reason = {"role": "assistant", "content": text}, out.finish_reason
+        if _parses_tool_calls(req):
+            content, calls = extract_tool_calls(text, req.tools)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choice = {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
     else:
         if req.logprobs_requested:
             if req.echo:
@@ -311,6 +316,11 @@ def _final_choice(state: ServerState, req: GenerationRequest, chat: bool, c: _Ch
     if out.stop_reason is not None and not req.echo_only:
         choice["stop_reason"] = out.stop_reason
     return choice
+
+
+def _parses_tool_calls(req: GenerationRequest) -> bool:
+    """Calls in the text become tool_calls unless tool_choice is 'none'."""
+    return req.tools is not None and req.tools.choice != "none"
 
 
 def _end_offset(logprobs: dict | None) -> int:
@@ -357,6 +367,20 @@ async def _send_delta(
     if req.echo and not c.started:
         delta = c.prompt_text + delta
     finish = out.finish_reason if out.finished else None
+    if chat and _parses_tool_calls(req):  # text that may be a call is held until the sequence ends
+        if not out.finished:
+            delta = delta[: max(len(delta) - held_back(text), 0)]
+            text = text[: c.sent_text + len(delta)]
+        else:
+            content, calls = extract_tool_calls(text, req.tools)
+            if calls:
+                sent = text[: c.sent_text]
+                # what the client has not seen of the content, the calls taken out of it
+                delta = content[len(sent) :] if content and content.startswith(sent) else ""
+                for k, call in enumerate(calls):
+                    part = {"tool_calls": [dict(call, index=k)]}
+                    await sse.send(stream, _chunk(request_id, created, model, c.index, part, None, chat))
+                finish = "tool_calls" if finish == "stop" else finish
     if delta or finish or new_tokens and logprobs is not None:
         chunk = _chunk(
             request_id, created, model, c.index, {"content": delta} if chat else delta, finish, chat

@@ -49,7 +49,18 @@ def _sampling_properties() -> dict:
         "response_format": {
             "type": "object",
             "required": ["type"],
-            "properties": {"type": {"const": "text"}},
+            "description": "json_object / json_schema: enforced while decoding (the output parses and validates)",
+            "properties": {
+                "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "schema": {"type": "object"},
+                        "strict": {"type": "boolean"},
+                    },
+                },
+            },
         },
         "ignore_eos": {"type": "boolean"},
         "stream": {"type": "boolean"},
@@ -153,6 +164,44 @@ def document() -> dict:
                 "description": "Most likely alternatives per token (needs logprobs: true)",
             },
             "messages": {"type": "array", "minItems": 1, "items": message},
+            "tools": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["type", "function"],
+                    "properties": {
+                        "type": {"const": "function"},
+                        "function": {
+                            "type": "object",
+                            "required": ["name"],
+                            "properties": {
+                                "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                                "description": {"type": "string"},
+                                "parameters": {"type": "object"},
+                            },
+                        },
+                    },
+                },
+            },
+            "tool_choice": {
+                "description": "none, auto (default with tools), required, or a named function; "
+                "required / named constrain the arguments to the function's schema",
+                "oneOf": [
+                    {"type": "string", "enum": ["none", "auto", "required"]},
+                    {
+                        "type": "object",
+                        "required": ["type", "function"],
+                        "properties": {
+                            "type": {"const": "function"},
+                            "function": {
+                                "type": "object",
+                                "required": ["name"],
+                                "properties": {"name": {"type": "string"}},
+                            },
+                        },
+                    },
+                ],
+            },
         },
     }
     get = lambda summary: {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}  # noqa: E731

@@ -6,11 +6,13 @@ APIError, so a bad body can never turn into a 500.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutput
 from scheduler.sampling_params import MAX_LOGPROBS
 from server.errors import bad_request
+from server.tool_calls import ToolRequest, parse_tools
 
 _MISSING = object()
 MAX_N = 16
@@ -46,6 +48,8 @@ class GenerationRequest:
     """Completions: sequences sampled per prompt, of which the n with the highest mean logprob return."""
     logprobs_requested: bool = False
     """The client asked for logprobs (completions `logprobs`, chat `logprobs: true`)."""
+    tools: ToolRequest | None = None
+    """Chat: the functions the model may call and tool_choice."""
 
     def __post_init__(self) -> None:
         if self.prompts is None:
@@ -187,15 +191,21 @@ def _sampling(body: dict, default_max_tokens: int | None, chat: bool = False) ->
     presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True)
-    for name_ in ("tools", "functions"):
-        if body.get(name_) not in (None, False, 0, {}, []):
-            raise bad_request(f"'{name_}' is not supported by this server", name_)
-    response_format = _get(body, "response_format", (dict,), None)
-    if response_format is not None and response_format.get("type") != "text":
-        raise bad_request(
-            '\'response_format\' other than {"type": "text"} is not supported by this server',
-            "response_format",
-        )
+    structured = _response_format(body)
+    if chat:
+        tools = parse_tools(body)
+        if tools is not None and tools.constrained:
+            if structured is not None:
+                raise bad_request(
+                    "'response_format' cannot constrain the output when 'tool_choice' forces a tool call; "
+                    "send one of them",
+                    "response_format",
+                )
+            structured = tools.structured_output()
+    else:
+        for name_ in ("tools", "functions", "tool_choice"):
+            if body.get(name_) is not None:
+                raise bad_request(f"'{name_}' is a chat field: send it to /v1/chat/completions", name_)
     if max_tokens == 0:  # echo with max_tokens 0: score the prompt; one token is sampled and dropped
         max_tokens = 1
     max_tokens = max_tokens or default_max_tokens
@@ -218,10 +228,42 @@ def _sampling(body: dict, default_max_tokens: int | None, chat: bool = False) ->
             logprobs_mode=logprobs_mode,
             min_tokens=min(min_tokens, max_tokens or min_tokens),
             logit_bias=_logit_bias(body),
+            structured_output=structured,
         )
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0]
         raise bad_request(f"'{field_name}' {str(exc).split(' ', 1)[1]}", field_name) from exc
+
+
+def _response_format(body: dict) -> StructuredOutput | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}.
+    Whether the schema compiles is the engine's admission rule (a 400 naming response_format.json_schema)."""
+    response_format = _get(body, "response_format", (dict,), None)
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object", source="response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request(
+                '\'response_format.json_schema\' must be an object {"name": ..., "schema": {...}}',
+                "response_format.json_schema",
+            )
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "'response_format.json_schema.schema' must be a JSON schema object",
+                "response_format.json_schema",
+            )
+        return StructuredOutput("json_schema", json.dumps(schema), source="response_format.json_schema")
+    raise bad_request(
+        f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {_show(kind)}",
+        "response_format.type",
+    )
 
 
 def _common(body: dict, prompts: list, default_max_tokens: int | None, chat: bool) -> GenerationRequest:
@@ -252,6 +294,7 @@ def _common(body: dict, prompts: list, default_max_tokens: int | None, chat: boo
         n=n,
         best_of=params.n,
         logprobs_requested=body.get("logprobs") not in (None, False),
+        tools=parse_tools(body) if chat else None,
     )
 
 
@@ -331,12 +374,37 @@ def parse_messages(body: dict) -> list[dict]:
             content = "".join(texts)
         if content is None and role == "assistant":
             content = ""
+        if role == "assistant" and message.get("tool_calls"):
+            content = _with_tool_calls(content, message["tool_calls"], where)
         if not isinstance(content, str):
             raise bad_request(
                 f"'{where}.content' must be a string or an array of text parts", f"{where}.content"
             )
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
+
+
+def _with_tool_calls(content, calls, where: str) -> str:
+    """An assistant turn that called tools, written back in the syntax the model calls them in."""
+    if not isinstance(calls, list):
+        raise bad_request(f"'{where}.tool_calls' must be an array", f"{where}.tool_calls")
+    text = content if isinstance(content, str) else ""
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(
+                f'\'{where}.tool_calls[{j}]\' must be {{"type": "function", "function": {{"name", '
+                f'"arguments"}}}}',
+                f"{where}.tool_calls",
+            )
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            pass  # kept as the text the client sent
+        call_text = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+        text += ("\n" if text else "") + f"<tool_call>\n{call_text}\n</tool_call>"
+    return text
 
 
 def parse_chat(body: dict) -> tuple[GenerationRequest, list[dict]]:
