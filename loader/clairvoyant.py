@@ -53,6 +53,9 @@ batch started with, or, if it never starts one (the iterator was dropped, or it 
 left this epoch), the state after its last batch. A new loader replays the sampler from
 the saved states, skips the yielded batches, rotates torch's round robin so batch b still
 goes to worker b % num_workers, and each worker restores its state before its first batch.
+Under a DistributedSampler the state also records the world size; resumed under another
+one (elastic), the rest of the epoch is what no old rank yielded, dealt out to the new ranks
+(elastic.py), and the sampler's own stream takes over again from the next epoch.
 """
 
 from __future__ import annotations
@@ -61,17 +64,21 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
+from torch.utils.data import BatchSampler
 from torch.utils.data.dataloader import _DatasetKind
 
 from loader.cache_disk import DiskTier
 from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
 from loader.exchange import PeerExchange
+from loader.peer_plan import homes_for
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
 from loader.resume import EpochStart, ResumePoint, capture, restore
+from loader.retry import RetryPolicy
 from loader.source import ByteSource, has_read_decode
 from loader.view import CachedItemsView, CachedView
 
@@ -94,6 +101,9 @@ class CacheOptions:
     horizon_epochs: int = 2  # epochs the placement looks ahead when the order is seeded
     peer_exchange: bool = False  # fetch samples other ranks hold (torch.distributed, gloo)
     peer_window: int = 128  # samples per exchange window
+    peer_timeout: float = 60.0  # seconds a window may wait for the other ranks before storage takes over
+    read_attempts: int = 3  # storage reads tried per sample on an OSError, the first included
+    read_retry_delay: float = 0.05  # seconds before the second try, doubled before each further one
 
 
 @dataclass
@@ -106,6 +116,7 @@ class EpochState:
     yielded: int = 0  # batches handed to the caller, skipped ones included
     batch_first: list[int] = field(default_factory=list)  # sample offset of each dispatched batch
     expected: list[int] | None = None  # the plan's indices while it still matches the sampler
+    override: list | None = None  # elastic resume: this rank's batches instead of the sampler's (elastic.py)
 
 
 class _Resources:
@@ -132,7 +143,10 @@ class Clairvoyant:
         self.map_style = loader._dataset_kind == _DatasetKind.Map
         own_batching = callable(getattr(dataset, "__getitems__", None))
         cacheable = self.map_style and not own_batching and (has_read_decode(dataset) or options.cache_items)
-        self.source = ByteSource(dataset, items=not has_read_decode(dataset)) if cacheable else None
+        retry = RetryPolicy(options.read_attempts, options.read_retry_delay)
+        self.source = (
+            ByteSource(dataset, items=not has_read_decode(dataset), retry=retry) if cacheable else None
+        )
         self.num_workers = loader.num_workers
         self.persistent = loader.persistent_workers and loader.num_workers > 0
         self.snap_ring = (loader.prefetch_factor or 0) * loader.num_workers + 2 * loader.num_workers
@@ -146,6 +160,8 @@ class Clairvoyant:
         self.stall_seconds = 0.0
         self.batches = 0
         self.peer_group = None
+        self.homes_decided = False
+        self.elastic: tuple[list, int] | None = None  # a resume under another world size (elastic.py)
         if options.peer_exchange and self.source is not None and self.source.items:
             raise ValueError(
                 "peer_exchange: a dataset cached with cache_items=True is cached as pickled "
@@ -161,7 +177,8 @@ class Clairvoyant:
                     "after dist.init_process_group); build the loader after that"
                 )
             # All ranks build the loader together; the loader's collectives get their own group.
-            self.peer_group = dist.new_group(backend="gloo")
+            # Its timeout ends a collective a dead or stalled peer never joins (see exchange.py).
+            self.peer_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=options.peer_timeout))
 
     @property
     def shared(self) -> SharedState | None:
@@ -206,7 +223,11 @@ class Clairvoyant:
         self.resources.shared = SharedState(layout)
         if placing:
             disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
-            peers = PeerExchange(self.peer_group, opts.peer_window) if self.peer_group is not None else None
+            peers = (
+                PeerExchange(self.peer_group, opts.peer_window, opts.peer_timeout)
+                if self.peer_group is not None
+                else None
+            )
             self.resources.prefetcher = Prefetcher(
                 self.shared,
                 self.source,
@@ -251,11 +272,19 @@ class Clairvoyant:
             point, self.resume = self.resume, None
             after_first_draw = restore(point.start, generator, index_sampler)
             skip = point.batches_done
+            elastic, self.elastic = self.elastic, None
+            override, longest = elastic if elastic is not None else (None, None)
+        else:
+            override = longest = None
         start = capture(generator, index_sampler)
         self.epochs_begun += 1
         base = self.epochs_begun * EPOCH_STRIDE
         plan = None
-        if self.prefetcher is not None:
+        if self.prefetcher is not None and override is not None:
+            batched = type(index_sampler) is BatchSampler
+            flat = [i for batch in override for i in batch] if batched else list(override)
+            plan = EpochPlan(np.asarray(flat, dtype=np.int64), index_sampler.batch_size if batched else None)
+        elif self.prefetcher is not None:
             plan = plan_epoch(
                 index_sampler,
                 loader_generator=generator,
@@ -263,14 +292,16 @@ class Clairvoyant:
                 horizon_epochs=self.options.horizon_epochs,
             )
         try:
-            num_batches = len(index_sampler)
+            num_batches = len(index_sampler) if override is None else len(override)
         except TypeError:
             num_batches = None
         pos0 = base
         if plan is not None:
             skip_pos = min(plan.batch_bounds(skip)[0], len(plan.indices))
             pos0 = base - skip_pos
-            self.prefetcher.begin_epoch(plan.indices[skip_pos:], plan.following, base)
+            self.prefetcher.begin_epoch(
+                plan.indices[skip_pos:], plan.following, base, self._homes(index_sampler), longest
+            )
         elif self.shared is not None:
             self.shared.header[GEN_BASE] = base
             self.shared.header[MODE] = DIRECT
@@ -282,8 +313,17 @@ class Clairvoyant:
             num_batches,
             yielded=skip,
             expected=plan.indices.tolist() if plan is not None else None,
+            override=override,
         )
         return self.epoch, after_first_draw
+
+    def _homes(self, index_sampler):
+        """Once, at the first planned epoch: which samples this rank keeps for its peers."""
+        peers = self.prefetcher.peers
+        if peers is None or self.homes_decided:
+            return None
+        self.homes_decided = True
+        return homes_for(index_sampler, self.shared.layout.samples, peers.rank, peers.world)
 
     def plan_broken(self) -> None:
         """The sampler yielded something the plan did not predict: stop trusting the plan."""
