@@ -60,11 +60,11 @@ one (elastic), the rest of the epoch is what no old rank yielded, dealt out to t
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -73,8 +73,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from loader.cache_disk import DiskTier
 from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
-from loader.exchange import PeerExchange
-from loader.peer_plan import homes_for
+from loader.peer_cluster import PeerCluster
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
 from loader.resume import EpochStart, ResumePoint, capture, restore
@@ -82,6 +81,7 @@ from loader.retry import RetryPolicy
 from loader.source import ByteSource, has_read_decode
 from loader.view import CachedItemsView, CachedView
 
+log = logging.getLogger("loader")
 EPOCH_STRIDE = 1 << 40  # plan positions of epoch e start at e * EPOCH_STRIDE
 RING = 1 << 16  # plan positions that may be published and unconsumed at once
 SNAPSHOT_WAIT_SECONDS = 30.0
@@ -159,8 +159,7 @@ class Clairvoyant:
         self.rotation = 0
         self.stall_seconds = 0.0
         self.batches = 0
-        self.peer_group = None
-        self.homes_decided = False
+        self.cluster: PeerCluster | None = None  # the ranks exchanging samples (peer_cluster.py)
         self.elastic: tuple[list, int] | None = None  # a resume under another world size (elastic.py)
         if options.peer_exchange and self.source is not None and self.source.items:
             raise ValueError(
@@ -176,9 +175,7 @@ class Clairvoyant:
                     "peer_exchange=True needs torch.distributed initialized (e.g. under torchrun, "
                     "after dist.init_process_group); build the loader after that"
                 )
-            # All ranks build the loader together; the loader's collectives get their own group.
-            # Its timeout ends a collective a dead or stalled peer never joins (see exchange.py).
-            self.peer_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=options.peer_timeout))
+            self.cluster = PeerCluster(options.peer_window, options.peer_timeout)
 
     @property
     def shared(self) -> SharedState | None:
@@ -209,7 +206,7 @@ class Clairvoyant:
         opts = self.options
         # Nothing to keep across epochs: the workers read their batches themselves (batch_reads.py) and
         # the main process only plans; the prefetcher runs where there is a cache to place samples in.
-        placing = self.source is not None and bool(opts.cache_ram or opts.cache_disk or self.peer_group)
+        placing = self.source is not None and bool(opts.cache_ram or opts.cache_disk or self.cluster)
         if placing:
             self._fit_shared_memory()
         arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
@@ -223,11 +220,7 @@ class Clairvoyant:
         self.resources.shared = SharedState(layout)
         if placing:
             disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
-            peers = (
-                PeerExchange(self.peer_group, opts.peer_window, opts.peer_timeout)
-                if self.peer_group is not None
-                else None
-            )
+            peers = self.cluster.exchange() if self.cluster is not None else None
             self.resources.prefetcher = Prefetcher(
                 self.shared,
                 self.source,
@@ -318,12 +311,21 @@ class Clairvoyant:
         return self.epoch, after_first_draw
 
     def _homes(self, index_sampler):
-        """Once, at the first planned epoch: which samples this rank keeps for its peers."""
-        peers = self.prefetcher.peers
-        if peers is None or self.homes_decided:
+        """Which samples this rank keeps for its peers (None: no exchange). After a lost rank, the
+        survivors regroup here, at an epoch's start (peer_cluster.py)."""
+        prefetcher = self.prefetcher
+        if self.cluster is None:
             return None
-        self.homes_decided = True
-        return homes_for(index_sampler, self.shared.layout.samples, peers.rank, peers.world)
+        if prefetcher.peers is None and prefetcher.lost is not None:
+            suspects, prefetcher.lost = prefetcher.lost.suspects, None
+            prefetcher.rejoin(self.cluster.regroup(suspects))
+            outcome = f"exchanging with ranks {self.cluster.members}" if prefetcher.peers else "storage alone"
+            log.warning(
+                "prescient loader, rank %d: regrouped after a lost rank: %s", self.cluster.me, outcome
+            )
+        if prefetcher.peers is None:
+            return None
+        return self.cluster.homes(index_sampler, self.shared.layout.samples)
 
     def plan_broken(self) -> None:
         """The sampler yielded something the plan did not predict: stop trusting the plan."""

@@ -17,10 +17,11 @@ collectives pair up window by window.
 
 A rank that dies or stalls: a phase that fails (gloo reports the closed connection) or is
 not done within `timeout` seconds raises PeerFailure, naming the ranks at fault from the
-heartbeats (peer_health.py). The prefetcher then leaves the exchange for good: the window's
-samples and every later one come from its own cache or storage, so the epoch still ends
-with the right batches. The loader's group is built with the same timeout, so gloo itself
-ends a collective left waiting and no thread outlives it.
+heartbeats (peer_health.py). The prefetcher then leaves the exchange: the window's samples
+and the rest of the epoch come from its own cache or storage, so the epoch still ends with
+the right batches; at the next epoch the survivors regroup (peer_cluster.py). The loader's
+group is built with the same timeout, so gloo itself ends a collective left waiting and no
+thread outlives it.
 """
 
 from __future__ import annotations
@@ -37,19 +38,26 @@ from loader.peer_health import PeerHealth, default_store
 class PeerFailure(RuntimeError):
     """A window's collective failed or timed out; the message names the ranks at fault."""
 
-    def __init__(self, message: str, rank: int):
+    def __init__(self, message: str, rank: int, suspects: list[int]):
         super().__init__(message)
-        self.rank = rank  # the rank that gave up
+        self.rank = rank  # the (global) rank that gave up
+        self.suspects = suspects  # global ranks found at fault (dead, stopped or behind)
 
 
 class PeerExchange:
-    def __init__(self, group, window: int, timeout: float = 60.0):
+    def __init__(
+        self, group, window: int, timeout: float = 60.0, prefix: str = "", members: list[int] | None = None
+    ):
+        """`prefix`: store keys of this loader's exchange (peer_health.py); `members`: the global
+        ranks of `group` in group order (all ranks when None)."""
         self.group = group
         self.window = window  # samples per exchange window
         self.timeout = timeout  # seconds one phase may wait for the other ranks
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.health = PeerHealth(default_store(), self.rank, self.world)
+        self.members = members or list(range(self.world))
+        self.global_rank = self.members[self.rank]
+        self.health = PeerHealth(default_store(), prefix, self.members, self.rank)
         self.phase: str | None = None  # None: idle
         self.work = None
         self.since = 0.0  # when the current phase began (time.monotonic)
@@ -87,7 +95,10 @@ class PeerExchange:
             except Exception:  # noqa: BLE001 - the failure being reported
                 pass
         self.health.leave()
-        raise PeerFailure(f"window {self.windows} ({phase}): {what}; {self.health.culprits()}", self.rank)
+        found = self.health.culprits()
+        raise PeerFailure(
+            f"window {self.windows} ({phase}): {what}; {found}", self.global_rank, self.health.suspects
+        )
 
     def poll(self, holding: Callable[[int], bytes | None]) -> dict[int, bytes] | None:
         """Advance when the current collective is done; the received samples once the window is.

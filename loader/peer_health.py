@@ -31,13 +31,21 @@ def default_store():
         return None
 
 
+def loader_prefix() -> str:
+    """Store keys of the next loader built with peer exchange in this process. All ranks build
+    their loaders in the same order, so the n-th loader's keys agree across ranks."""
+    return f"prescient/loader{next(_loaders)}"
+
+
 class PeerHealth:
-    def __init__(self, store, rank: int, world: int):
-        self.store, self.rank, self.world = store, rank, world
-        # All ranks build their loaders in the same order, so the n-th loader's keys agree.
-        self.prefix = f"prescient/loader{next(_loaders)}/beat/"
+    def __init__(self, store, prefix: str, members: list[int], rank: int):
+        """`members`: the global ranks in the exchange's group, in group order; `rank`: this
+        process's index among them. Messages name global ranks."""
+        self.store, self.members, self.rank, self.world = store, members, rank, len(members)
+        self.prefix = f"{prefix}/beat/"
         self.window = 0
         self.last_beat = 0.0
+        self.suspects: list[int] = []  # global ranks found at fault by the last culprits()
 
     def beat(self, window: int | None = None, force: bool = False) -> None:
         if window is not None:
@@ -64,6 +72,7 @@ class PeerHealth:
     def culprits(self, wait: float = STALE_SECONDS + BEAT_SECONDS) -> str:
         """Who this rank is waiting on, in words; looks for up to `wait` seconds, since a rank
         that just died still has a fresh heartbeat."""
+        self.suspects = []
         if self.store is None:
             return "the rank could not be identified (no torch.distributed store)"
         deadline = time.monotonic() + wait
@@ -90,6 +99,8 @@ class PeerHealth:
                 silent.append(rank)
             elif beat[0] < self.window:
                 behind.append(rank)
+        self.suspects = [self.members[r] for r in silent + behind]
+        silent, behind, left = ([self.members[r] for r in ranks] for ranks in (silent, behind, left))
         parts = []
         if silent:
             parts.append(f"rank {_names(silent)} stopped answering (process dead or stopped)")

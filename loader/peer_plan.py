@@ -76,11 +76,9 @@ def home_ranks(streams: np.ndarray, n: int) -> np.ndarray:
     return home
 
 
-def homes_for(index_sampler, n: int, rank: int, world: int) -> np.ndarray:
-    """Whether this rank is the home of each sample (bool[n]), for the epoch about to start."""
+def home_ranks_for(index_sampler, n: int, world: int) -> np.ndarray:
+    """The home rank of each sample, from the epoch about to start."""
     sampler = distributed_sampler(index_sampler)
     if sampler is not None and sampler.num_replicas == world:
-        home = home_ranks(sampler_streams(sampler, sampler.epoch), n)
-    else:  # each rank's stream is its own business: spread the keeping round robin
-        home = np.arange(n, dtype=np.int64) % world
-    return home == rank
+        return home_ranks(sampler_streams(sampler, sampler.epoch), n)
+    return np.arange(n, dtype=np.int64) % world  # each rank's stream is its own: spread the keeping

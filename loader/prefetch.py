@@ -55,6 +55,7 @@ class Prefetcher:
         self.windows_started = 0  # peer-exchange windows of this epoch begun
         self.longest: int | None = None  # the longest stream of any rank this epoch, if not this one's
         self.peers_lost: str | None = None  # why this rank left the peer exchange, if it did
+        self.lost: PeerFailure | None = None  # a loss the survivors have not regrouped after yet
         self._asked: list[int] = []
         self.staging = staging
         self.holdings = Holdings(shared, cache_ram, disk)
@@ -99,8 +100,7 @@ class Prefetcher:
         rank takes part in as many exchange windows as that one needs."""
         with self.lock:
             self.longest = longest
-            if home is not None:
-                self.holdings.home = home
+            self.holdings.home = home
             if self.peers is not None:
                 try:
                     self.peers.finish(self.holdings.copy_of)  # every rank ends the window in flight alike
@@ -127,6 +127,11 @@ class Prefetcher:
             self.sched = self.done = self.consumed = 0
             self.base = base
         self.wakeup.set()
+
+    def rejoin(self, peers: PeerExchange | None) -> None:
+        """The exchange among the survivors of a loss (None: storage alone from now on)."""
+        with self.lock:
+            self.peers = peers
 
     def usage(self) -> dict:
         with self.lock:
@@ -239,11 +244,11 @@ class Prefetcher:
     def _lose_peers(self, failure: PeerFailure) -> None:
         """Leave the exchange for good: what was asked of the peers, and all later reads, go to
         storage (or this rank's own cache)."""
-        self.peers, self.peers_lost = None, str(failure)
+        self.peers, self.peers_lost, self.lost = None, str(failure), failure
         self.holdings.home = None  # nobody will ask for them: cache for this rank alone again
         log.warning(
             "prescient loader, rank %d: peer exchange failed, %s; reading from storage instead "
-            "for the rest of the run",
+            "until the others regroup at the next epoch",
             failure.rank,
             failure,
         )

@@ -76,7 +76,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
                 "'tool_choice' needs 'tools': send the functions the model may call", "tool_choice"
             )
         return None
-    if body.get("functions") is not None:
+    if body.get("functions"):
         raise bad_request("send 'tools' or the deprecated 'functions', not both", "functions")
     if not isinstance(tools, list):
         raise bad_request("'tools' must be an array of function tools", "tools")

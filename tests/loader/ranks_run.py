@@ -5,7 +5,8 @@
 reads  ARG=epochs: peer exchange with a per-rank cache of 1.15 x dataset / world; batches
        compared with torch's DataLoader over the same DistributedSampler in this process;
        storage reads per epoch as the dataset counted them.
-kill   ARG=rank: that rank SIGKILLs itself in epoch 2; the others must finish with torch's batches.
+kill   ARG=rank: that rank SIGKILLs itself in epoch 2; the others must finish with torch's batches,
+       and regroup for epoch 3.
 stall  ARG=rank: that rank's training loop sleeps past peer_timeout in epoch 2.
 save   ROOT=samples, ARG=batches: iterate that many batches of epoch 1, write this rank's
        state_dict (rank<r>.pt) and the sample ids it was given.
@@ -76,8 +77,8 @@ def compare_with_torch(root: str, out_dir: str, epochs: int, on_batch=None) -> N
     dist.barrier()
     sampler = DistributedSampler(dataset, seed=5)
     dl = peer_loader(dataset, sampler, world)
-    before = int(dataset.read_counts().sum())
-    reads = []
+    before, peers_before = int(dataset.read_counts().sum()), 0
+    reads, peer_reads = [], []
 
     def counted(epoch, step):
         if on_batch is not None:
@@ -86,15 +87,17 @@ def compare_with_torch(root: str, out_dir: str, epochs: int, on_batch=None) -> N
     ours = []
     for epoch in range(epochs):
         ours += run_epochs_one(dl, sampler, epoch, counted)
-        now = int(dataset.read_counts().sum())
+        now, peers_now = int(dataset.read_counts().sum()), dl.stats()["peer_reads"]
         reads.append(now - before)
-        before = now
+        peer_reads.append(peers_now - peers_before)
+        before, peers_before = now, peers_now
     stats = dl.stats()
     result = {
         "rank": rank,
         "same": same(theirs, ours),
         "reads": reads,
         "peer_reads": stats["peer_reads"],
+        "peer_reads_per_epoch": peer_reads,
         "storage_reads": stats["storage_reads"],
         "peers_lost": dl._engine.prefetcher.peers_lost,
     }
@@ -132,7 +135,7 @@ def main(mode: str, root: str, out_dir: str, arg: str) -> None:
             if rank == int(arg) and epoch == 1 and step == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        compare_with_torch(root, out_dir, 2, die)
+        compare_with_torch(root, out_dir, 3, die)
         return  # no barrier or teardown: a rank is gone
     elif mode == "stall":
 

@@ -9,6 +9,7 @@ import pytest
 from torch.utils.data import DistributedSampler
 
 from loader.elastic import remaining_samples
+from loader.peer_cluster import rehome
 from loader.peer_model import traffic
 from loader.peer_plan import epoch_streams, home_ranks, with_world
 
@@ -72,3 +73,11 @@ def test_model_without_room_reads_storage_every_epoch():
     for e in epochs[1:]:
         assert e.storage_reads == pytest.approx(n / 2, rel=0.02)  # the half no home could keep
         assert e.storage_reads + e.peer_reads <= n
+
+
+def test_a_lost_ranks_samples_are_rehomed_among_the_survivors_only():
+    home = home_ranks(epoch_streams(40, 4, seed=1, epoch=0), 40)
+    moved = rehome(home, [0, 1, 3])
+    kept = home != 2
+    assert (moved[kept] == home[kept]).all(), "a survivor's samples stay where they are"
+    assert set(moved[~kept].tolist()) <= {0, 1, 3} and len(set(moved[~kept].tolist())) > 1

@@ -78,7 +78,7 @@ def test_four_ranks_read_storage_once_per_sample(tmp_path, out):
     assert sum(r["peer_reads"] for r in ranks) <= sum(e.peer_reads for e in model)
 
 
-def test_a_killed_rank_leaves_the_others_to_storage(tmp_path, out):
+def test_a_killed_rank_leaves_the_others_to_storage_then_they_regroup(tmp_path, out):
     root = write_files(tmp_path / "data", 96)
     victim = 2
     proc = torchrun("kill", root, out, victim, monitor=60)
@@ -87,10 +87,14 @@ def test_a_killed_rank_leaves_the_others_to_storage(tmp_path, out):
     os.killpg(proc.pid, signal.SIGTERM)  # the launcher would notice the dead rank only after `monitor`
     log = proc.communicate(timeout=60)[0]
     assert not (out / f"rank{victim}.json").exists()
-    for rank in results(out, survivors):
+    ranks = results(out, survivors)
+    for rank in ranks:
         assert rank["same"], f"rank {rank['rank']}: batches differ from torch's"
         assert rank["peers_lost"] and f"rank {victim} stopped answering" in rank["peers_lost"], rank
-        assert rank["reads"][1] > 0, "the epoch after the failure read storage"
+        assert rank["reads"][1] > 0, "the rest of epoch 2 came from storage"
+        assert rank["peer_reads_per_epoch"][2] > 0, "the survivors exchange again in epoch 3"
+    # epoch 3: only the lost rank's samples (a quarter of the data) are read again, by their new homes
+    assert 0 < sum(r["reads"][2] for r in ranks) <= 96 // RANKS, [r["reads"] for r in ranks]
     assert f"rank {victim} stopped answering" in log  # logged, not only recorded
 
 
