@@ -196,12 +196,18 @@ class Clairvoyant:
         if placing:
             self._fit_shared_memory()
         arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
+        # Without peers the workers read what the node does not hold and fill the cache themselves
+        # (fill_ring.py); half of prefetch_bytes is their rings, the rest room for evicted bytes still in use.
+        fill_rings = self.num_workers + 1 if placing and self.peer_group is None else 0
+        fill_bytes = opts.prefetch_bytes // 2 // fill_rings if fill_rings else 0
         layout = Layout(
             samples=len(dataset),
             rows=self.num_workers + 2,
             ring=RING,
             snap_slots=max(self.snap_ring, 1) + self.num_workers,
-            arena=arena,
+            arena=arena - fill_bytes * fill_rings,
+            fill_rings=fill_rings,
+            fill_bytes=fill_bytes,
         )
         self.resources.shared = SharedState(layout)
         if placing:
