@@ -5,6 +5,9 @@ A sample is pinned while plan positions that were published to the workers and n
 consumed refer to it; pinned bytes never move. Bytes in shared memory that placement does
 not keep are "staged": read ahead for one use and freed after it (they count against the
 prefetch budget, not the cache budget). A sample the RAM tier lets go may be kept on disk.
+Under peer exchange some samples are this rank's to keep for the cluster (its "home"
+samples, see peer_plan.py): placement ranks every home sample ahead of every other one, so
+a rank's copies of other ranks' samples never push out what only it keeps.
 Used only by the prefetch coordinator thread.
 """
 
@@ -12,10 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from loader.arena import Arena
 from loader.cache_disk import DiskTier, read_file
 from loader.cache_ram import ABSENT, DISK, DISK_HITS, FAILED, LENGTH, RAM, RAM_HITS, SharedState
 from loader.placement import NEVER, BeladyCache
+
+HOME_FIRST = 1 << 62  # subtracted from a home sample's next use: ahead of any other sample
+HORIZON_CAP = 1 << 40  # a home sample not used again by this rank still ranks ahead
 
 
 @dataclass
@@ -40,6 +48,13 @@ class Holdings:
             int, tuple[int, int]
         ] = {}  # index -> (offset, size): kept, bytes to come (a fill)
         self.staged_bytes = self.staged_peak = 0  # held bytes outside the RAM cache set
+        self.home: np.ndarray | None = None  # bool per sample: kept by this rank for its peers
+
+    def placement_key(self, index: int, upcoming: int) -> int:
+        """The next-use key placement compares: home samples rank ahead of all others."""
+        if self.home is not None and self.home[index]:
+            return min(upcoming, HORIZON_CAP) - HOME_FIRST
+        return upcoming
 
     def has(self, index: int) -> bool:
         return index in self.held or self.on_disk(index)
@@ -49,15 +64,20 @@ class Holdings:
 
     def renumber(self, first: dict[int, int]) -> None:
         """A new epoch's plan: next uses are now positions in it."""
-        self.ram.renumber(lambda i: first.get(i, NEVER))
+
+        def key(index: int) -> int:
+            return self.placement_key(index, first.get(index, NEVER))
+
+        self.ram.renumber(key)
         if self.disk_set is not None:
-            self.disk_set.renumber(lambda i: first.get(i, NEVER))
+            self.disk_set.renumber(key)
         for index, held in self.held.items():
-            held.next_use = first.get(index, NEVER)
+            held.next_use = key(index)
 
     # --- a planned use -------------------------------------------------------------------------
     def use(self, index: int, upcoming: int) -> int:
         """Pin a held sample for one more use; returns the tier it is read from (or ABSENT)."""
+        upcoming = self.placement_key(index, upcoming)
         if index in self.reserved:  # kept when it was last used; a worker's bytes are still on their way
             self.ram.touch(index, upcoming)
             return ABSENT
@@ -84,6 +104,7 @@ class Holdings:
     def place(self, index: int, raw: bytes | BaseException, upcoming: int, can_wait: bool) -> int | None:
         """Put a fresh read in shared memory, pinned for its use. Returns its tier, or None when
         it must wait for consumption to free room (only if `can_wait`)."""
+        upcoming = self.placement_key(index, upcoming)
         if isinstance(raw, BaseException):
             self.shared.set_entry(index, FAILED)  # the worker re-reads and raises with index and path
             return ABSENT
@@ -112,7 +133,7 @@ class Holdings:
         offset = self.arena.alloc(size)
         if offset is None:
             return False
-        victims = self.ram.offer(index, size, upcoming)
+        victims = self.ram.offer(index, size, self.placement_key(index, upcoming))
         if victims is None:
             self.arena.free(offset)
             return True
@@ -149,6 +170,7 @@ class Holdings:
     def keep(self, index: int, raw: bytes, upcoming: int) -> int:
         """A sample a worker read and used (fill_ring.py): keep it if placement says so, in RAM or
         else on disk. Nothing pins it. Returns the tier it is kept in, or ABSENT."""
+        upcoming = self.placement_key(index, upcoming)
         offset = self.arena.alloc(len(raw))
         victims = self.ram.offer(index, len(raw), upcoming) if offset is not None else None
         if victims is not None:

@@ -11,6 +11,7 @@ ahead but not cached) plus reads in flight stay under `staging` bytes.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import warnings
@@ -29,11 +30,12 @@ from loader.cache_ram import (
     STORAGE_READS,
     SharedState,
 )
-from loader.exchange import PeerExchange
+from loader.exchange import PeerExchange, PeerFailure
 from loader.holdings import Holdings
 from loader.placement import first_use, next_use
 from loader.source import ByteSource
 
+log = logging.getLogger("loader")
 BUSY_POLL_SECONDS = 0.001  # how often to look at the done ring while workers hold positions
 IDLE_WAIT_SECONDS = 0.05
 
@@ -51,6 +53,10 @@ class Prefetcher:
     ):
         self.shared, self.source, self.disk, self.peers = shared, source, disk, peers
         self.windows_started = 0  # peer-exchange windows of this epoch begun
+        self.longest: int | None = None  # the longest stream of any rank this epoch, if not this one's
+        self.peers_lost: str | None = None  # why this rank left the peer exchange, if it did
+        self.lost: PeerFailure | None = None  # a loss the survivors have not regrouped after yet
+        self._asked: list[int] = []
         self.staging = staging
         self.holdings = Holdings(shared, cache_ram, disk)
         self.inflight: dict[int, int] = {}  # index -> estimated bytes, read asked and not yet placed
@@ -83,15 +89,30 @@ class Prefetcher:
             thread.start()
 
     # --- called from the main thread ---------------------------------------------------------
-    def begin_epoch(self, stream: np.ndarray, following: list[np.ndarray], base: int) -> None:
+    def begin_epoch(
+        self,
+        stream: np.ndarray,
+        following: list[np.ndarray],
+        base: int,
+        home: np.ndarray | None = None,
+        longest: int | None = None,
+    ) -> None:
         """Switch to a new epoch's stream, whose first entry is global plan position `base`
-        (larger than any position used before, so old ring entries never match)."""
+        (larger than any position used before, so old ring entries never match). `home`: the
+        samples this rank keeps for its peers (peer_plan.py), when they are decided. `longest`:
+        the longest stream any rank has this epoch, when they differ (an elastic resume): every
+        rank takes part in as many exchange windows as that one needs."""
         with self.lock:
             self._take_fills()  # the last epoch's reads, placed by its own plan before the renumbering
             self.holdings.cancel_reservations()
             self.decided.clear()
+            self.longest = longest
+            self.holdings.home = home
             if self.peers is not None:
-                self.peers.finish(self.holdings.copy_of)  # every rank ends the window in flight alike
+                try:
+                    self.peers.finish(self.holdings.copy_of)  # every rank ends the window in flight alike
+                except PeerFailure as failure:
+                    self._lose_peers(failure)
             self.windows_started = 0
             self.shared.header[GEN_BASE] = base  # first: workers stop trusting older positions
             self.shared.header[MODE] = PLANNED if self.failure is None else DIRECT
@@ -113,6 +134,11 @@ class Prefetcher:
             self.sched = self.done = self.consumed = 0
             self.base = base
         self.wakeup.set()
+
+    def rejoin(self, peers: PeerExchange | None) -> None:
+        """The exchange among the survivors of a loss (None: storage alone from now on)."""
+        with self.lock:
+            self.peers = peers
 
     def usage(self) -> dict:
         with self.lock:
@@ -223,6 +249,29 @@ class Prefetcher:
         peers = self.peers
         if peers is None:
             return False
+        try:
+            return self._exchange_step(peers)
+        except PeerFailure as failure:
+            self._lose_peers(failure)
+            return True
+
+    def _lose_peers(self, failure: PeerFailure) -> None:
+        """Leave the exchange for good: what was asked of the peers, and all later reads, go to
+        storage (or this rank's own cache)."""
+        self.peers, self.peers_lost, self.lost = None, str(failure), failure
+        self.holdings.home = None  # nobody will ask for them: cache for this rank alone again
+        log.warning(
+            "prescient loader, rank %d: peer exchange failed, %s; reading from storage instead "
+            "until the others regroup at the next epoch",
+            failure.rank,
+            failure,
+        )
+        for index in self._asked:
+            if index in self.inflight and index not in self.results:
+                self.requests.put(index)
+        self._asked = []
+
+    def _exchange_step(self, peers: PeerExchange) -> bool:
         if peers.busy:
             received = peers.poll(self.holdings.copy_of)
             if received is None:
@@ -234,11 +283,12 @@ class Prefetcher:
             for index in self._asked:
                 if index not in received:
                     self.requests.put(index)  # no peer holds it: storage
+            self._asked = []
             return True
         size = peers.window
-        windows = -(-len(self.stream) // size)
+        windows = -(-max(len(self.stream), self.longest or 0) // size)
         start = self.windows_started * size
-        if self.windows_started >= windows or self.sched < start - size:
+        if self.windows_started >= windows or self.sched < min(start, len(self.stream)) - size:
             return False
         needs = []
         for index in dict.fromkeys(self.stream[start : start + size].tolist()):
@@ -248,8 +298,8 @@ class Prefetcher:
                 self.inflight_bytes += estimate
                 needs.append(index)
         self._asked = needs
-        peers.start(needs)
         self.windows_started += 1
+        peers.start(needs)
         return True
 
     # --- helpers ---------------------------------------------------------------------------------

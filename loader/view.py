@@ -220,11 +220,11 @@ class CachedView(Dataset):
             if waited is None:
                 waited = time.perf_counter()
             elif (
-                time.perf_counter() - waited > PARENT_CHECK_SECONDS
-                and os.getpid() != self._parent
+                row >= 2
+                and time.perf_counter() - waited > PARENT_CHECK_SECONDS
                 and os.getppid() != self._parent
             ):
-                os._exit(1)  # the main process is gone: nothing will come
+                os._exit(1)  # a worker whose main process is gone: nothing will come
             time.sleep(POLL_SECONDS)
         if waited is not None:
             fast["counters"][row * COUNTERS + WAIT_NS] += int((time.perf_counter() - waited) * 1e9)

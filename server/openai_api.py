@@ -108,7 +108,7 @@ async def _generate(
     tenant = keyed or authenticate(None, None, req.user)
     if req.model is not None and req.model not in state.model_names:
         raise APIError(
-            400,
+            404,
             f"The model '{req.model}' does not exist; this server serves "
             f"{', '.join(repr(n) for n in sorted(state.model_names))} (see GET /v1/models).",
             param="model",
@@ -134,7 +134,7 @@ async def _generate(
         else:
             checked = _prompt_ids(state, req, messages)
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), exc.param) from exc
+        raise bad_request(str(exc), exc.param, exc.code) from exc
     tokenizer = state.client.tokenizer
 
     kind = "chat.completion" if chat else "text_completion"
@@ -179,11 +179,11 @@ async def _generate(
         raise APIError(
             429,
             f"The server is at capacity ({exc}); retry shortly.",
-            code="queue_full",
+            code="rate_limit_exceeded",
             headers={"Retry-After": "1"},
         ) from exc
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), exc.param) from exc
+        raise bad_request(str(exc), exc.param, exc.code) from exc
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     except ConnectionError:
