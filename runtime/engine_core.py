@@ -19,8 +19,11 @@ Protocol. Two one-way multiprocessing pipes; every message is a pickled tuple.
                                                          one per loop iteration that did anything
                                                          ("dead", text)  the loop itself failed; it exits
 
-A Delta carries only what is new since the last one for its request (tokens,
-text, their times), so a step costs the same whatever the outputs' lengths.
+A Delta carries only what is new since the last one for one sequence of a
+request (tokens, text, their times and logprobs; the prompt's logprobs once),
+so a step costs the same whatever the outputs' lengths. A request with n > 1
+has n sequences, told apart by Delta.index; each ends with its own finished
+delta.
 Messages are read between steps, in order, so an add followed by its abort is
 added, then aborted. The core dies with the server: prctl(PR_SET_PDEATHSIG)
 where Linux has it, and in any case an end-of-file on the requests pipe or a
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from runtime.engine import Engine
+from runtime.logprobs import TokenLogprob
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("prescient.engine_core")
@@ -86,6 +90,12 @@ class Delta:
     """Set when the request failed: a ValueError's text on admission, or the engine's RequestOutput.error."""
     rejected: bool = False
     """The request was refused on admission (error is then the ValueError's message)."""
+    index: int = 0
+    """Which of the request's n sequences this is (RequestOutput.index)."""
+    new_logprobs: list[TokenLogprob] | None = None
+    """The logprobs of new_token_ids, when the request asked for logprobs."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """The prompt's logprobs (echo), sent once: with the sequence's first delta that has them."""
 
 
 def run_engine_core(
@@ -140,8 +150,8 @@ class _CoreLoop:
         self.requests = requests
         self.outputs = outputs
         self.parent_pid = parent_pid
-        self._sent: dict[str, tuple[int, int]] = {}
-        """request id -> (tokens, characters of text) already sent."""
+        self._sent: dict[tuple[str, int], tuple[int, int, bool]] = {}
+        """(request id, sequence index) -> (tokens, characters of text, prompt logprobs?) already sent."""
 
     def run(self) -> None:
         engine = self.engine
@@ -169,7 +179,8 @@ class _CoreLoop:
         kind, request_id = message[0], message[1]
         if kind == "abort":
             self.engine.abort_request(request_id)
-            self._sent.pop(request_id, None)
+            for key in [key for key in self._sent if key[0] == request_id]:
+                del self._sent[key]
             return
         _, request_id, ids, params, options = message
         try:
@@ -192,12 +203,13 @@ class _CoreLoop:
                 )
             )
             return
-        self._sent[request_id] = (0, 0)
 
     def _delta(self, out) -> Delta:
-        tokens, chars = self._sent.pop(out.request_id, (0, 0))
+        key = (out.request_id, out.index)
+        tokens, chars, prompt_sent = self._sent.pop(key, (0, 0, False))
+        prompt = out.prompt_logprobs if not prompt_sent else None
         if not out.finished:
-            self._sent[out.request_id] = (len(out.token_ids), len(out.text))
+            self._sent[key] = (len(out.token_ids), len(out.text), prompt_sent or prompt is not None)
         return Delta(
             out.request_id,
             out.token_ids[tokens:],
@@ -212,6 +224,9 @@ class _CoreLoop:
             out.finished_time,
             out.num_preemptions,
             out.error,
+            index=out.index,
+            new_logprobs=out.logprobs[tokens:] if out.logprobs is not None else None,
+            prompt_logprobs=prompt,
         )
 
 

@@ -52,14 +52,36 @@ a team in a non-main thread (which libgomp throttles itself) at 4-7."""
 
 
 class _Stream:
-    """One request's output as the server sees it, updated in place by each step's delta."""
+    """One request's outputs as the server sees them (one per sequence of its n), updated in place by
+    each step's deltas."""
 
-    __slots__ = ("output", "wake", "failure")
+    __slots__ = ("outputs", "changed", "remaining", "wake", "failure")
 
-    def __init__(self, output: RequestOutput):
-        self.output = output
+    def __init__(self, first: RequestOutput, n: int):
+        self.outputs = {0: first}
+        """Sequence index -> its output so far."""
+        self.changed: set[int] = set()
+        """Sequences with news since the consumer last looked."""
+        self.remaining = n
+        """Sequences not finished yet; the stream ends when none is left."""
         self.wake = asyncio.Event()
         self.failure: BaseException | None = None
+
+    def output(self, index: int) -> RequestOutput:
+        """Sequence `index`'s output, begun from the first's on its first delta."""
+        out = self.outputs.get(index)
+        if out is None:
+            first = self.outputs[0]
+            out = self.outputs[index] = RequestOutput(
+                first.request_id,
+                first.prompt_token_ids,
+                [],
+                "",
+                arrival_time=first.arrival_time,
+                index=index,
+                logprobs=[] if first.logprobs is not None else None,
+            )
+        return out
 
 
 class EngineCoreClient:
@@ -154,22 +176,6 @@ class EngineCoreClient:
             raise InvalidRequestError(
                 "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
             )
-        # The core's deltas carry one sequence's tokens and text: several sequences and logprobs stay
-        # with the in-process engine for now.
-        if params.n > 1:
-            raise InvalidRequestError(
-                "n",
-                f"{params.n} sequences per prompt (n or best_of above 1) are not "
-                f"served with --engine-process; send n=1, or run without it",
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(params, name) is not None:
-                field = "logprobs" if name == "logprobs" else "echo"
-                raise InvalidRequestError(
-                    field,
-                    f"{field} with logprobs is not served with --engine-process "
-                    f"yet; leave it out, or run without --engine-process",
-                )
         max_tokens = self.info.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
         if max_tokens != params.max_tokens:
             params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
@@ -225,29 +231,42 @@ class EngineCoreClient:
         check_queue_room(len(self._streams), self._stats, self.info.max_num_seqs, self.max_waiting)
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        stream = _Stream(RequestOutput(request_id, ids, [], "", arrival_time=arrival))
+        first = RequestOutput(
+            request_id,
+            ids,
+            [],
+            "",
+            arrival_time=arrival,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        stream = _Stream(first, params.n)
         self._streams[request_id] = stream
         options = dict(
             tenant=tenant, weight=weight, priority=priority, arrival_time=arrival, cache_salt=cache_salt
         )
         self._outbox.put(("add", request_id, ids, params, options))
         finished = False
+        remaining = params.n  # sequences whose final snapshot the consumer has not had yet
         try:
             while True:
                 await stream.wake.wait()
                 stream.wake.clear()
-                out = stream.output
                 if stream.failure is not None:
                     finished = True
                     raise stream.failure
-                if out.error is not None:
-                    finished = True
-                    raise RequestFailedError(replace(out))
-                snapshot = replace(out, token_ids=list(out.token_ids), token_times=list(out.token_times))
-                yield snapshot
-                if snapshot.finished:  # not out.finished: that may have turned true while the consumer ran
-                    finished = True
-                    return
+                changed = sorted(stream.changed)
+                stream.changed.clear()
+                for index in changed:
+                    out = stream.outputs[index]
+                    if out.error is not None:
+                        finished = True
+                        raise RequestFailedError(_snapshot(out))
+                    snapshot = _snapshot(out)
+                    yield snapshot
+                    remaining -= snapshot.finished  # not out.finished: it may have turned true meanwhile
+                    if remaining == 0:
+                        finished = True
+                        return
         finally:
             if not finished:
                 self.abort(request_id)
@@ -305,10 +324,15 @@ class EngineCoreClient:
         stream = self._streams.get(delta.request_id)
         if stream is None:  # aborted by its consumer
             return
-        out = stream.output
         if delta.rejected:
             stream.failure = ValueError(delta.error)
         else:
+            out = stream.output(delta.index)
+            stream.changed.add(delta.index)
+            if delta.new_logprobs:
+                out.logprobs.extend(delta.new_logprobs)
+            if delta.prompt_logprobs is not None:
+                out.prompt_logprobs = delta.prompt_logprobs
             out.token_ids.extend(delta.new_token_ids)
             out.text += delta.new_text
             if delta.token_time is not None:
@@ -325,8 +349,11 @@ class EngineCoreClient:
                 "finished_time",
             ):
                 setattr(out, name, getattr(delta, name))
-        if delta.finished:
+            stream.remaining -= delta.finished
+        if delta.rejected or stream.remaining == 0:
             del self._streams[delta.request_id]
+        elif delta.error is not None:  # one sequence failed: its consumer raises, the others go too
+            self.abort(delta.request_id)
         stream.wake.set()
 
     def _core_died(self, reason: str) -> None:
@@ -344,6 +371,16 @@ class EngineCoreClient:
             stream.failure = error
             stream.wake.set()
         return len(streams)
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the consumer may keep while later deltas extend the original."""
+    return replace(
+        out,
+        token_ids=list(out.token_ids),
+        token_times=list(out.token_times),
+        logprobs=list(out.logprobs) if out.logprobs is not None else None,
+    )
 
 
 def _stop_process(process, timeout: float) -> None:
