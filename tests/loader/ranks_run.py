@@ -88,6 +88,7 @@ def compare_with_torch(root: str, out_dir: str, epochs: int, on_batch=None) -> N
         "peer_reads_per_epoch": peer_reads,
         "storage_reads": stats["storage_reads"],
         "peers_lost": dl._engine.prefetcher.peers_lost,
+        "peer_failures": stats["peer_failures"],
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
