@@ -39,6 +39,10 @@ fails, and on close, so a worker never waits on a position that will not come.
 Peers (exchange.py): under torch.distributed, each window of plan positions is four gloo
 collectives on the loader's own group (needs, holders, sizes, payload); the payload is raw
 bytes in a uint8 tensor, and a dataset cached with cache_items (pickled items) is refused.
+Each sample has a home rank that keeps it for the others (peer_plan.py). A window that
+fails or outlasts peer_timeout makes the rank log who is at fault (heartbeats in the
+rendezvous store, peer_health.py) and read the rest of the epoch itself; the survivors
+regroup at the next epoch's start (peer_cluster.py).
 
 Shutdown. close(), garbage collection (weakref.finalize) and interpreter exit stop the
 prefetcher, set MODE = DIRECT, unlink the segment and remove the disk tier. If the main

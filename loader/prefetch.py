@@ -56,6 +56,7 @@ class Prefetcher:
         self.longest: int | None = None  # the longest stream of any rank this epoch, if not this one's
         self.peers_lost: str | None = None  # why this rank left the peer exchange, if it did
         self.lost: PeerFailure | None = None  # a loss the survivors have not regrouped after yet
+        self.peer_failures = 0  # times this rank left the exchange
         self._asked: list[int] = []
         self.staging = staging
         self.holdings = Holdings(shared, cache_ram, disk)
@@ -259,6 +260,7 @@ class Prefetcher:
         """Leave the exchange for good: what was asked of the peers, and all later reads, go to
         storage (or this rank's own cache)."""
         self.peers, self.peers_lost, self.lost = None, str(failure), failure
+        self.peer_failures += 1
         self.holdings.home = None  # nobody will ask for them: cache for this rank alone again
         log.warning(
             "prescient loader, rank %d: peer exchange failed, %s; reading from storage instead "
