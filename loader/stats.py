@@ -59,7 +59,8 @@ def collect_stats(engine) -> dict:
     ):
         out[key] = usage.get(key, 0)
     out["disk_tier_enabled"] = usage.get("disk_tier_enabled", False)
-    out["shared_memory_bytes"] = shared.layout.arena if shared is not None else 0
+    lay = shared.layout if shared is not None else None
+    out["shared_memory_bytes"] = lay.arena + lay.fill_rings * lay.fill_bytes if lay is not None else 0
     return out
 
 
