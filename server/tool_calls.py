@@ -66,6 +66,11 @@ class ToolRequest:
         return StructuredOutput("lark", grammar, source="tools")
 
 
+def parses_tool_calls(tools: ToolRequest | None) -> bool:
+    """Calls in the text become tool_calls unless tool_choice is 'none'."""
+    return tools is not None and tools.choice != "none"
+
+
 def parse_tools(body: dict) -> ToolRequest | None:
     """The request's tools and tool_choice, checked; None when it sends no tools."""
     tools = body.get("tools")
