@@ -42,6 +42,9 @@ class _TenantTally:
     """Tokens served: prompt tokens at first admission (cache hits included) + generated tokens."""
     waiting: int = 0
     running: int = 0
+    since: int = 0
+    """Which tally of this scheduler this is (a count): a tenant forgotten and back gets a new one, so a
+    reader of stats() can tell its service restarted from 0 even when it has grown past the old value."""
 
 
 def make_policy(config: SchedulerConfig) -> Policy:
@@ -71,6 +74,7 @@ class Scheduler:
         self._tenants: dict[str, _TenantTally] = {}
         self._idle: OrderedDict[str, None] = OrderedDict()
         """Tenants in _tenants without a waiting or running request, longest idle first."""
+        self._tallies_made = 0
         self.retired_service_tokens = 0
         """Service of the tenants forgotten after being idle longest (still part of the total)."""
         self._blocks_sent: dict[str, int] = {}
@@ -97,7 +101,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         tally = self._tenants.get(request.tenant)
         if tally is None:
-            tally = self._tenants[request.tenant] = _TenantTally()
+            self._tallies_made += 1
+            tally = self._tenants[request.tenant] = _TenantTally(since=self._tallies_made)
         self._idle.pop(request.tenant, None)
         tally.waiting += 1
         self.policy.add(request)
@@ -387,6 +392,7 @@ class Scheduler:
                 "service_tokens": tally.service_tokens,
                 "waiting": tally.waiting,
                 "running": tally.running,
+                "since": tally.since,
             }
             for t, tally in self._tenants.items()
         }
