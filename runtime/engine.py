@@ -24,7 +24,7 @@ from runtime.kv_cache import KVCache, bytes_per_block
 from runtime.logprobs import TokenLogprob
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
-from runtime.outputs import RequestOutput
+from runtime.outputs import OutputDelta, RequestOutput
 from runtime.quantization import resolve_quantization
 from runtime.tokenizer import Tokenizer
 from scheduler import InvalidRequestError, Request, SamplingParams, Scheduler
@@ -37,9 +37,12 @@ log = logging.getLogger("prescient.engine")
 class _Tracked:
     request: Request
     detokenizer: Detokenizer
-    token_times: list[float]
-    logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Gathered while the prompt is computed (in chunks), handed over once with the first delta. The
+    request's n sequences share one list: the prompt is computed once, by sequence 0."""
+    prompt_logprobs_sent: bool = False
+    num_sent: int = 0
+    """Output tokens already handed over in a delta."""
     group_id: str = ""
     """The id the caller gave: that of sequence 0 of the request's n."""
 
@@ -199,15 +202,10 @@ class Engine:
             )
         self.scheduler.add_request(request, admitted=True)  # refuses an id in use
         self._groups[request_id] = [request_id] + [child.request_id for child in request.forks]
+        prompt_scores = [None] if params.prompt_logprobs is not None else None
         for seq in [request, *request.forks]:
-            p = seq.sampling_params
             self._tracked[seq.request_id] = _Tracked(
-                seq,
-                Detokenizer(self.tokenizer, p.stop),
-                [],
-                [] if p.logprobs is not None else None,
-                [None] if p.prompt_logprobs is not None else None,
-                group_id=request_id,
+                seq, Detokenizer(self.tokenizer, params.stop), prompt_scores, group_id=request_id
             )
         return request
 
@@ -228,9 +226,9 @@ class Engine:
             raise InvalidRequestError("prompt", "must not be empty")
         return ids
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request (all its n sequences) now and free its KV blocks; returns the output of its
-        sequence 0 (None if unknown)."""
+    def abort_request(self, request_id: str) -> OutputDelta | None:
+        """Stop a request (all its n sequences) now and free its KV blocks; returns the final delta of
+        its sequence 0 (None if unknown)."""
         first = None
         for seq_id in self._groups.pop(request_id, []):
             tracked = self._tracked.pop(seq_id, None)
@@ -238,7 +236,7 @@ class Engine:
                 continue  # that sequence had finished
             self.scheduler.abort_request(seq_id)  # the runner forgets it with the next plan
             tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
-            out = self._output(tracked)
+            out = self._delta(tracked, [], "", [], None)
             first = first or out
         return first
 
@@ -247,8 +245,9 @@ class Engine:
 
     # ---- the step loop --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that got a token or finished."""
+    def step(self) -> list[OutputDelta]:
+        """Run one iteration; returns a delta for every sequence that got a token, released text or finished:
+        only what is new, so a step costs the same whatever the outputs' lengths."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             self.runner.update_states(plan)  # still forget what finished
@@ -270,29 +269,30 @@ class Engine:
             for pos, score in scores:
                 if pos == len(kept):  # a recompute after preemption repeats positions
                     kept.append(score)
-        lengths = {rid: self._tracked[rid].request.num_output_tokens for rid in result.logprobs}
         finished = self.scheduler.update_from_output(plan, sampled)
-        for request_id, score in result.logprobs.items():
-            tracked = self._tracked[request_id]
-            if tracked.request.num_output_tokens > lengths[request_id]:  # the scheduler took the token
-                tracked.logprobs.append(score)
         done = {r.request_id for r in finished}
         outputs = []
         for request_id in sampled:
             tracked = self._tracked[request_id]
-            tracked.token_times.append(now)
             req = tracked.request
+            new_ids = req.output_token_ids[tracked.num_sent :]  # the token the scheduler took, if it did
+            tracked.num_sent += len(new_ids)
+            score = result.logprobs.get(request_id)
+            new_logprobs = None
+            if req.sampling_params.logprobs is not None:
+                new_logprobs = [score] if new_ids and score is not None else []
             try:
-                stopped = tracked.detokenizer.update(req.output_token_ids, req.is_finished)
+                new_text = tracked.detokenizer.update(req.output_token_ids, req.is_finished)
             except Exception as exc:
                 log.exception("detokenizing request %s failed", request_id)
                 done.discard(request_id)
                 outputs.append(self._fail(request_id, exc))
                 continue
-            if stopped:
+            if tracked.detokenizer.stop_reason is not None:
                 self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
                 done.add(request_id)
-            outputs.append(self._output(tracked))
+            if new_ids or new_text or req.is_finished:
+                outputs.append(self._delta(tracked, new_ids, new_text, [now] * len(new_ids), new_logprobs))
         for request_id in done:
             tracked = self._tracked.pop(request_id, None)
             group = self._groups.get(tracked.group_id) if tracked else None
@@ -300,20 +300,38 @@ class Engine:
                 del self._groups[tracked.group_id]
         return outputs
 
-    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
-        """Abort a request whose step raised; its output is final and names the cause in `error`."""
+    def _fail(self, request_id: str, exc: BaseException) -> OutputDelta:
+        """Abort a request whose step raised; its delta is final and names the cause in `error`."""
         out = self.abort_request(request_id)
         out.error = f"{type(exc).__name__} in the engine step"
         return out
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
+    def _delta(
+        self,
+        tracked: _Tracked,
+        new_ids: list[int],
+        new_text: str,
+        times: list[float],
+        new_logprobs: list[TokenLogprob] | None,
+    ) -> OutputDelta:
         req = tracked.request
-        return RequestOutput(
+        prompt_logprobs = tracked.prompt_logprobs
+        if (
+            prompt_logprobs is None
+            or tracked.prompt_logprobs_sent
+            or len(prompt_logprobs) < req.num_prompt_tokens
+        ):
+            prompt_logprobs = None
+        else:  # complete: hand it over once
+            tracked.prompt_logprobs_sent = True
+        return OutputDelta(
             request_id=tracked.group_id,
             index=req.index,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=tracked.detokenizer.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            new_token_times=times,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
             finished=req.is_finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
@@ -322,10 +340,7 @@ class Engine:
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             finished_time=req.finished_time,
-            token_times=list(tracked.token_times),
             num_preemptions=req.num_preemptions,
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
-            prompt_logprobs=list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None,
         )
 
     def generate(
@@ -349,14 +364,15 @@ class Engine:
             (params[i] if isinstance(params, list) else params or SamplingParams()).n for i in range(len(ids))
         ]
         keys = [(request_id, j) for request_id, n in zip(ids, widths) for j in range(n)]
-        results: dict[tuple[str, int], RequestOutput] = {}
-        while len(results) < len(keys):
+        prompt_ids = {rid: self._tracked[rid].request.prompt_token_ids for rid in ids}
+        results = {(rid, j): RequestOutput(rid, prompt_ids[rid], index=j) for rid, j in keys}
+        unfinished = len(keys)
+        while unfinished:
             if not self.has_unfinished_requests():
                 raise RuntimeError("engine: requests vanished without finishing")
-            for out in self.step():
-                if out.finished:
-                    results[out.request_id, out.index] = out
-        return [results[k] for k in keys]
+            for delta in self.step():
+                unfinished -= results[delta.request_id, delta.index].append(delta).finished
+        return list(results.values())
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:

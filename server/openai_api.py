@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from runtime import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError, RequestOutput
+from runtime import (
+    EngineDeadError,
+    OutputDelta,
+    QueueFullError,
+    RequestAbortedError,
+    RequestFailedError,
+    RequestOutput,
+)
 from scheduler import InvalidRequestError
 from server import sse
 from server.auth import Tenant, authenticate, check_key
@@ -67,14 +74,13 @@ def _prompt_ids(state: ServerState, req: GenerationRequest, messages: list[dict]
 
 @dataclass
 class _Choice:
-    """One returned sequence: prompt i's sample j, and what has been streamed of it."""
+    """One returned sequence: prompt i's sample j, assembled from its deltas, and what has been streamed."""
 
     index: int
     prompt_ids: list[int]
     prompt_text: str
     out: RequestOutput | None = None
-    sent_text: int = 0
-    sent_tokens: int = 0
+    """None until its first delta arrives."""
     sent_offset: int = 0
     """text_offset of the next streamed completion token."""
     started: bool = False
@@ -166,14 +172,13 @@ async def _generate(
             for i, ids in enumerate(checked)
         ]
         async with aclosing(_merge(sources)) as outputs:
-            async for i, out in outputs:
-                choice = choices[i, out.index]
-                choice.out = out
+            async for i, delta in outputs:
+                choice = _assemble(choices[i, delta.index], delta)
                 if not req.stream:
                     continue
                 if stream is None:
                     stream = await sse.open_stream(request)
-                await _send_delta(stream, state, req, chat, request_id, created, model, choice)
+                await _send_delta(stream, state, req, chat, request_id, created, model, choice, delta)
     except QueueFullError as exc:
         state.metrics.count_rejected("queue_full")
         raise APIError(
@@ -192,8 +197,8 @@ async def _generate(
         # What the client sees names the kind of failure and the request id; the details are in the log.
         if isinstance(exc, RequestFailedError):
             for (i, j), c in choices.items():  # book the failed sequence with what it produced
-                if exc.output.request_id == f"{request_id}-{i}" and exc.output.index == j:
-                    c.out = exc.output
+                if exc.delta.request_id == f"{request_id}-{i}" and exc.delta.index == j:
+                    _assemble(c, exc.delta)
             log.error("request %s failed in the engine (%s); the engine keeps serving", request_id, exc.cause)
             error = APIError(
                 500,
@@ -258,6 +263,13 @@ async def _generate(
             "usage": _usage(ordered, outs),
         }
     )
+
+
+def _assemble(choice: _Choice, delta: OutputDelta) -> _Choice:
+    if choice.out is None:
+        choice.out = RequestOutput(delta.request_id, choice.prompt_ids, index=delta.index)
+    choice.out.append(delta)
+    return choice
 
 
 def _decode(tokenizer, ids: list[int], i: int) -> str:
@@ -328,8 +340,9 @@ async def _send_delta(
     created: int,
     model: str,
     c: _Choice,
+    d: OutputDelta,
 ) -> None:
-    """Stream what is new in c.out since the last chunk of this choice."""
+    """Stream the delta d of choice c (c.out already holds it)."""
     out = c.out
     tok = state.client.tokenizer
     if chat and not c.started:
@@ -337,11 +350,10 @@ async def _send_delta(
             stream,
             _chunk(request_id, created, model, c.index, {"role": "assistant", "content": ""}, None, chat),
         )
-    token_ids, text = _generated(c, out)
-    delta, new_tokens = text[c.sent_text :], token_ids[c.sent_tokens :]
+    delta, new_tokens = ("", []) if c.echo_only else (d.new_text, d.new_token_ids)
     logprobs = None
     if req.logprobs_requested:
-        scores = out.logprobs[c.sent_tokens : len(token_ids)]
+        scores = (d.new_logprobs or [])[: len(new_tokens)]
         if chat:
             logprobs = chat_logprobs(tok, new_tokens, scores)
         else:
@@ -365,12 +377,11 @@ async def _send_delta(
         if finish and out.stop_reason is not None and not req.echo_only:
             chunk["choices"][0]["stop_reason"] = out.stop_reason
         await sse.send(stream, chunk)
-        c.sent_text, c.sent_tokens = len(text), len(token_ids)
     c.started = True
 
 
-async def _merge(sources: list) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(source index, output) from several engine streams as they arrive; closing this closes them all
+async def _merge(sources: list) -> AsyncIterator[tuple[int, OutputDelta]]:
+    """(source index, delta) from several engine streams as they arrive; closing this closes them all
     (which aborts their requests)."""
     if len(sources) == 1:
         async with aclosing(sources[0]) as only:
