@@ -50,12 +50,12 @@ lint: $(STAMP)
 test: $(STAMP) prometheus $(CRD_SCHEMAS) lint
 	$(PY) -m pytest -q --durations=20 tests --ignore=tests/bench
 
-# llama-cpp-python (the `bench` extra) is built from source once; if it cannot build, the engine bench
+# xllamacpp (the `bench` extra) is llama.cpp as a prebuilt wheel; where none installs, the engine bench
 # says so and skips its llama.cpp column.
 BENCH_STAMP := $(VENV)/.prescient-bench-extra
 
 $(BENCH_STAMP): pyproject.toml $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]' || echo "llama-cpp-python did not build: no llama.cpp column"
+	$(PY) -m pip install -q -e '.[bench]' || echo "xllamacpp did not install: no llama.cpp column"
 	touch $(BENCH_STAMP)
 
 bench: $(STAMP) $(BENCH_STAMP)

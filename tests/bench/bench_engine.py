@@ -6,10 +6,13 @@ Ceilings: decode = min(N x memory bandwidth / weight bytes, matmul FLOP/s / (2 x
 step reads every weight once and spends 2 FLOP per parameter per sequence;
 prefill = matmul FLOP/s / (2 x parameters per token).
 Configurations: float32 dequantized, bfloat16 dequantized, and bfloat16 on the GGUF's own packed blocks
-(the default on a CPU where bfloat16 measures fastest). llama.cpp (llama-cpp-python, the optional `bench`
-extra) runs the same GGUF with the same threads when installed; its column is skipped otherwise.
+(the default on a CPU where bfloat16 measures fastest). llama.cpp (xllamacpp's prebuilt wheel, the optional
+`bench` extra) runs the same GGUF with the same threads when installed, before and after the engine's
+configurations (medians over both, so load that drifts during the run hits both sides); its column is
+skipped otherwise.
 Sampling cost: decode x32 at temperature 0.8 / top-p 0.9 against greedy, same engine, same run.
-Quality: perplexity on a fixed text (tests/bench/perplexity.py) per configuration and for llama.cpp.
+Quality: perplexity on a fixed text (tests/bench/perplexity.py) per configuration (xllamacpp's server API
+returns no prompt logprobs, so llama.cpp's perplexity is not measured here).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from runtime import Engine, SamplingParams
 from runtime.checkpoint import default_model_path
-from tests.bench.perplexity import FIXED_TEXT, perplexity
+from tests.bench.perplexity import perplexity
 from tests.bench.roofline import matmul_flops, memory_bandwidth
 
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "gguf")]
@@ -108,45 +111,32 @@ def transformers_rates(dtype: str) -> dict:
 
 
 def llama_cpp_rates() -> dict | None:
-    """llama.cpp on the same GGUF and thread count: prefill 512 and decode 1 stream tokens/s, perplexity."""
+    """llama.cpp (xllamacpp's prebuilt wheel) on the same GGUF and thread count: prefill 512 and decode
+    1 stream tokens/s, from llama.cpp's own timings of each request (3 of each). None when missing."""
     try:
-        from llama_cpp import Llama
+        import xllamacpp
     except ImportError:
         return None
     threads = torch.get_num_threads()
-    llm = Llama(
-        default_model_path(),
-        n_ctx=1024,
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_batch=512,
-        verbose=False,
-        logits_all=True,
-    )
-    vocab = llm.n_vocab()
-    prompt = [random.Random(0).randrange(100, vocab) for _ in range(512)]
+    params = xllamacpp.CommonParams()
+    params.model.path = default_model_path()
+    params.n_ctx = 1024
+    params.n_batch = params.n_ubatch = 512
+    params.n_parallel = 1
+    params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
+    params.cache_prompt = False
+    params.verbosity = 0
+    server = xllamacpp.Server(params)
+    prompt = [random.Random(0).randrange(100, 49152) for _ in range(512)]
 
-    def prefill():
-        llm.reset()
-        llm.eval(prompt)
+    def timings(ids: list[int], max_tokens: int) -> dict:
+        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        return server.handle_completions({**body, "cache_prompt": False})["timings"]
 
-    rates = {"prefill": 512 / statistics.median(_timed(prefill) for _ in range(3))}
-    decode = []
-    for _ in range(3):
-        llm.reset()
-        llm.eval(prompt[:64])
-        start = time.perf_counter()
-        for i in range(DECODE_TOKENS):
-            llm.eval([prompt[64 + i]])
-        decode.append(DECODE_TOKENS / (time.perf_counter() - start))
-    rates["decode"] = statistics.median(decode)
-    ids = llm.tokenize(FIXED_TEXT.encode(), add_bos=False)
-    llm.reset()
-    llm.eval(ids)
-    logits = torch.tensor(llm.scores[: len(ids) - 1], dtype=torch.float32)
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
-    rates["perplexity"] = float(torch.exp(nll))
-    return rates
+    timings(prompt[:64], 4)  # warm-up
+    prefill = [timings(prompt, 1)["prompt_per_second"] for _ in range(3)]
+    decode = [timings(prompt[:64], DECODE_TOKENS + 1)["predicted_per_second"] for _ in range(3)]
+    return {"prefill": prefill, "decode": decode, "system": xllamacpp.get_system_info().strip()}
 
 
 def run() -> dict:
@@ -156,16 +146,11 @@ def run() -> dict:
         f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s",
         f"threads: {torch.get_num_threads()}",
     ]
-    cpp = llama_cpp_rates()
-    if cpp is None:
+    cpp_runs = [llama_cpp_rates()]
+    if cpp_runs[0] is None:
         notes.append(
-            "llama.cpp column skipped: llama-cpp-python is not installed (pip install -e '.[bench]')"
-        )
-    else:
-        notes.append(
-            f"llama.cpp (same GGUF, same threads): prefill 512 {cpp['prefill']:.0f} tok/s, "
-            f"decode x1 "
-            f"{cpp['decode']:.1f} tok/s, perplexity {cpp['perplexity']:.3f}"
+            "llama.cpp column skipped: xllamacpp (llama.cpp's prebuilt wheel) is not installed: "
+            "pip install -e '.[bench]'"
         )
     fp32_ppl = None
     for dtype, quantization in CONFIGS:
@@ -200,7 +185,7 @@ def run() -> dict:
                 "of ceiling": pf / prefill_ceiling,
                 "transformers": hf.get("prefill"),
                 "vs transformers": pf / hf["prefill"] if hf else None,
-                "vs llama.cpp": pf / cpp["prefill"] if cpp else None,
+                "vs llama.cpp": "prefill",
             }
         )
         for batch in BATCHES:
@@ -218,7 +203,7 @@ def run() -> dict:
                     "of ceiling": rate / ceiling,
                     "transformers": hf.get(batch),
                     "vs transformers": rate / hf[batch] if batch in hf else None,
-                    "vs llama.cpp": rate / cpp["decode"] if cpp and batch == 1 else None,
+                    "vs llama.cpp": "decode" if batch == 1 else None,
                     "KV live fill": fill,
                 }
             )
@@ -234,4 +219,17 @@ def run() -> dict:
                     }
                 )
         del engine
+    cpp = None
+    if cpp_runs[0] is not None:
+        cpp_runs.append(llama_cpp_rates())
+        cpp = {k: statistics.median(x for run in cpp_runs for x in run[k]) for k in ("prefill", "decode")}
+        notes.append(
+            f"llama.cpp (xllamacpp, same GGUF, same threads, medians of 6): prefill 512 "
+            f"{cpp['prefill']:.0f} tok/s, decode x1 {cpp['decode']:.1f} tok/s; its build: {cpp_runs[0]['system']}"
+        )
+    for row in rows:
+        if row.get("vs llama.cpp"):
+            what = row["vs llama.cpp"]
+            row["llama.cpp"] = cpp[what] if cpp else None
+            row["vs llama.cpp"] = row["tokens/s"] / cpp[what] if cpp else None
     return {"title": "Offline engine: prefill and decode throughput (CPU)", "rows": rows, "notes": notes}

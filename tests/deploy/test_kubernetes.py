@@ -3,8 +3,10 @@
 Built-in kinds are validated with kubernetes-validate (strict: unknown fields fail). HTTPRoute,
 ServiceMonitor, PodMonitor and PrometheusRule are validated under Node.js against the schemas that npm's
 @kubernetes-models packages generate from their CRDs (types and patterns; unknown fields pass, as on an
-API server that prunes them). No package on PyPI or npm ships the Inference Extension's CRDs, so the
-InferencePool is checked for what it must agree on: names, labels, ports, flags and metric names.
+API server that prunes them). No package index ships the Inference Extension's CRDs: the InferencePool CRD
+of the release the manifest's picker runs is kept as test data (tests/deploy/crds/, with its licence) and
+the pool is validated against its schema and CEL rules; the pool, its picker and the server must also
+agree on names, labels, ports, flags and metric names.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.cli import parse_args
 from server.metrics import ServerMetrics
+from tests.deploy.crd_schema import errors as crd_errors
+from tests.deploy.crd_schema import load_crd
 from tests.server.conftest import ROOT
 
 KUBERNETES = "1.33.0"
@@ -36,6 +40,19 @@ MANIFESTS = sorted(
     + glob.glob(os.path.join(DEPLOY, "examples", "*", "*.yaml"))
 )
 CUSTOM = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
+INFERENCE_EXTENSION = os.path.join(ROOT, "tests", "deploy", "crds", "gateway-api-inference-extension")
+# The flags the endpoint picker of that release defines (its pkg/epp/server/options.go); an unknown flag
+# makes it exit at start.
+EPP_FLAGS = {
+    "cache-info-metric", "cert-path", "config-file", "config-text", "disable-endpoint-subset-filter",
+    "enable-cert-reload", "enable-pprof", "endpoint-selector", "endpoint-target-ports", "grpc-health-port",
+    "grpc-port", "ha-enable-leader-election", "health-checking", "kv-cache-usage-percentage-metric",
+    "lora-info-metric", "metrics-endpoint-auth", "metrics-port", "metrics-staleness-threshold",
+    "model-server-metrics-https-insecure-skip-verify", "model-server-metrics-path",
+    "model-server-metrics-port", "model-server-metrics-scheme", "pool-group", "pool-name", "pool-namespace",
+    "refresh-metrics-interval", "refresh-prometheus-metrics-interval", "secure-serving", "test",
+    "total-queued-requests-metric", "total-running-requests-metric", "tracing",
+}  # fmt: skip
 
 
 def documents(path: str) -> list[dict]:
@@ -187,8 +204,34 @@ def test_service_monitor_and_prometheus_rule_match_the_service_and_the_rules_fil
     assert re.fullmatch(job_pattern, service["metadata"]["name"]), "a job is named after its Service"
 
 
+def inference_pool_crd() -> dict:
+    return load_crd(os.path.join(INFERENCE_EXTENSION, "inference.networking.k8s.io_inferencepools.yaml"))
+
+
+def test_inference_pool_is_valid_against_the_extensions_crd():
+    crd = inference_pool_crd()
+    pool = by_kind("inference-pool.yaml")[("InferencePool", "prescient")]
+    assert crd_errors(pool, crd) == []
+
+    def broken(change) -> list[str]:
+        doc = copy.deepcopy(pool)
+        change(doc["spec"])
+        return crd_errors(doc, crd)
+
+    # what the schema's types, enums and bounds reject
+    assert any(
+        "failureMode" in e for e in broken(lambda s: s["endpointPickerRef"].update(failureMode="Open"))
+    )
+    assert any("targetPorts" in e for e in broken(lambda s: s.update(targetPorts=[{"number": 70000}])))
+    # what its CEL rules reject: a repeated port, a Service picker without a port
+    assert any("unique" in e for e in broken(lambda s: s.update(targetPorts=[{"number": 8000}] * 2)))
+    assert any("port is required" in e for e in broken(lambda s: s["endpointPickerRef"].pop("port")))
+    # and strict field validation: a misspelt field
+    assert any("unknown field 'targetport'" in e for e in broken(lambda s: s.update(targetport=[])))
+
+
 def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metrics():
-    """Structure only: the extension's CRD schemas are not available from any package index."""
+    """What the pool, its picker and the server must agree on, which no schema can see."""
     server = by_kind("prescient.yaml")[("Deployment", "prescient")]["spec"]["template"]
     docs = by_kind("inference-pool.yaml")
     pool = docs[("InferencePool", "prescient")]
@@ -204,6 +247,9 @@ def test_inference_pool_routes_to_the_server_pods_and_its_picker_reads_our_metri
     grpc = {p["port"] for p in picker_service["spec"]["ports"]}
     assert pool["spec"]["endpointPickerRef"]["port"]["number"] in grpc
     flags = dict(a[2:].split("=", 1) for a in picker["spec"]["containers"][0]["args"])
+    assert set(flags) <= EPP_FLAGS, f"flags the picker does not define: {set(flags) - EPP_FLAGS}"
+    release = inference_pool_crd()["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"]
+    assert picker["spec"]["containers"][0]["image"].endswith(f"/epp:{release}"), "picker and CRD releases"
     assert flags["pool-name"] == pool["metadata"]["name"]
     assert int(flags["grpc-port"]) == pool["spec"]["endpointPickerRef"]["port"]["number"]
     assert flags["model-server-metrics-path"] == "/metrics"
