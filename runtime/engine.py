@@ -11,19 +11,18 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from runtime.attention import AttentionMetadata, PrefillChunk
 from runtime.checkpoint import load_checkpoint
 from runtime.config import EngineConfig
-from runtime.detokenizer import Detokenizer
 from runtime.device import resolve_device, resolve_dtype
 from runtime.kv_cache import KVCache, bytes_per_block
-from runtime.logprobs import TokenLogprob
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
+from runtime.output_tracker import OutputTracker
 from runtime.outputs import OutputDelta, RequestOutput
 from runtime.quantization import resolve_quantization
 from runtime.tokenizer import Tokenizer
@@ -31,20 +30,6 @@ from scheduler import InvalidRequestError, Request, SamplingParams, Scheduler
 from scheduler.sampling_params import SEED_RANGE
 
 log = logging.getLogger("prescient.engine")
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    detokenizer: Detokenizer
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    """Gathered while the prompt is computed (in chunks), handed over once with the first delta. The
-    request's n sequences share one list: the prompt is computed once, by sequence 0."""
-    prompt_logprobs_sent: bool = False
-    num_sent: int = 0
-    """Output tokens already handed over in a delta."""
-    group_id: str = ""
-    """The id the caller gave: that of sequence 0 of the request's n."""
 
 
 class Engine:
@@ -81,10 +66,7 @@ class Engine:
         self.scheduler = Scheduler(sched)
         self.runner = ModelRunner(model, self.kv)
         self.model_name = model_name or model.config.name
-        self._tracked: dict[str, _Tracked] = {}
-        """Every unfinished sequence by its own id (sequence j > 0 of request R is 'R#j')."""
-        self._groups: dict[str, list[str]] = {}
-        """Request id -> the ids of its n sequences."""
+        self.outputs = OutputTracker(tokenizer)
         self._ids = itertools.count()
 
     @classmethod
@@ -164,7 +146,7 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
-        if params.n > 1 and any(f"{request_id}#{j}" in self._tracked for j in range(1, params.n)):
+        if params.n > 1 and self.outputs.collides(request_id, params.n):
             raise InvalidRequestError(
                 "request_id", f"{request_id!r} collides with another request's sequence ids"
             )
@@ -201,12 +183,7 @@ class Engine:
                 )
             )
         self.scheduler.add_request(request, admitted=True)  # refuses an id in use
-        self._groups[request_id] = [request_id] + [child.request_id for child in request.forks]
-        prompt_scores = [None] if params.prompt_logprobs is not None else None
-        for seq in [request, *request.forks]:
-            self._tracked[seq.request_id] = _Tracked(
-                seq, Detokenizer(self.tokenizer, params.stop), prompt_scores, group_id=request_id
-            )
+        self.outputs.add(request)
         return request
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -230,14 +207,12 @@ class Engine:
         """Stop a request (all its n sequences) now and free its KV blocks; returns the final delta of
         its sequence 0 (None if unknown)."""
         first = None
-        for seq_id in self._groups.pop(request_id, []):
-            tracked = self._tracked.pop(seq_id, None)
-            if tracked is None:
-                continue  # that sequence had finished
-            self.scheduler.abort_request(seq_id)  # the runner forgets it with the next plan
+        for tracked in self.outputs.pop_group(request_id):
+            self.scheduler.abort_request(
+                tracked.request.request_id
+            )  # the runner forgets it with the next plan
             tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
-            out = self._delta(tracked, [], "", [], None)
-            first = first or out
+            first = first or tracked.delta()
         return first
 
     def has_unfinished_requests(self) -> bool:
@@ -260,29 +235,19 @@ class Engine:
                 len(plan.scheduled),
                 ", ".join(r.request_id for r, _ in plan.scheduled),
             )
-            groups = dict.fromkeys(self._tracked[r.request_id].group_id for r, _ in plan.scheduled)
+            groups = dict.fromkeys(self.outputs.tracked[r.request_id].group_id for r, _ in plan.scheduled)
             return [self._fail(group, exc) for group in groups]
         sampled = result.sampled
         now = time.monotonic()
-        for request_id, scores in result.prompt_logprobs.items():
-            kept = self._tracked[request_id].prompt_logprobs
-            for pos, score in scores:
-                if pos == len(kept):  # a recompute after preemption repeats positions
-                    kept.append(score)
+        self.outputs.add_prompt_logprobs(result.prompt_logprobs)
         finished = self.scheduler.update_from_output(plan, sampled)
         done = {r.request_id for r in finished}
         outputs = []
         for request_id in sampled:
-            tracked = self._tracked[request_id]
+            tracked = self.outputs.tracked[request_id]
             req = tracked.request
-            new_ids = req.output_token_ids[tracked.num_sent :]  # the token the scheduler took, if it did
-            tracked.num_sent += len(new_ids)
-            score = result.logprobs.get(request_id)
-            new_logprobs = None
-            if req.sampling_params.logprobs is not None:
-                new_logprobs = [score] if new_ids and score is not None else []
             try:
-                new_text = tracked.detokenizer.update(req.output_token_ids, req.is_finished)
+                new_ids, new_text = tracked.take_new()
             except Exception as exc:
                 log.exception("detokenizing request %s failed", request_id)
                 done.discard(request_id)
@@ -292,12 +257,13 @@ class Engine:
                 self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
                 done.add(request_id)
             if new_ids or new_text or req.is_finished:
-                outputs.append(self._delta(tracked, new_ids, new_text, [now] * len(new_ids), new_logprobs))
+                new_logprobs = None
+                if req.sampling_params.logprobs is not None:
+                    score = result.logprobs.get(request_id)
+                    new_logprobs = [score] if new_ids and score is not None else []
+                outputs.append(tracked.delta(new_ids, new_text, [now] * len(new_ids), new_logprobs))
         for request_id in done:
-            tracked = self._tracked.pop(request_id, None)
-            group = self._groups.get(tracked.group_id) if tracked else None
-            if group is not None and not any(seq in self._tracked for seq in group):
-                del self._groups[tracked.group_id]
+            self.outputs.finish(request_id)
         return outputs
 
     def _fail(self, request_id: str, exc: BaseException) -> OutputDelta:
@@ -305,43 +271,6 @@ class Engine:
         out = self.abort_request(request_id)
         out.error = f"{type(exc).__name__} in the engine step"
         return out
-
-    def _delta(
-        self,
-        tracked: _Tracked,
-        new_ids: list[int],
-        new_text: str,
-        times: list[float],
-        new_logprobs: list[TokenLogprob] | None,
-    ) -> OutputDelta:
-        req = tracked.request
-        prompt_logprobs = tracked.prompt_logprobs
-        if (
-            prompt_logprobs is None
-            or tracked.prompt_logprobs_sent
-            or len(prompt_logprobs) < req.num_prompt_tokens
-        ):
-            prompt_logprobs = None
-        else:  # complete: hand it over once
-            tracked.prompt_logprobs_sent = True
-        return OutputDelta(
-            request_id=tracked.group_id,
-            index=req.index,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            new_token_times=times,
-            new_logprobs=new_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time,
-            finished_time=req.finished_time,
-            num_preemptions=req.num_preemptions,
-        )
 
     def generate(
         self,
@@ -364,7 +293,7 @@ class Engine:
             (params[i] if isinstance(params, list) else params or SamplingParams()).n for i in range(len(ids))
         ]
         keys = [(request_id, j) for request_id, n in zip(ids, widths) for j in range(n)]
-        prompt_ids = {rid: self._tracked[rid].request.prompt_token_ids for rid in ids}
+        prompt_ids = {rid: self.outputs.tracked[rid].request.prompt_token_ids for rid in ids}
         results = {(rid, j): RequestOutput(rid, prompt_ids[rid], index=j) for rid, j in keys}
         unfinished = len(keys)
         while unfinished:

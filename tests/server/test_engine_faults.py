@@ -134,7 +134,9 @@ async def test_request_arriving_while_the_engine_dies_gets_an_error(offline_engi
     finally:
         monkeypatch.undo()
         await bridge.shutdown()
-        for request_id in list(offline_engine._tracked):  # leave the shared engine clean for other tests
+        for request_id in list(
+            offline_engine.outputs.tracked
+        ):  # leave the shared engine clean for other tests
             offline_engine.abort_request(request_id)
 
 
