@@ -6,11 +6,11 @@ Note [Loader protocol: main <-> workers <-> cache, shutdown and resume]
 
 Processes and what they share. The main process owns one shared-memory segment
 (cache_ram.py: header, per-process counters, the sample table, the ready/done rings, RNG
-snapshot slots, the data arena) and, with a cache, the prefetcher (prefetch.py: one
-coordinator thread and reader threads). torch's worker processes get the dataset view
-(view.py), which attaches to the segment by name. Nothing but plain ints and raw sample
-bytes crosses a process boundary outside torch's own queues; no pickle is read from shared
-memory, from a peer or from a checkpoint.
+snapshot slots, the workers' fill rings, the data arena) and, with a cache, the prefetcher
+(prefetch.py: one coordinator thread; reader threads only for what peers could not give).
+torch's worker processes get the dataset view (view.py), which attaches to the segment by
+name. Nothing but plain ints and raw sample bytes crosses a process boundary outside torch's
+own queues; no pickle is read from shared memory, from a peer or from a checkpoint.
 
       main process                                   worker w (torch's worker loop)
       ------------                                   ------------------------------
@@ -18,12 +18,15 @@ memory, from a peer or from a checkpoint.
       PlannedSampler: TicketBatch(indices, first position, batch #, flags)
              -- torch index queue -->                view.__getitems__(batch):
       prefetcher (cache configured):                   FIRST: RNG snapshot -> slot batch % ring
-        walks the plan in order, places each            planned position p:
-        sample (RAM / disk / staging), then              wait ready[p % ring] == p + 1
-        ready[p % ring] = p + 1  -------------------->   copy bytes (table: tier, offset, length)
-        done[p % ring] == p + 1  <--------------------   done[p % ring] = p + 1
-        -> release staging, evict (Belady)             not planned / no cache: read storage here
-                                                         (batch_reads.py), then decode in order
+        walks the plan in order: a held sample          planned position p:
+        is pinned; for one not held it decides           wait ready[p % ring] == p + 1
+        now whether the cache keeps it (Belady,          held: copy bytes (table: tier, offset, length)
+        room reserved), then                             not held: read storage with the batch
+        ready[p % ring] = p + 1  -------------------->     (batch_reads.py), bytes -> own fill ring
+        fill ring records (p, index, bytes) <---------     (fill_ring.py)
+          -> into the reserved room, table: RAM          done[p % ring] = p + 1
+        done[p % ring] == p + 1  <--------------------   not planned / no cache: read storage here
+        -> unpin, evict (Belady)                         then decode in the batch's order
              <-- torch result queue --                 LAST near the epoch's end: RNG snapshot
       __next__ times the wait (stall)                  -> slot ring + w (else at worker exit)
 
@@ -36,6 +39,10 @@ fails, and on close, so a worker never waits on a position that will not come.
 Peers (exchange.py): under torch.distributed, each window of plan positions is four gloo
 collectives on the loader's own group (needs, holders, sizes, payload); the payload is raw
 bytes in a uint8 tensor, and a dataset cached with cache_items (pickled items) is refused.
+Each sample has a home rank that keeps it for the others (peer_plan.py). A window that
+fails or outlasts peer_timeout makes the rank log who is at fault (heartbeats in the
+rendezvous store, peer_health.py) and read the rest of the epoch itself; the survivors
+regroup at the next epoch's start (peer_cluster.py).
 
 Shutdown. close(), garbage collection (weakref.finalize) and interpreter exit stop the
 prefetcher, set MODE = DIRECT, unlink the segment and remove the disk tier. If the main
@@ -53,10 +60,14 @@ batch started with, or, if it never starts one (the iterator was dropped, or it 
 left this epoch), the state after its last batch. A new loader replays the sampler from
 the saved states, skips the yielded batches, rotates torch's round robin so batch b still
 goes to worker b % num_workers, and each worker restores its state before its first batch.
+Under a DistributedSampler the state also records the world size; resumed under another
+one (elastic), the rest of the epoch is what no old rank yielded, dealt out to the new ranks
+(elastic.py), and the sampler's own stream takes over again from the next epoch.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 import weakref
@@ -64,17 +75,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.utils.data import BatchSampler
 from torch.utils.data.dataloader import _DatasetKind
 
 from loader.cache_disk import DiskTier
 from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
-from loader.exchange import PeerExchange
+from loader.peer_cluster import PeerCluster
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
 from loader.resume import EpochStart, ResumePoint, capture, restore
+from loader.retry import RetryPolicy
 from loader.source import ByteSource, has_read_decode
 from loader.view import CachedItemsView, CachedView
 
+log = logging.getLogger("loader")
 EPOCH_STRIDE = 1 << 40  # plan positions of epoch e start at e * EPOCH_STRIDE
 RING = 1 << 16  # plan positions that may be published and unconsumed at once
 SNAPSHOT_WAIT_SECONDS = 30.0
@@ -94,6 +108,9 @@ class CacheOptions:
     horizon_epochs: int = 2  # epochs the placement looks ahead when the order is seeded
     peer_exchange: bool = False  # fetch samples other ranks hold (torch.distributed, gloo)
     peer_window: int = 128  # samples per exchange window
+    peer_timeout: float = 60.0  # seconds a window may wait for the other ranks before storage takes over
+    read_attempts: int = 3  # storage reads tried per sample on an OSError, the first included
+    read_retry_delay: float = 0.05  # seconds before the second try, doubled before each further one
 
 
 @dataclass
@@ -106,6 +123,7 @@ class EpochState:
     yielded: int = 0  # batches handed to the caller, skipped ones included
     batch_first: list[int] = field(default_factory=list)  # sample offset of each dispatched batch
     expected: list[int] | None = None  # the plan's indices while it still matches the sampler
+    override: list | None = None  # elastic resume: this rank's batches instead of the sampler's (elastic.py)
 
 
 class _Resources:
@@ -132,7 +150,10 @@ class Clairvoyant:
         self.map_style = loader._dataset_kind == _DatasetKind.Map
         own_batching = callable(getattr(dataset, "__getitems__", None))
         cacheable = self.map_style and not own_batching and (has_read_decode(dataset) or options.cache_items)
-        self.source = ByteSource(dataset, items=not has_read_decode(dataset)) if cacheable else None
+        retry = RetryPolicy(options.read_attempts, options.read_retry_delay)
+        self.source = (
+            ByteSource(dataset, items=not has_read_decode(dataset), retry=retry) if cacheable else None
+        )
         self.num_workers = loader.num_workers
         self.persistent = loader.persistent_workers and loader.num_workers > 0
         self.snap_ring = (loader.prefetch_factor or 0) * loader.num_workers + 2 * loader.num_workers
@@ -145,7 +166,8 @@ class Clairvoyant:
         self.rotation = 0
         self.stall_seconds = 0.0
         self.batches = 0
-        self.peer_group = None
+        self.cluster: PeerCluster | None = None  # the ranks exchanging samples (peer_cluster.py)
+        self.elastic: tuple[list, int] | None = None  # a resume under another world size (elastic.py)
         if options.peer_exchange and self.source is not None and self.source.items:
             raise ValueError(
                 "peer_exchange: a dataset cached with cache_items=True is cached as pickled "
@@ -160,8 +182,7 @@ class Clairvoyant:
                     "peer_exchange=True needs torch.distributed initialized (e.g. under torchrun, "
                     "after dist.init_process_group); build the loader after that"
                 )
-            # All ranks build the loader together; the loader's collectives get their own group.
-            self.peer_group = dist.new_group(backend="gloo")
+            self.cluster = PeerCluster(options.peer_window, options.peer_timeout)
 
     @property
     def shared(self) -> SharedState | None:
@@ -192,21 +213,27 @@ class Clairvoyant:
         opts = self.options
         # Nothing to keep across epochs: the workers read their batches themselves (batch_reads.py) and
         # the main process only plans; the prefetcher runs where there is a cache to place samples in.
-        placing = self.source is not None and bool(opts.cache_ram or opts.cache_disk or self.peer_group)
+        placing = self.source is not None and bool(opts.cache_ram or opts.cache_disk or self.cluster)
         if placing:
             self._fit_shared_memory()
         arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
+        # Without peers the workers read what the node does not hold and fill the cache themselves
+        # (fill_ring.py); half of prefetch_bytes is their rings, the rest room for evicted bytes still in use.
+        fill_rings = self.num_workers + 1 if placing and self.cluster is None else 0
+        fill_bytes = opts.prefetch_bytes // 2 // fill_rings if fill_rings else 0
         layout = Layout(
             samples=len(dataset),
             rows=self.num_workers + 2,
             ring=RING,
             snap_slots=max(self.snap_ring, 1) + self.num_workers,
-            arena=arena,
+            arena=arena - fill_bytes * fill_rings,
+            fill_rings=fill_rings,
+            fill_bytes=fill_bytes,
         )
         self.resources.shared = SharedState(layout)
         if placing:
             disk = DiskTier(opts.cache_disk, opts.cache_disk_bytes) if opts.cache_disk else None
-            peers = PeerExchange(self.peer_group, opts.peer_window) if self.peer_group is not None else None
+            peers = self.cluster.exchange() if self.cluster is not None else None
             self.resources.prefetcher = Prefetcher(
                 self.shared,
                 self.source,
@@ -251,11 +278,19 @@ class Clairvoyant:
             point, self.resume = self.resume, None
             after_first_draw = restore(point.start, generator, index_sampler)
             skip = point.batches_done
+            elastic, self.elastic = self.elastic, None
+            override, longest = elastic if elastic is not None else (None, None)
+        else:
+            override = longest = None
         start = capture(generator, index_sampler)
         self.epochs_begun += 1
         base = self.epochs_begun * EPOCH_STRIDE
         plan = None
-        if self.prefetcher is not None:
+        if self.prefetcher is not None and override is not None:
+            batched = type(index_sampler) is BatchSampler
+            flat = [i for batch in override for i in batch] if batched else list(override)
+            plan = EpochPlan(np.asarray(flat, dtype=np.int64), index_sampler.batch_size if batched else None)
+        elif self.prefetcher is not None:
             plan = plan_epoch(
                 index_sampler,
                 loader_generator=generator,
@@ -263,14 +298,16 @@ class Clairvoyant:
                 horizon_epochs=self.options.horizon_epochs,
             )
         try:
-            num_batches = len(index_sampler)
+            num_batches = len(index_sampler) if override is None else len(override)
         except TypeError:
             num_batches = None
         pos0 = base
         if plan is not None:
             skip_pos = min(plan.batch_bounds(skip)[0], len(plan.indices))
             pos0 = base - skip_pos
-            self.prefetcher.begin_epoch(plan.indices[skip_pos:], plan.following, base)
+            self.prefetcher.begin_epoch(
+                plan.indices[skip_pos:], plan.following, base, self._homes(index_sampler), longest
+            )
         elif self.shared is not None:
             self.shared.header[GEN_BASE] = base
             self.shared.header[MODE] = DIRECT
@@ -282,8 +319,26 @@ class Clairvoyant:
             num_batches,
             yielded=skip,
             expected=plan.indices.tolist() if plan is not None else None,
+            override=override,
         )
         return self.epoch, after_first_draw
+
+    def _homes(self, index_sampler):
+        """Which samples this rank keeps for its peers (None: no exchange). After a lost rank, the
+        survivors regroup here, at an epoch's start (peer_cluster.py)."""
+        prefetcher = self.prefetcher
+        if self.cluster is None:
+            return None
+        if prefetcher.peers is None and prefetcher.lost is not None:
+            suspects, prefetcher.lost = prefetcher.lost.suspects, None
+            prefetcher.rejoin(self.cluster.regroup(suspects))
+            outcome = f"exchanging with ranks {self.cluster.members}" if prefetcher.peers else "storage alone"
+            log.warning(
+                "prescient loader, rank %d: regrouped after a lost rank: %s", self.cluster.me, outcome
+            )
+        if prefetcher.peers is None:
+            return None
+        return self.cluster.homes(index_sampler, self.shared.layout.samples)
 
     def plan_broken(self) -> None:
         """The sampler yielded something the plan did not predict: stop trusting the plan."""

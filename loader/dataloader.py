@@ -20,7 +20,9 @@ import torch.utils.data as tud
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from loader.clairvoyant import CacheOptions, Clairvoyant
+from loader.elastic import distributed_state, elastic_batches
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
+from loader.retry import check_retry_options
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
 from loader.view import FIRST, LAST, NEAR_END, PLANNED_READ, Ticket, TicketBatch
@@ -44,7 +46,7 @@ class PlannedSampler:
     def _epoch(self) -> Iterator:
         epoch, after_first_draw = self.engine.begin_epoch(self.inner)
         offset, batch = 0, 0
-        for item in self.inner:
+        for item in self.inner if epoch.override is None else epoch.override:
             if after_first_draw is not None:
                 after_first_draw()
                 after_first_draw = None
@@ -124,12 +126,17 @@ class DataLoader(tud.DataLoader[T_co]):
       cache_disk / cache_disk_bytes: a local directory and how many bytes it may hold.
       cache_items: the dataset has no read/decode but its items are deterministic: cache them.
       prefetch_bytes: with a cache, bytes read ahead of the workers and not cached (default 64 MiB).
-      prefetch_threads: concurrent storage reads (default 16): with a cache, the prefetcher's; without
-        one, shared out among the workers, each reading its batch with that many reads in flight when
-        storage is slow.
+      prefetch_threads: concurrent storage reads (default 16), shared out among the workers, each reading
+        its batch with that many reads in flight when storage is slow; with peer_exchange, also the
+        prefetcher's reads of what no peer holds.
       peer_exchange: under torch.distributed, take samples another rank holds from it (gloo)
         instead of storage; all ranks must build the loader together and iterate whole epochs.
       peer_window: samples per exchange window (default 128).
+      peer_timeout: seconds a window waits for the other ranks (default 60); a rank that died or
+        stalls that long is logged by rank and the others read its samples from storage instead.
+      read_attempts / read_retry_delay: a read() that raises OSError is tried read_attempts times in
+        all (default 3), waiting read_retry_delay seconds (default 0.05) and twice as long before each
+        further try, then raises SampleError naming the index and path.
       name: label of this loader's Prometheus series.
     Shared memory used: cache_ram + prefetch_bytes when there is a cache, for a dataset that
     implements read(index) -> bytes and decode(raw, index), or with cache_items=True; reserved
@@ -164,6 +171,9 @@ class DataLoader(tud.DataLoader[T_co]):
         prefetch_threads: int = 16,
         peer_exchange: bool = False,
         peer_window: int = 128,
+        peer_timeout: float = 60.0,
+        read_attempts: int = 3,
+        read_retry_delay: float = 0.05,
         name: str | None = None,
     ):
         super().__init__(
@@ -191,6 +201,15 @@ class DataLoader(tud.DataLoader[T_co]):
         if not isinstance(peer_window, int) or isinstance(peer_window, bool) or peer_window < 1:
             raise ValueError(f"peer_window: expected an int >= 1 (samples per exchange), got {peer_window!r}")
         options.peer_exchange, options.peer_window = bool(peer_exchange), peer_window
+        if (
+            isinstance(peer_timeout, bool)
+            or not isinstance(peer_timeout, (int, float))
+            or not peer_timeout > 0
+        ):
+            raise ValueError(f"peer_timeout: expected seconds > 0 (a number), got {peer_timeout!r}")
+        options.peer_timeout = float(peer_timeout)
+        retry = check_retry_options(read_attempts, read_retry_delay)
+        options.read_attempts, options.read_retry_delay = retry.attempts, retry.base_delay
         self._engine = Clairvoyant(self, options)
         self.name = name or f"loader{id(self):x}"
         register_loader(self)
@@ -249,13 +268,20 @@ class DataLoader(tud.DataLoader[T_co]):
         if epoch is not None and epoch.num_batches is not None and epoch.yielded < epoch.num_batches:
             point = ResumePoint(epoch.start, epoch.yielded, engine.worker_snapshots(self.in_order))
         now = capture(self.generator, super()._index_sampler)
-        return to_dict(point, now, len(self.dataset), self.num_workers)
+        state = to_dict(point, now, len(self.dataset), self.num_workers)
+        state["distributed"] = distributed_state(super()._index_sampler)  # for a resume on another world size
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`: the next iteration yields the rest of that epoch."""
         point, now = from_dict(state, len(self.dataset), self.num_workers)
         if point is None:  # between epochs: only the generators move on
             restore(replace(now, global_rng=None, sampler_epoch=None), self.generator, super()._index_sampler)
+        else:
+            elastic = elastic_batches(state, super()._index_sampler, point.batches_done)
+            if elastic is not None:  # another world size: this rank's share of what no rank has seen
+                point = replace(point, batches_done=0, worker_rng={})
+            self._engine.elastic = elastic
         self._engine.resume = point
 
     def close(self) -> None:

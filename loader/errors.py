@@ -11,13 +11,13 @@ class SampleError(RuntimeError):
     """
 
 
-def sample_error(index: int, where: str, stage: str, cause: BaseException) -> SampleError:
+def sample_error(index: int, where: str, stage: str, cause: BaseException, tried: str = "") -> SampleError:
     hint = (
         "check that the file exists and is readable"
         if stage == "read"
         else "check the bytes and the decode/transform functions"
     )
     return SampleError(
-        f"sample {index} ({where}): {stage} failed with "
+        f"sample {index} ({where}): {stage} failed{tried} with "
         f"{type(cause).__name__}: {cause}; {hint}, or leave index {index} out of the sampler"
     )

@@ -14,24 +14,54 @@ no further agreement is needed. Bytes a rank will serve are copied when it answe
 
 All ranks must construct the loader together and iterate whole epochs (as DDP does): the
 collectives pair up window by window.
+
+A rank that dies or stalls: a phase that fails (gloo reports the closed connection) or is
+not done within `timeout` seconds raises PeerFailure, naming the ranks at fault from the
+heartbeats (peer_health.py). The prefetcher then leaves the exchange: the window's samples
+and the rest of the epoch come from its own cache or storage, so the epoch still ends with
+the right batches; at the next epoch the survivors regroup (peer_cluster.py). The loader's
+group is built with the same timeout, so gloo itself ends a collective left waiting and no
+thread outlives it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from loader.peer_health import PeerHealth, default_store
+
+
+class PeerFailure(RuntimeError):
+    """A window's collective failed or timed out; the message names the ranks at fault."""
+
+    def __init__(self, message: str, rank: int, suspects: list[int]):
+        super().__init__(message)
+        self.rank = rank  # the (global) rank that gave up
+        self.suspects = suspects  # global ranks found at fault (dead, stopped or behind)
+
 
 class PeerExchange:
-    def __init__(self, group, window: int):
+    def __init__(
+        self, group, window: int, timeout: float = 60.0, prefix: str = "", members: list[int] | None = None
+    ):
+        """`prefix`: store keys of this loader's exchange (peer_health.py); `members`: the global
+        ranks of `group` in group order (all ranks when None)."""
         self.group = group
         self.window = window  # samples per exchange window
+        self.timeout = timeout  # seconds one phase may wait for the other ranks
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.members = members or list(range(self.world))
+        self.global_rank = self.members[self.rank]
+        self.health = PeerHealth(default_store(), prefix, self.members, self.rank)
         self.phase: str | None = None  # None: idle
         self.work = None
+        self.since = 0.0  # when the current phase began (time.monotonic)
+        self.windows = 0  # windows begun
         self.sent = 0  # samples this rank served to peers
 
     @property
@@ -44,14 +74,47 @@ class PeerExchange:
         mine[0] = len(needs)
         mine[1 : 1 + len(needs)] = torch.as_tensor(needs, dtype=torch.int64)
         self._gathered = [torch.empty_like(mine) for _ in range(self.world)]
-        self.work = dist.all_gather(self._gathered, mine, group=self.group, async_op=True)
-        self.phase = "needs"
+        self.windows += 1
+        self.health.beat(self.windows)
+        self.phase, self.since = "needs", time.monotonic()
+        self.work = self._collective(
+            lambda: dist.all_gather(self._gathered, mine, group=self.group, async_op=True)
+        )
+
+    def _collective(self, post):
+        try:
+            return post()
+        except Exception as error:  # noqa: BLE001 - a dead peer's closed connection
+            self._fail(_first_sentence(error))
+
+    def _fail(self, what: str) -> None:
+        phase, work, self.phase, self.work = self.phase, self.work, None, None
+        if work is not None:  # the group's own timeout ends it: no gloo thread outlives the exchange
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the failure being reported
+                pass
+        self.health.leave()
+        found = self.health.culprits()
+        raise PeerFailure(
+            f"window {self.windows} ({phase}): {what}; {found}", self.global_rank, self.health.suspects
+        )
 
     def poll(self, holding: Callable[[int], bytes | None]) -> dict[int, bytes] | None:
-        """Advance when the current collective is done; the received samples once the window is."""
-        if self.phase is None or not self.work.is_completed():
+        """Advance when the current collective is done; the received samples once the window is.
+        Raises PeerFailure when the collective failed or waited more than `timeout` seconds."""
+        self.health.beat()
+        if self.phase is None:
             return None
-        self.work.wait()
+        if not self.work.is_completed():
+            if time.monotonic() - self.since > self.timeout:
+                self._fail(f"no answer within peer_timeout={self.timeout:g} s")
+            return None
+        try:
+            self.work.wait()
+        except Exception as error:  # noqa: BLE001 - gloo's error for a peer that went away
+            self._fail(_first_sentence(error))
+        self.since = time.monotonic()
         if self.phase == "needs":
             self.requests = [g[1 : 1 + int(g[0])].tolist() for g in self._gathered]
             self._serve: dict[int, bytes] = {}
@@ -66,8 +129,10 @@ class PeerExchange:
                             flags[at] = 1
                     at += 1
             self._flags = [torch.empty_like(flags) for _ in range(self.world)]
-            self.work = dist.all_gather(self._flags, flags, group=self.group, async_op=True)
             self.phase = "holders"
+            self.work = self._collective(
+                lambda: dist.all_gather(self._flags, flags, group=self.group, async_op=True)
+            )
             return None
         if self.phase == "holders":
             self.incoming = [[] for _ in range(self.world)]  # per sender: indices I receive, in order
@@ -88,15 +153,17 @@ class PeerExchange:
                 [len(self._serve[i]) for dest in outgoing for i in dest], dtype=torch.int64
             )
             self._sizes_in = torch.empty(sum(len(s) for s in self.incoming), dtype=torch.int64)
-            self.work = dist.all_to_all_single(
-                self._sizes_in,
-                sizes_out,
-                [len(s) for s in self.incoming],
-                [len(d) for d in outgoing],
-                group=self.group,
-                async_op=True,
-            )
             self.phase = "sizes"
+            self.work = self._collective(
+                lambda: dist.all_to_all_single(
+                    self._sizes_in,
+                    sizes_out,
+                    [len(s) for s in self.incoming],
+                    [len(d) for d in outgoing],
+                    group=self.group,
+                    async_op=True,
+                )
+            )
             return None
         if self.phase == "sizes":
             chunks = [self._serve[i] for dest in self._outgoing for i in dest]
@@ -115,10 +182,12 @@ class PeerExchange:
             self._payload_in = torch.empty(sum(sizes), dtype=torch.uint8)
             out_split = [sum(len(self._serve[i]) for i in dest) for dest in self._outgoing]
             self.sent += sum(len(d) for d in self._outgoing)
-            self.work = dist.all_to_all_single(
-                self._payload_in, payload, per_sender, out_split, group=self.group, async_op=True
-            )
             self.phase = "payload"
+            self.work = self._collective(
+                lambda: dist.all_to_all_single(
+                    self._payload_in, payload, per_sender, out_split, group=self.group, async_op=True
+                )
+            )
             return None
         received, offset = {}, 0
         data = self._payload_in.numpy().tobytes()
@@ -129,8 +198,18 @@ class PeerExchange:
         self.phase, self.work, self._serve = None, None, {}
         return received
 
-    def finish(self, holding: Callable[[int], bytes | None]) -> None:
-        """Complete a window in flight (all ranks do the same at an epoch change)."""
+    def finish(self, holding: Callable[[int], bytes | None]) -> dict[int, bytes]:
+        """Complete a window in flight (all ranks do the same at an epoch change); raises
+        PeerFailure as poll does."""
         while self.busy:
-            if self.poll(holding) is None and self.work is not None:
-                self.work.wait()
+            received = self.poll(holding)
+            if received is not None:
+                return received
+            time.sleep(0.0005)
+        return {}
+
+
+def _first_sentence(error: BaseException) -> str:
+    """gloo's message without its source location and advice: 'Connection closed by peer [host]:port'."""
+    text = str(error).split("] ", 1)[-1] if str(error).startswith("[") else str(error)
+    return f"{type(error).__name__}: {text.split('. ', 1)[0]}"

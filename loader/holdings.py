@@ -5,6 +5,9 @@ A sample is pinned while plan positions that were published to the workers and n
 consumed refer to it; pinned bytes never move. Bytes in shared memory that placement does
 not keep are "staged": read ahead for one use and freed after it (they count against the
 prefetch budget, not the cache budget). A sample the RAM tier lets go may be kept on disk.
+Under peer exchange some samples are this rank's to keep for the cluster (its "home"
+samples, see peer_plan.py): placement ranks every home sample ahead of every other one, so
+a rank's copies of other ranks' samples never push out what only it keeps.
 Used only by the prefetch coordinator thread.
 """
 
@@ -12,10 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from loader.arena import Arena
 from loader.cache_disk import DiskTier, read_file
 from loader.cache_ram import ABSENT, DISK, DISK_HITS, FAILED, LENGTH, RAM, RAM_HITS, SharedState
 from loader.placement import NEVER, BeladyCache
+
+HOME_FIRST = 1 << 62  # subtracted from a home sample's next use: ahead of any other sample
+HORIZON_CAP = 1 << 40  # a home sample not used again by this rank still ranks ahead
 
 
 @dataclass
@@ -36,7 +44,17 @@ class Holdings:
         self.disk_pending: dict[int, int] = {}
         self.arena = Arena(shared.layout.arena)
         self.held: dict[int, _Held] = {}
+        self.reserved: dict[
+            int, tuple[int, int]
+        ] = {}  # index -> (offset, size): kept, bytes to come (a fill)
         self.staged_bytes = self.staged_peak = 0  # held bytes outside the RAM cache set
+        self.home: np.ndarray | None = None  # bool per sample: kept by this rank for its peers
+
+    def placement_key(self, index: int, upcoming: int) -> int:
+        """The next-use key placement compares: home samples rank ahead of all others."""
+        if self.home is not None and self.home[index]:
+            return min(upcoming, HORIZON_CAP) - HOME_FIRST
+        return upcoming
 
     def has(self, index: int) -> bool:
         return index in self.held or self.on_disk(index)
@@ -46,15 +64,23 @@ class Holdings:
 
     def renumber(self, first: dict[int, int]) -> None:
         """A new epoch's plan: next uses are now positions in it."""
-        self.ram.renumber(lambda i: first.get(i, NEVER))
+
+        def key(index: int) -> int:
+            return self.placement_key(index, first.get(index, NEVER))
+
+        self.ram.renumber(key)
         if self.disk_set is not None:
-            self.disk_set.renumber(lambda i: first.get(i, NEVER))
+            self.disk_set.renumber(key)
         for index, held in self.held.items():
-            held.next_use = first.get(index, NEVER)
+            held.next_use = key(index)
 
     # --- a planned use -------------------------------------------------------------------------
     def use(self, index: int, upcoming: int) -> int:
         """Pin a held sample for one more use; returns the tier it is read from (or ABSENT)."""
+        upcoming = self.placement_key(index, upcoming)
+        if index in self.reserved:  # kept when it was last used; a worker's bytes are still on their way
+            self.ram.touch(index, upcoming)
+            return ABSENT
         held = self.held.get(index)
         if held is not None:
             held.pending += 1
@@ -78,6 +104,7 @@ class Holdings:
     def place(self, index: int, raw: bytes | BaseException, upcoming: int, can_wait: bool) -> int | None:
         """Put a fresh read in shared memory, pinned for its use. Returns its tier, or None when
         it must wait for consumption to free room (only if `can_wait`)."""
+        upcoming = self.placement_key(index, upcoming)
         if isinstance(raw, BaseException):
             self.shared.set_entry(index, FAILED)  # the worker re-reads and raises with index and path
             return ABSENT
@@ -98,6 +125,69 @@ class Holdings:
         else:
             self._evict(victims)
         return RAM
+
+    def reserve(self, index: int, size: int, upcoming: int) -> bool:
+        """A planned use of a sample the node does not hold, read by a worker (fill_ring.py): decide
+        now, in plan order, whether the cache keeps it, and hold the room for its bytes. False when
+        the shared area has no room now (bytes of published uses still pin it)."""
+        offset = self.arena.alloc(size)
+        if offset is None:
+            return False
+        victims = self.ram.offer(index, size, self.placement_key(index, upcoming))
+        if victims is None:
+            self.arena.free(offset)
+            return True
+        self.reserved[index] = (offset, size)
+        self._evict(victims)
+        return True
+
+    def filled(self, index: int, raw: bytes, upcoming: int, decided: bool) -> int:
+        """A worker's bytes for a sample it read: into its reserved room; offered now only if no
+        decision was made when its use was published (`decided`: reserve() ran for it)."""
+        offset, size = self.reserved.pop(index, (None, 0))
+        if offset is None and decided:
+            return self._keep_on_disk(index, raw, upcoming)  # the RAM tier bypassed or already evicted it
+        if offset is not None:
+            if len(raw) == size and index in self.ram:
+                self.shared.write(offset, raw)
+                self.held[index] = _Held(offset, size, next_use=self.ram.kept[index][1])
+                self.shared.set_entry(index, RAM, offset, size)
+                return RAM
+            self.arena.free(offset)
+            if index in self.ram:
+                self.ram.remove(index)
+            return ABSENT
+        return self.keep(index, raw, upcoming)
+
+    def cancel_reservations(self) -> None:
+        """Bytes that never came (a full fill ring, an epoch left early): not kept after all."""
+        for index, (offset, _) in self.reserved.items():
+            self.arena.free(offset)
+            if index in self.ram:
+                self.ram.remove(index)
+        self.reserved.clear()
+
+    def keep(self, index: int, raw: bytes, upcoming: int) -> int:
+        """A sample a worker read and used (fill_ring.py): keep it if placement says so, in RAM or
+        else on disk. Nothing pins it. Returns the tier it is kept in, or ABSENT."""
+        upcoming = self.placement_key(index, upcoming)
+        offset = self.arena.alloc(len(raw))
+        victims = self.ram.offer(index, len(raw), upcoming) if offset is not None else None
+        if victims is not None:
+            self.shared.write(offset, raw)
+            self.held[index] = _Held(offset, len(raw), next_use=upcoming)
+            self.shared.set_entry(index, RAM, offset, len(raw))
+            self._evict(victims)
+            return RAM
+        if offset is not None:
+            self.arena.free(offset)
+        return self._keep_on_disk(index, raw, upcoming)
+
+    def _keep_on_disk(self, index: int, raw: bytes, upcoming: int) -> int:
+        if self._to_disk(index, raw, upcoming):
+            self.shared.set_entry(index, DISK, 0, len(raw))
+            return DISK
+        return ABSENT
 
     def release(self, index: int, tier: int) -> None:
         """A published use was consumed: unpin, and free what nothing keeps any more."""
@@ -139,6 +229,9 @@ class Holdings:
     # --- eviction ------------------------------------------------------------------------------
     def _evict(self, victims: list[int]) -> None:
         for victim in victims:
+            if victim in self.reserved:
+                self.arena.free(self.reserved.pop(victim)[0])
+                continue
             held = self.held[victim]
             self._add_staged(held.size)  # out of the cache set; its bytes stay while pinned
             if held.pending == 0:
@@ -147,7 +240,7 @@ class Holdings:
     def _evict_one(self) -> bool:
         """Room for a sample needed now: evict the farthest-used cached one that is not pinned."""
         for index, _ in sorted(self.ram.kept.items(), key=lambda kv: -kv[1][1]):
-            if self.held[index].pending == 0:
+            if index in self.held and self.held[index].pending == 0:
                 self.ram.remove(index)
                 self._add_staged(self.held[index].size)
                 self._drop(index)
@@ -158,21 +251,26 @@ class Holdings:
         """Free a sample's shared bytes; keep it on the disk tier if placement says so."""
         held = self.held.pop(index)
         self.staged_bytes -= held.size
-        tier = ABSENT
-        if self.disk_set is not None and self.disk.enabled:
-            victims = self.disk_set.offer(
-                index, held.size, held.next_use, can_evict=lambda victim: not self.disk_pending.get(victim)
-            )
-            if victims is not None:
-                for victim in victims:
-                    self.shared.set_entry(victim, ABSENT)
-                    self.disk.remove(victim)
-                if self.disk.write(index, self.shared.read(held.offset, held.size)):
-                    tier = DISK
-                else:
-                    self.disk_set.remove(index)
-        self.shared.set_entry(index, tier, 0, held.size if tier == DISK else 0)
+        kept = self._to_disk(index, self.shared.read(held.offset, held.size), held.next_use)
+        self.shared.set_entry(index, DISK if kept else ABSENT, 0, held.size if kept else 0)
         self.arena.free(held.offset)
+
+    def _to_disk(self, index: int, raw: bytes, upcoming: int) -> bool:
+        """Keep a sample on the disk tier if placement says so."""
+        if self.disk_set is None or not self.disk.enabled:
+            return False
+        victims = self.disk_set.offer(
+            index, len(raw), upcoming, can_evict=lambda victim: not self.disk_pending.get(victim)
+        )
+        if victims is None:
+            return False
+        for victim in victims:
+            self.shared.set_entry(victim, ABSENT)
+            self.disk.remove(victim)
+        if self.disk.write(index, raw):
+            return True
+        self.disk_set.remove(index)
+        return False
 
     def _add_staged(self, nbytes: int) -> None:
         self.staged_bytes += nbytes

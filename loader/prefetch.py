@@ -11,6 +11,7 @@ ahead but not cached) plus reads in flight stay under `staging` bytes.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import warnings
@@ -29,11 +30,12 @@ from loader.cache_ram import (
     STORAGE_READS,
     SharedState,
 )
-from loader.exchange import PeerExchange
+from loader.exchange import PeerExchange, PeerFailure
 from loader.holdings import Holdings
 from loader.placement import first_use, next_use
 from loader.source import ByteSource
 
+log = logging.getLogger("loader")
 BUSY_POLL_SECONDS = 0.001  # how often to look at the done ring while workers hold positions
 IDLE_WAIT_SECONDS = 0.05
 
@@ -51,6 +53,11 @@ class Prefetcher:
     ):
         self.shared, self.source, self.disk, self.peers = shared, source, disk, peers
         self.windows_started = 0  # peer-exchange windows of this epoch begun
+        self.longest: int | None = None  # the longest stream of any rank this epoch, if not this one's
+        self.peers_lost: str | None = None  # why this rank left the peer exchange, if it did
+        self.lost: PeerFailure | None = None  # a loss the survivors have not regrouped after yet
+        self.peer_failures = 0  # times this rank left the exchange
+        self._asked: list[int] = []
         self.staging = staging
         self.holdings = Holdings(shared, cache_ram, disk)
         self.inflight: dict[int, int] = {}  # index -> estimated bytes, read asked and not yet placed
@@ -70,21 +77,43 @@ class Prefetcher:
         self.wakeup = threading.Event()
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.delivered: queue.SimpleQueue = queue.SimpleQueue()
+        # With fill rings the workers read what the node does not hold (fill_ring.py); reader threads
+        # here serve only what peers could not provide.
+        self.fills = shared.fills
+        self.decided: set[int] = set()  # indices whose placement reserve() decided, bytes to come
         self.readers = [
             threading.Thread(target=self._read_loop, name=f"prescient-reader-{n}", daemon=True)
-            for n in range(threads)
+            for n in range(threads if self.fills is None else 0)
         ]
         self.coordinator = threading.Thread(target=self._run, name="prescient-prefetch", daemon=True)
         for thread in self.readers + [self.coordinator]:
             thread.start()
 
     # --- called from the main thread ---------------------------------------------------------
-    def begin_epoch(self, stream: np.ndarray, following: list[np.ndarray], base: int) -> None:
+    def begin_epoch(
+        self,
+        stream: np.ndarray,
+        following: list[np.ndarray],
+        base: int,
+        home: np.ndarray | None = None,
+        longest: int | None = None,
+    ) -> None:
         """Switch to a new epoch's stream, whose first entry is global plan position `base`
-        (larger than any position used before, so old ring entries never match)."""
+        (larger than any position used before, so old ring entries never match). `home`: the
+        samples this rank keeps for its peers (peer_plan.py), when they are decided. `longest`:
+        the longest stream any rank has this epoch, when they differ (an elastic resume): every
+        rank takes part in as many exchange windows as that one needs."""
         with self.lock:
+            self._take_fills()  # the last epoch's reads, placed by its own plan before the renumbering
+            self.holdings.cancel_reservations()
+            self.decided.clear()
+            self.longest = longest
+            self.holdings.home = home
             if self.peers is not None:
-                self.peers.finish(self.holdings.copy_of)  # every rank ends the window in flight alike
+                try:
+                    self.peers.finish(self.holdings.copy_of)  # every rank ends the window in flight alike
+                except PeerFailure as failure:
+                    self._lose_peers(failure)
             self.windows_started = 0
             self.shared.header[GEN_BASE] = base  # first: workers stop trusting older positions
             self.shared.header[MODE] = PLANNED if self.failure is None else DIRECT
@@ -106,6 +135,11 @@ class Prefetcher:
             self.sched = self.done = self.consumed = 0
             self.base = base
         self.wakeup.set()
+
+    def rejoin(self, peers: PeerExchange | None) -> None:
+        """The exchange among the survivors of a loss (None: storage alone from now on)."""
+        with self.lock:
+            self.peers = peers
 
     def usage(self) -> dict:
         with self.lock:
@@ -132,6 +166,7 @@ class Prefetcher:
                     if self.closed:
                         return
                     progressed = self._collect()
+                    progressed = self._take_fills() or progressed
                     progressed = self._consume() or progressed
                     progressed = self._finalize() or progressed
                     progressed = self._exchange() or progressed
@@ -157,7 +192,7 @@ class Prefetcher:
             end = min(end, self.windows_started * self.peers.window)
         while self.sched < end and self.sched - self.consumed < ring:
             index = int(self.stream[self.sched])
-            if not (index in self.inflight or self.holdings.has(index)):
+            if self.fills is None and not (index in self.inflight or self.holdings.has(index)):
                 estimate = self.source.nbytes(index) or self._average()
                 outstanding = self.holdings.staged_bytes + self.inflight_bytes
                 if outstanding > 0 and outstanding + estimate > self.staging:
@@ -173,7 +208,13 @@ class Prefetcher:
             position = self.done
             index, upcoming = int(self.stream[position]), int(self.upcoming[position])
             tier = self.holdings.use(index, upcoming)
-            if tier == ABSENT:
+            if tier == ABSENT and self.fills is not None and index not in self.holdings.reserved:
+                # Decided now, in plan order; unknown size or no room now: placed when the bytes come.
+                # Never waits for consumption: a worker holds its batch's fills until all are read.
+                size = self.source.nbytes(index)
+                if size is not None and self.holdings.reserve(index, size, upcoming):
+                    self.decided.add(index)
+            if tier == ABSENT and self.fills is None:
                 if index not in self.results:
                     if index not in self.inflight:  # held earlier in the window, since freed: read again
                         self._request(index, self.source.nbytes(index) or self._average())
@@ -209,6 +250,30 @@ class Prefetcher:
         peers = self.peers
         if peers is None:
             return False
+        try:
+            return self._exchange_step(peers)
+        except PeerFailure as failure:
+            self._lose_peers(failure)
+            return True
+
+    def _lose_peers(self, failure: PeerFailure) -> None:
+        """Leave the exchange for good: what was asked of the peers, and all later reads, go to
+        storage (or this rank's own cache)."""
+        self.peers, self.peers_lost, self.lost = None, str(failure), failure
+        self.peer_failures += 1
+        self.holdings.home = None  # nobody will ask for them: cache for this rank alone again
+        log.warning(
+            "prescient loader, rank %d: peer exchange failed, %s; reading from storage instead "
+            "until the others regroup at the next epoch",
+            failure.rank,
+            failure,
+        )
+        for index in self._asked:
+            if index in self.inflight and index not in self.results:
+                self.requests.put(index)
+        self._asked = []
+
+    def _exchange_step(self, peers: PeerExchange) -> bool:
         if peers.busy:
             received = peers.poll(self.holdings.copy_of)
             if received is None:
@@ -220,11 +285,12 @@ class Prefetcher:
             for index in self._asked:
                 if index not in received:
                     self.requests.put(index)  # no peer holds it: storage
+            self._asked = []
             return True
         size = peers.window
-        windows = -(-len(self.stream) // size)
+        windows = -(-max(len(self.stream), self.longest or 0) // size)
         start = self.windows_started * size
-        if self.windows_started >= windows or self.sched < start - size:
+        if self.windows_started >= windows or self.sched < min(start, len(self.stream)) - size:
             return False
         needs = []
         for index in dict.fromkeys(self.stream[start : start + size].tolist()):
@@ -234,8 +300,8 @@ class Prefetcher:
                 self.inflight_bytes += estimate
                 needs.append(index)
         self._asked = needs
-        peers.start(needs)
         self.windows_started += 1
+        peers.start(needs)
         return True
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -258,6 +324,19 @@ class Prefetcher:
                 raw = error
             self.delivered.put((index, raw))
             self.wakeup.set()
+
+    def _take_fills(self) -> bool:
+        """Offer the samples workers read this epoch to the cache (coordinator, lock held)."""
+        if self.fills is None:
+            return False
+        taken = self.fills.take()
+        for pos, index, raw in sorted(taken):
+            position = pos - self.base
+            if 0 <= position < len(self.stream) and not self.holdings.has(index):
+                decided = index in self.decided  # reserve() ran when its use was published
+                self.decided.discard(index)
+                self.holdings.filled(index, raw, int(self.upcoming[position]), decided)
+        return bool(taken)
 
     def _collect(self) -> bool:
         """Take the readers' results (coordinator thread, lock held)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 
 from loader.errors import SampleError, sample_error
+from loader.retry import RetryPolicy
 
 
 def has_read_decode(dataset) -> bool:
@@ -19,9 +20,10 @@ def has_read_decode(dataset) -> bool:
 
 
 class ByteSource:
-    def __init__(self, dataset, items: bool):
+    def __init__(self, dataset, items: bool, retry: RetryPolicy | None = None):
         self.dataset = dataset
         self.items = items  # True: bytes are pickled items of a deterministic dataset
+        self.retry = retry or RetryPolicy()  # transient storage errors (OSError) are read again
 
     def where(self, index: int) -> str:
         path = getattr(self.dataset, "path", None)
@@ -42,13 +44,20 @@ class ByteSource:
                 return None
         return None
 
+    def _read_once(self, index: int) -> bytes:
+        if self.items:
+            return pickle.dumps(self.dataset[index], protocol=pickle.HIGHEST_PROTOCOL)
+        return self.dataset.read(index)
+
     def read(self, index: int) -> bytes:
         try:
-            if self.items:
-                return pickle.dumps(self.dataset[index], protocol=pickle.HIGHEST_PROTOCOL)
-            raw = self.dataset.read(index)
+            raw, _ = self.retry.call(lambda: self._read_once(index))
         except SampleError:
             raise
+        except OSError as error:
+            attempts = self.retry.attempts
+            tried = f" (tried {attempts} times)" if attempts > 1 else ""
+            raise sample_error(index, self.where(index), "read", error, tried) from error
         except Exception as error:
             raise sample_error(index, self.where(index), "read", error) from error
         if not isinstance(raw, (bytes, bytearray, memoryview)):

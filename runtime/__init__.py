@@ -7,7 +7,7 @@ from runtime.engine_client import EngineClient
 from runtime.engine_core_client import EngineCoreClient
 from runtime.errors import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError
 from runtime.outputs import OutputDelta, RequestOutput
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutput
 
 __all__ = [
     "AsyncEngine",
@@ -25,4 +25,5 @@ __all__ = [
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
 ]

@@ -25,6 +25,7 @@ from runtime.model_runner import ModelRunner
 from runtime.output_tracker import OutputTracker
 from runtime.outputs import OutputDelta, RequestOutput
 from runtime.quantization import resolve_quantization
+from runtime.structured_output import GrammarBackend, check_structured_output
 from runtime.tokenizer import Tokenizer
 from scheduler import InvalidRequestError, Request, SamplingParams, Scheduler
 from scheduler.sampling_params import SEED_RANGE
@@ -64,7 +65,8 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.admission = sched.admission  # the one rule, over this pool and context
         self.scheduler = Scheduler(sched)
-        self.runner = ModelRunner(model, self.kv)
+        self.grammar = GrammarBackend(tokenizer, self.vocab_size)
+        self.runner = ModelRunner(model, self.kv, self.grammar)
         self.model_name = model_name or model.config.name
         self.outputs = OutputTracker(tokenizer)
         self._ids = itertools.count()
@@ -125,6 +127,7 @@ class Engine:
         resolved (None: as many as fit; clamp_max_tokens: a default lowered to what fits), or
         InvalidRequestError naming the field. Reads only what never changes: safe from any thread."""
         ids = self._prompt_ids(prompt)
+        check_structured_output(params.structured_output)
         max_tokens = self.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
         if max_tokens != params.max_tokens:  # min_tokens never above what may be generated
             params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))

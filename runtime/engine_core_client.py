@@ -32,6 +32,7 @@ from runtime.engine_core import CoreInfo, run_engine_core
 from runtime.errors import EngineDeadError, RequestAbortedError
 from runtime.output_stream import OutputStream
 from runtime.outputs import OutputDelta
+from runtime.structured_output import check_structured_output
 from scheduler import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("prescient.engine")
@@ -140,6 +141,7 @@ class EngineCoreClient:
             raise InvalidRequestError(
                 "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
             )
+        check_structured_output(params.structured_output)
         max_tokens = self.info.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
         if max_tokens != params.max_tokens:
             params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))

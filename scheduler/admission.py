@@ -19,10 +19,13 @@ from dataclasses import dataclass
 class InvalidRequestError(ValueError):
     """A request that cannot run as sent. `param` is the request field to change (OpenAI's `param`)."""
 
-    def __init__(self, param: str, detail: str):
+    def __init__(self, param: str, detail: str, code: str = "invalid_value"):
         super().__init__(f"{param}: {detail}")
         self.param = param
         self.detail = detail
+        self.code = code
+        """OpenAI's error code: "context_length_exceeded" when the request does not fit, else
+        "invalid_value"."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class AdmissionRule:
                 "prompt",
                 f"{p} tokens does not fit this model's context of {limit} "
                 "tokens (and at least one token must be generated)",
+                "context_length_exceeded",
             )
         room = self.room(p)
         if p + m > limit:
@@ -54,12 +58,14 @@ class AdmissionRule:
                 f"this model's maximum context length is {limit} tokens, "
                 f"but {p} prompt tokens + max_tokens {m} = {p + m}; "
                 f"{self._advice(room)}",
+                "context_length_exceeded",
             )
         if p > capacity:
             raise InvalidRequestError(
                 "prompt",
                 f"{p} tokens do not fit the KV cache's capacity of "
                 f"{capacity} tokens; raise kv_cache_bytes or send a shorter prompt",
+                "context_length_exceeded",
             )
         if p + m - 1 > capacity:
             raise InvalidRequestError(
@@ -67,6 +73,7 @@ class AdmissionRule:
                 f"prompt ({p}) + max_tokens ({m}) needs {p + m - 1} "
                 f"tokens of KV cache, more than its capacity of {capacity} tokens; "
                 f"{self._advice(room)}",
+                "context_length_exceeded",
             )
 
     def _advice(self, room: int) -> str:

@@ -35,7 +35,7 @@ async def errors_as_envelopes(request: web.Request, handler):
             405: f"Method {request.method} is not allowed on {request.path}.",
             413: f"Request body too large: the limit is {request.app['max_body_bytes']} bytes.",
         }
-        return APIError(exc.status, message.get(exc.status, exc.reason)).response()
+        return APIError(exc.status, message.get(exc.status, exc.reason)).response()  # code from the status
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -62,7 +62,7 @@ async def count_responses(request: web.Request, handler):
 def build_app(
     client: EngineClient | Engine,
     *,
-    api_keys: dict[str, Tenant] | None = None,
+    api_keys: dict[str, Tenant | None] | None = None,
     max_body_bytes: int = ServerConfig.max_body_bytes,
     served_model_name: str | None = None,
     throughput_log_seconds: float = ServerConfig.throughput_log_seconds,
@@ -73,7 +73,9 @@ def build_app(
     it starts the client's loop with the app and stops it after. metrics_auth: /metrics answers only
     with one of api_keys; tenant_metrics: export per-tenant series."""
     if metrics_auth and not api_keys:
-        raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
+        raise ValueError(
+            "--metrics-auth needs --api-key or --api-keys: /metrics then asks for one of those keys"
+        )
     if isinstance(client, Engine):
         client = AsyncEngine(client, max_waiting=ServerConfig.max_waiting)
     app = web.Application(middlewares=[count_responses, errors_as_envelopes], client_max_size=max_body_bytes)
@@ -87,6 +89,7 @@ def build_app(
     app.router.add_get("/v1/models/{model}", utility_api.model)
     app.router.add_get("/health", utility_api.health)
     app.router.add_get("/metrics", utility_api.metrics)
+    app.router.add_get("/version", utility_api.version)
     app.router.add_post("/tokenize", utility_api.tokenize)
     app.router.add_post("/detokenize", utility_api.detokenize)
     app.router.add_get("/openapi.json", openapi.openapi)

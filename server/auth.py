@@ -4,7 +4,9 @@ The keys file is a JSON object {"sk-...": {"tenant": "a", "weight": 2}}; optiona
 "prefix_cache_group": "g" (tenants naming the same group share prefix-cache blocks; by default each
 tenant's cache is its own) and "priority_range": [-10, 100] (the request priorities it may use; by
 default [0, 2**20]: a client may only make its own requests less urgent).
-Without keys, the tenant is the request's `user` field, else "default".
+Keys given with --api-key (repeatable) authenticate without naming a tenant. Without keys, or with
+such a key, the tenant is the request's `user` field, else "default". /health, /version,
+/openapi.json and (unless --metrics-auth) /metrics stay open, as in vLLM.
 """
 
 from __future__ import annotations
@@ -61,6 +63,17 @@ def load_api_keys(path: str | Path) -> dict[str, Tenant]:
     return keys
 
 
+def api_keys(path: str | Path | None, plain: list[str]) -> dict[str, Tenant | None] | None:
+    """The keys the server accepts: the file's (each names its tenant) and each --api-key (None: the
+    tenant is the request's `user`, as without keys); None when neither is given (no key needed)."""
+    keys: dict[str, Tenant | None] = dict(load_api_keys(path)) if path else {}
+    for key in plain:
+        if not key.strip():
+            raise ValueError("--api-key: a key must not be empty")
+        keys.setdefault(key, None)  # a key in the file keeps its tenant
+    return keys or None
+
+
 def _priority_range(entry: dict) -> tuple[int, int]:
     given = entry.get("priority_range", [0, PRIORITY_MAX])
     if not (
@@ -76,12 +89,15 @@ def _priority_range(entry: dict) -> tuple[int, int]:
     return given[0], given[1]
 
 
-def authenticate(keys: dict[str, Tenant] | None, authorization: str | None, user: str | None) -> Tenant:
+def authenticate(
+    keys: dict[str, Tenant | None] | None, authorization: str | None, user: str | None
+) -> Tenant:
     return check_key(keys, authorization) or Tenant(user if isinstance(user, str) and user else "default")
 
 
-def check_key(keys: dict[str, Tenant] | None, authorization: str | None) -> Tenant | None:
-    """The key's tenant, a 401 if keys are configured and this is not one of them, None without keys.
+def check_key(keys: dict[str, Tenant | None] | None, authorization: str | None) -> Tenant | None:
+    """The key's tenant, a 401 if keys are configured and this is not one of them, None without keys
+    (or for a key given with --api-key, which names no tenant).
 
     Needs only the headers: call it before reading or parsing the body, so an unauthenticated
     client costs no work."""

@@ -1,4 +1,4 @@
-"""`python -m server`: load the model, serve the OpenAI API, drain on SIGTERM."""
+"""`python -m server` and `prescient serve [MODEL]`: load the model, serve the OpenAI API, drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ SHUTDOWN_GRACE = 3.0
 """Seconds aiohttp waits for connections to close at the very end."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m server") -> argparse.ArgumentParser:
     """One flag per field of ServerConfig and of every EngineConfig section, defaults taken from them."""
-    p = argparse.ArgumentParser(prog="python -m server", description="Prescient OpenAI-compatible LLM server")
+    p = argparse.ArgumentParser(prog=prog, description="Prescient OpenAI-compatible LLM server")
     _add_flags(p.add_argument_group("server"), ServerConfig, ServerConfig())
     engine = EngineConfig()
     for section in dataclasses.fields(EngineConfig):
@@ -47,7 +47,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+    defaults = ServerConfig()
+    return ServerConfig(
+        **{
+            f.name: getattr(defaults, f.name) if getattr(args, f.name) is None else getattr(args, f.name)
+            for f in dataclasses.fields(ServerConfig)
+        }
+    )
 
 
 def _add_flags(group, cls: type, defaults) -> None:
@@ -57,10 +63,21 @@ def _add_flags(group, cls: type, defaults) -> None:
         default = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
         help_text = docs.get(f.name, "") + ("" if default is None else f" (default: {default})")
-        kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None)]
+        hint = hints[f.name]
+        kinds = [hint] if typing.get_origin(hint) is list else typing.get_args(hint) or (hint,)
+        kinds = [k for k in kinds if k is not type(None)]
         if kinds == [bool]:
             group.add_argument(
                 flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+            continue
+        if typing.get_origin(kinds[0]) is list:  # a repeatable flag
+            group.add_argument(
+                flag,
+                dest=f.name,
+                action="append",
+                type=typing.get_args(kinds[0])[0],
+                help=docs.get(f.name, ""),
             )
             continue
         convert = _size if f.metadata.get("size") else kinds[0]
@@ -85,11 +102,13 @@ def _size(text: str) -> int:
 async def serve(args: argparse.Namespace) -> int:
     from runtime import AsyncEngine, Engine, EngineCoreClient
     from server.app import build_app
-    from server.auth import load_api_keys
+    from server.auth import api_keys
 
-    keys = load_api_keys(args.api_keys) if args.api_keys else None
+    keys = api_keys(args.api_keys, args.api_key or [])
     if args.metrics_auth and not keys:  # say so before minutes of model loading
-        raise ValueError("--metrics-auth needs --api-keys: /metrics then asks for one of those keys")
+        raise ValueError(
+            "--metrics-auth needs --api-key or --api-keys: /metrics then asks for one of those keys"
+        )
     if args.engine_process:
         client = EngineCoreClient.launch(
             {"config": engine_config(args)}, max_waiting=args.max_waiting, log_level=args.log_level
@@ -140,7 +159,30 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def console_main(argv: list[str] | None = None) -> int:
+    """The `prescient` console script: `prescient serve [MODEL] [flags of python -m server]`, as vLLM
+    users run `vllm serve MODEL`; MODEL is what --model takes (a GGUF file or a Hugging Face directory)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        usage = "usage: prescient serve [MODEL] [--port PORT] [...]  (prescient serve --help: every flag)"
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(usage, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    parser = build_parser(prog="prescient serve")
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="The model to serve (same as --model)")
+    args = parser.parse_args(argv[1:])
+    if args.model_tag is not None:
+        if args.model not in (None, args.model_tag):
+            parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree: give one")
+        args.model = args.model_tag
+    del args.model_tag
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

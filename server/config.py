@@ -17,8 +17,11 @@ class ServerConfig:
     """TCP port to listen on."""
     served_model_name: str | None = None
     """Model id reported by /v1/models (default: the checkpoint's name)."""
+    api_key: list[str] = field(default_factory=list)
+    """A key clients must send as 'Authorization: Bearer KEY' (repeat the flag for several); the tenant is
+    then the request's `user` field, as without keys. Beside --api-keys, whose keys name their tenants."""
     api_keys: str | None = None
-    """A JSON file {"KEY": {"tenant": "...", "weight": 1}}; without it no key is needed."""
+    """A JSON file {"KEY": {"tenant": "...", "weight": 1}}; without it (and --api-key) no key is needed."""
     metrics_auth: bool = False
     """/metrics asks for one of the --api-keys (Prometheus: authorization.credentials)."""
     tenant_metrics: bool = True

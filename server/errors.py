@@ -1,4 +1,26 @@
-"""OpenAI's error envelope: {"error": {"message", "type", "param", "code"}} with the matching status."""
+"""OpenAI's error envelope: {"error": {"message", "type", "param", "code"}} with the matching status.
+
+`code` is always a string, as OpenAI's are, so a client can branch on it without parsing the message;
+`param` names the request field to change (a path such as "messages[0].role" inside it), or is null.
+
+Codes a client may see:
+
+| status | code | when |
+| --- | --- | --- |
+| 400 | invalid_type | a field's JSON type is wrong |
+| 400 | invalid_value | a field's value is out of range, not one of the allowed ones, or at odds with another field |
+| 400 | missing_required_parameter | a required field is absent or null |
+| 400 | context_length_exceeded | prompt + max_tokens do not fit the context or the KV cache |
+| 400 | invalid_json | the body is not a JSON object |
+| 401 | invalid_api_key | no key, or not one of --api-key / --api-keys |
+| 404 | model_not_found | `model` names a model this server does not serve |
+| 404 | unknown_url | no such route |
+| 405 | method_not_allowed | the route exists, the method does not |
+| 413 | request_too_large | the body exceeds --max-body-bytes |
+| 429 | rate_limit_exceeded | the waiting queue is full (Retry-After says when to retry) |
+| 500 | engine_error, engine_dead, internal_error | the engine failed this request, stopped, or a bug |
+| 503 | draining, shutdown | the server is shutting down (retry on another replica) |
+"""
 
 from __future__ import annotations
 
@@ -11,7 +33,17 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
-    500: "internal_server_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+_CODES = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    404: "unknown_url",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
     503: "service_unavailable",
 }
 
@@ -29,7 +61,7 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or _CODES.get(status, "invalid_request")
         self.headers = headers or {}
 
     def body(self) -> dict:
@@ -38,7 +70,7 @@ class APIError(Exception):
                 "message": self.message,
                 "type": _TYPES.get(self.status, "invalid_request_error"),
                 "param": self.param,
-                "code": self.code or self.status,
+                "code": self.code,
             }
         }
 
@@ -46,5 +78,5 @@ class APIError(Exception):
         return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)

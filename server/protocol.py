@@ -1,23 +1,21 @@
-"""Parse and validate OpenAI request bodies into what the engine needs.
+"""Turn OpenAI request bodies into what the engine needs.
 
-Every check names the offending field; nothing here raises anything but
+Each field's type and range are declared once in server/request_fields.py (and published by
+/openapi.json); RequestBody.read enforces them. What is left here are the rules between fields and the
+shape the engine wants. Every check names the offending field; nothing here raises anything but
 APIError, so a bad body can never turn into a 500.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from scheduler import SamplingParams
-from scheduler.sampling_params import MAX_LOGPROBS
+from scheduler import SamplingParams, StructuredOutput
 from server.errors import bad_request
-
-_MISSING = object()
-MAX_N = 16
-"""Most choices (n, best_of) per prompt."""
-MAX_PROMPTS = 64
-"""Most prompts in one batched completions request."""
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+from server.request_fields import CHAT, COMPLETION, MAX_N
+from server.schema_check import _show
+from server.tool_calls import ToolRequest, parse_tools
 
 
 @dataclass
@@ -46,57 +44,18 @@ class GenerationRequest:
     """Completions: sequences sampled per prompt, of which the n with the highest mean logprob return."""
     logprobs_requested: bool = False
     """The client asked for logprobs (completions `logprobs`, chat `logprobs: true`)."""
+    tools: ToolRequest | None = None
+    """Chat: the functions the model may call and tool_choice."""
 
     def __post_init__(self) -> None:
         if self.prompts is None:
             self.prompts = [self.prompt]
 
 
-def _get(body: dict, name: str, kinds: tuple, default=None, what: str | None = None):
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise bad_request(f"'{name}' must be {what or _kind_names(kinds)}, got a boolean", name)
-    if not isinstance(value, kinds):
-        raise bad_request(f"'{name}' must be {what or _kind_names(kinds)}, got {type(value).__name__}", name)
-    return value
-
-
-def _kind_names(kinds: tuple) -> str:
-    names = {
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        bool: "a boolean",
-        list: "an array",
-        dict: "an object",
-    }
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = _get(body, name, (int, float), default, "a number")
-    # `not (inside)` also catches NaN, which compares false with everything
-    if not ((value > low if low_open else value >= low) and value <= high):
-        interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise bad_request(f"'{name}' must be in {interval} (a finite number), got {_show(value)}", name)
-    return float(value)
-
-
-def _show(value) -> str:
-    """A client's value for an error message, cut short (an integer may have thousands of digits)."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:20] + "..." + text[-8:]
-
-
-def _max_tokens(body: dict, zero_allowed: bool) -> int | None:
-    max_tokens = (
-        _get(body, "max_completion_tokens", (int,), None) if "max_completion_tokens" in body else None
-    )
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", (int,), None)
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+def _max_tokens(v: dict, zero_allowed: bool) -> int | None:
+    """max_completion_tokens (chat) wins over max_tokens."""
+    name = "max_completion_tokens" if v.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = v.get(name)
     if max_tokens is not None and max_tokens < (0 if zero_allowed else 1):
         hint = (
             "" if zero_allowed or max_tokens != 0 else " (0 is allowed only with echo, to score the prompt)"
@@ -107,239 +66,171 @@ def _max_tokens(body: dict, zero_allowed: bool) -> int | None:
     return max_tokens
 
 
-def _logprobs(body: dict, chat: bool) -> int | None:
+def _logprobs(v: dict, chat: bool) -> int | None:
     """Alternatives per position asked for, or None. Completions: `logprobs: k`; chat: `logprobs: true`
     with `top_logprobs: k`."""
-    if chat:
-        wanted = _get(body, "logprobs", (bool,), False)
-        top = _get(body, "top_logprobs", (int,), None)
-        if top is not None and not wanted:
-            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        name, k = "top_logprobs", (top or 0) if wanted else None
-    else:
-        name, k = "logprobs", _get(body, "logprobs", (int,), None)
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise bad_request(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name)
-    return k
+    if not chat:
+        return v["logprobs"]
+    if v["top_logprobs"] is not None and not v["logprobs"]:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (v["top_logprobs"] or 0) if v["logprobs"] else None
 
 
-def _logit_bias(body: dict) -> dict[int, float]:
-    bias = _get(body, "logit_bias", (dict,), {})
-    out = {}
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise bad_request(
-                f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for {key}", "logit_bias"
-            )
-        out[token] = float(value)
-    return out
-
-
-def _sampling(body: dict, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
-    max_tokens = _max_tokens(body, zero_allowed=not chat and body.get("echo") is True)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
-    top_k = _get(body, "top_k", (int,), -1)
-    if top_k < -1:
-        raise bad_request(f"'top_k' must be -1 (disabled) or a positive integer, got {_show(top_k)}", "top_k")
-    seed = _get(body, "seed", (int,), None)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise bad_request("'stop' must be a string or an array of strings", "stop")
-    if any(not s for s in stop):
-        raise bad_request("'stop' strings must not be empty", "stop")
-    stop_token_ids = _get(body, "stop_token_ids", (list,), [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
-        raise bad_request("'stop_token_ids' must be an array of integers", "stop_token_ids")
-    ignore_eos = _get(body, "ignore_eos", (bool,), False)
-    n = _get(body, "n", (int,), 1)
-    if not 1 <= n <= MAX_N:
-        raise bad_request(f"'n' must be in [1, {MAX_N}], got {_show(n)}", "n")
-    best_of = n if chat else _get(body, "best_of", (int,), n)
-    if not n <= best_of <= MAX_N:
+def _sampling(v: dict, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
+    max_tokens = _max_tokens(v, zero_allowed=not chat and v.get("echo", False))
+    stop = v["stop"]
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    n = v["n"]
+    best_of = n if chat or v["best_of"] is None else v["best_of"]
+    if best_of < n:
         raise bad_request(f"'best_of' must be in [n={n}, {MAX_N}], got {_show(best_of)}", "best_of")
-    if best_of > n and body.get("stream"):
+    if best_of > n and v["stream"]:
         raise bad_request(
             "'best_of' greater than 'n' cannot be streamed (the best are known at the end)", "best_of"
         )
-    min_tokens = _get(body, "min_tokens", (int,), 0)
-    if min_tokens < 0:
-        raise bad_request(f"'min_tokens' must be >= 0, got {_show(min_tokens)}", "min_tokens")
+    min_tokens = v["min_tokens"]
     if max_tokens and min_tokens > max_tokens:
         raise bad_request(
             f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
         )
-    logprobs = _logprobs(body, chat)
-    logprobs_mode = _get(body, "logprobs_mode", (str,), "raw")
-    if logprobs_mode not in ("raw", "processed"):
-        raise bad_request(
-            f"'logprobs_mode' must be 'raw' or 'processed', got {logprobs_mode!r}", "logprobs_mode"
-        )
-    echo = False if chat else _get(body, "echo", (bool,), False)
-    presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True)
-    for name_ in ("tools", "functions"):
-        if body.get(name_) not in (None, False, 0, {}, []):
-            raise bad_request(f"'{name_}' is not supported by this server", name_)
-    response_format = _get(body, "response_format", (dict,), None)
-    if response_format is not None and response_format.get("type") != "text":
-        raise bad_request(
-            '\'response_format\' other than {"type": "text"} is not supported by this server',
-            "response_format",
-        )
+    logprobs = _logprobs(v, chat)
+    echo = not chat and v.get("echo", False)
+    structured = _response_format(v["response_format"])
+    tools = parse_tools(v) if chat else None
+    if tools is not None and tools.constrained:
+        if structured is not None:
+            raise bad_request(
+                "'response_format' cannot constrain the output when 'tool_choice' forces a tool call; "
+                "send one of them",
+                "response_format",
+            )
+        structured = tools.structured_output()
     if max_tokens == 0:  # echo with max_tokens 0: score the prompt; one token is sampled and dropped
         max_tokens = 1
     max_tokens = max_tokens or default_max_tokens
-    try:  # SamplingParams holds the rules of the engine itself (e.g. the seed must fit in 64 bits)
+    try:  # SamplingParams holds the rules of the engine itself (e.g. at most 16 stop strings)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
+            temperature=float(v["temperature"]),
+            top_p=float(v["top_p"]),
+            top_k=v["top_k"],
+            seed=v["seed"],
             stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty,
+            stop_token_ids=v["stop_token_ids"],
+            ignore_eos=v["ignore_eos"],
+            presence_penalty=float(v["presence_penalty"]),
+            frequency_penalty=float(v["frequency_penalty"]),
+            repetition_penalty=float(v["repetition_penalty"]),
             n=best_of,
             logprobs=logprobs if logprobs is not None else (0 if best_of > n else None),
             prompt_logprobs=logprobs if echo and logprobs is not None else None,
-            logprobs_mode=logprobs_mode,
+            logprobs_mode=v["logprobs_mode"],
             min_tokens=min(min_tokens, max_tokens or min_tokens),
-            logit_bias=_logit_bias(body),
+            logit_bias={int(token): float(bias) for token, bias in v["logit_bias"].items()},
+            structured_output=structured,
         )
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0]
         raise bad_request(f"'{field_name}' {str(exc).split(' ', 1)[1]}", field_name) from exc
 
 
-def _common(body: dict, prompts: list, default_max_tokens: int | None, chat: bool) -> GenerationRequest:
-    stream = _get(body, "stream", (bool,), False)
-    options = _get(body, "stream_options", (dict,), {})
-    include_usage = _get(options, "include_usage", (bool,), False) if options else False
+def _response_format(response_format: dict | None) -> StructuredOutput | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}.
+    Whether the schema compiles is the engine's admission rule (a 400 naming response_format.json_schema)."""
+    if response_format is None or response_format["type"] == "text":
+        return None
+    if response_format["type"] == "json_object":
+        return StructuredOutput("json_object", source="response_format")
+    spec = response_format.get("json_schema")
+    if spec is None:
+        raise bad_request(
+            "'response_format.json_schema' is required with type 'json_schema': "
+            '{"name": ..., "schema": {...}}',
+            "response_format.json_schema",
+            "missing_required_parameter",
+        )
+    schema = spec.get("schema") or {"type": "object"}
+    return StructuredOutput("json_schema", json.dumps(schema), source="response_format.json_schema")
+
+
+def _common(v: dict, prompts: list, default_max_tokens: int | None, chat: bool) -> GenerationRequest:
+    stream = v["stream"]
+    options = v["stream_options"]
     if options and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    user = _get(body, "user", (str,), None)
-    priority = _get(body, "priority", (int,), 0)
-    model = _get(body, "model", (str,), None)
-    given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
-    params = _sampling(body, default_max_tokens, chat)
-    echo = not chat and body.get("echo") is True
-    n = _get(body, "n", (int,), 1)
+    given = v["max_tokens"] is not None or v.get("max_completion_tokens") is not None
+    params = _sampling(v, default_max_tokens, chat)
+    echo = not chat and v.get("echo", False)
     return GenerationRequest(
         prompt=prompts[0],
         params=params,
         stream=stream,
-        include_usage=include_usage,
-        user=user,
-        priority=priority,
-        model=model,
+        include_usage=bool(options and options.get("include_usage")),
+        user=v["user"],
+        priority=v["priority"],
+        model=v["model"],
         max_tokens_given=given,
         prompts=prompts,
         echo=echo,
-        echo_only=echo and given and _max_tokens(body, True) == 0,
-        n=n,
+        echo_only=echo and given and v["max_tokens"] == 0,
+        n=v["n"],
         best_of=params.n,
-        logprobs_requested=body.get("logprobs") not in (None, False),
+        logprobs_requested=v["logprobs"] not in (None, False),
+        tools=parse_tools(v) if chat else None,
     )
 
 
 def parse_completion(body: dict, default_max_tokens: int = 16) -> GenerationRequest:
     """POST /v1/completions. `prompt` is a string, an array of token ids, or an array of either (a batch)."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad_request("'prompt' is required", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_token_id(prompt[0])):
-        prompts = [prompt]
-    elif isinstance(prompt, list):
-        prompts = prompt
-        if not prompts:
-            raise bad_request("'prompt' must not be empty", "prompt")
-        if len(prompts) > MAX_PROMPTS:
-            raise bad_request(
-                f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt"
-            )
-    else:
-        raise bad_request(
-            f"'prompt' must be a string, an array of token ids, or an array of those, got "
-            f"{type(prompt).__name__}",
-            "prompt",
-        )
-    for i, one in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 and one is prompt else f"prompt[{i}]"
-        if isinstance(one, str):
-            if not one:
-                raise bad_request(f"'{where}' must not be empty", "prompt")
-        elif isinstance(one, list):
-            if not one:
-                raise bad_request(f"'{where}' must not be empty", "prompt")
-            if not all(_is_token_id(t) for t in one):
-                raise bad_request(f"'{where}' must be a string or an array of token ids (integers)", "prompt")
-        else:
-            raise bad_request(
-                f"'{where}' must be a string or an array of token ids, got {type(one).__name__}", "prompt"
-            )
-    return _common(body, prompts, default_max_tokens, chat=False)
+    v = COMPLETION.read(body)
+    prompt = v["prompt"]
+    single = isinstance(prompt, str) or _is_token_id(prompt[0])
+    return _common(v, [prompt] if single else prompt, default_max_tokens, chat=False)
 
 
 def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if messages is None:
-        raise bad_request("'messages' is required", "messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array of {role, content} objects", "messages")
+def parse_messages(messages: list[dict]) -> list[dict]:
+    """Messages already checked against request_fields.MESSAGE, as the chat template reads them: content
+    parts joined, a developer message read as system."""
     out = []
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(
-                f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}", f"{where}.role"
-            )
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text is understood by a text model
-            texts = []
-            for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    raise bad_request(
-                        f'\'{where}.content[{j}]\' must be a text part {{"type": "text", '
-                        f'"text": ...}}; this model reads text only',
-                        f"{where}.content",
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None and role == "assistant":
+        role, content = message["role"], message.get("content")
+        if isinstance(content, list):  # text parts (the schema admits no other kind)
+            content = "".join(part["text"] for part in content)
+        if content is None:
+            if role != "assistant":
+                raise bad_request(
+                    f"'messages[{i}].content' is required",
+                    f"messages[{i}].content",
+                    "missing_required_parameter",
+                )
             content = ""
-        if not isinstance(content, str):
-            raise bad_request(
-                f"'{where}.content' must be a string or an array of text parts", f"{where}.content"
-            )
+        if role == "assistant" and message.get("tool_calls"):
+            content = _with_tool_calls(content, message["tool_calls"])
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
 
+def _with_tool_calls(content: str, calls: list[dict]) -> str:
+    """An assistant turn that called tools (checked against request_fields.TOOL_CALL), written back in
+    the syntax the model calls them in."""
+    text = content
+    for call in calls:
+        function = call["function"]
+        arguments = function.get("arguments") or "{}"
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # kept as the text the client sent
+        call_text = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+        text += ("\n" if text else "") + f"<tool_call>\n{call_text}\n</tool_call>"
+    return text
+
+
 def parse_chat(body: dict) -> tuple[GenerationRequest, list[dict]]:
     """POST /v1/chat/completions; the prompt is rendered from the messages by the caller."""
-    messages = parse_messages(body)
-    return _common(body, [""], None, chat=True), messages
+    v = CHAT.read(body)
+    return _common(v, [""], None, chat=True), parse_messages(v["messages"])

@@ -21,7 +21,7 @@ class ServerState:
     def __init__(
         self,
         client: EngineClient,
-        api_keys: dict[str, Tenant] | None = None,
+        api_keys: dict[str, Tenant | None] | None = None,
         served_model_name: str | None = None,
         tenant_metrics: bool = True,
     ):
@@ -34,7 +34,7 @@ class ServerState:
             self.model_name,
             client.max_model_len,
             client.stats,
-            {t.name for t in (api_keys or {}).values()},
+            {t.name for t in (api_keys or {}).values() if t is not None},
             tenant_metrics=tenant_metrics,
         )
         self.metrics_auth = False
@@ -92,14 +92,17 @@ async def read_json(request: web.Request) -> dict:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
         raise bad_request(
-            f"The body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})"
+            f"The body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})",
+            code="invalid_json",
         ) from exc
     except RecursionError as exc:
-        raise bad_request("The body is not valid JSON for this server: it is nested too deeply") from exc
+        raise bad_request(
+            "The body is not valid JSON for this server: it is nested too deeply", code="invalid_json"
+        ) from exc
     except ValueError as exc:  # JSONDecodeError, NaN/Infinity, an integer beyond Python's 4,300 digits
-        raise bad_request(f"The body is not valid JSON: {exc}") from exc
+        raise bad_request(f"The body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
-        raise bad_request(f"The body must be a JSON object, got {type(body).__name__}")
+        raise bad_request(f"The body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     return body
 
 

@@ -1,8 +1,9 @@
-"""GET /v1/models, /v1/models/{model}, /health, /metrics and POST /tokenize, /detokenize."""
+"""GET /v1/models, /v1/models/{model}, /health, /metrics, /version and POST /tokenize, /detokenize."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from functools import partial
 
 from aiohttp import web
@@ -12,6 +13,7 @@ from server.auth import authenticate, check_key
 from server.errors import APIError, bad_request
 from server.openai_api import OFF_LOOP_CHARS
 from server.protocol import parse_messages
+from server.request_fields import DETOKENIZE, TOKENIZE
 from server.state import ServerState, read_json
 
 
@@ -66,21 +68,25 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """{"prompt": str} or {"messages": [...]} -> {"tokens": [...], "count": n, "max_model_len": L}."""
+    """{"prompt": str} or {"messages": [...]} -> {"tokens": [...], "count": n, "max_model_len": L}.
+    add_special_tokens: the tokenizer's BOS (default true for a prompt, false for messages, whose chat
+    template writes its own), as vLLM's /tokenize."""
     state: ServerState = request.app["state"]
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
-    body = await read_json(request)
+    v = TOKENIZE.read(await read_json(request))
     tok = state.client.tokenizer
-    if "messages" in body:
-        add = body.get("add_generation_prompt", True)
-        if not isinstance(add, bool):
-            raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
-        messages = parse_messages(body)
-        work = partial(tok.apply_chat_template, messages, add_generation_prompt=add, tokenize=True)
-    elif isinstance(body.get("prompt"), str):
-        work = partial(tok.encode, body["prompt"])
+    if v["messages"] is not None:
+        messages = parse_messages(v["messages"])
+        work = partial(_encode_chat, tok, messages, v["add_generation_prompt"], v["add_special_tokens"])
+    elif v["prompt"] is not None:
+        add = True if v["add_special_tokens"] is None else v["add_special_tokens"]
+        work = partial(tok.encode, v["prompt"], add_special_tokens=add)
     else:
-        raise bad_request("send 'prompt' (a string) or 'messages' (an array of {role, content})", "prompt")
+        raise bad_request(
+            "send 'prompt' (a string) or 'messages' (an array of {role, content})",
+            "prompt",
+            "missing_required_parameter",
+        )
     try:  # a big body is tokenized on a worker thread, as for generation
         tokens = (
             await asyncio.get_running_loop().run_in_executor(None, work)
@@ -94,17 +100,34 @@ async def tokenize(request: web.Request) -> web.Response:
     )
 
 
+def _encode_chat(tok, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool | None):
+    """The chat template's tokens; add_special_tokens true puts the tokenizer's BOS in front when the
+    template did not already."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    bos = tok.bos_token_id
+    if add_special_tokens and tok.add_bos_token and bos is not None and ids[:1] != [bos]:
+        ids = [bos, *ids]
+    return ids
+
+
 async def detokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
-    body = await read_json(request)
-    tokens = body.get("tokens")
+    tokens = DETOKENIZE.read(await read_json(request))["tokens"]
     vocab = state.client.vocab_size
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in tokens
-    ):
-        raise bad_request("'tokens' must be an array of token ids", "tokens")
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"'tokens' contains ids outside [0, {vocab}): {bad[:5]}", "tokens")
     return web.json_response({"prompt": state.client.tokenizer.decode(tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    """The server's version (the installed package's), as vLLM's GET /version."""
+    return web.json_response({"version": server_version()})
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("prescient-runtime")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "0.0.0+unknown"

@@ -20,7 +20,12 @@ FAIRNESS = {
     "title": "Fairness",
     "machine": "Test CPU, 2 cores",
     "overload_vtc_metrics": [
-        {"t": t, "tenant_service_tokens_total[A]": 100.0 * t, "tenant_service_tokens_total[B]": 50.0 * t}
+        {
+            "t": t,
+            "tenant_service_tokens_total[A]": 1000 + 100.0 * t,
+            "tenant_service_tokens_total[B]": 50.0 * t,
+            "tenant_service_tokens_total[cap]": 700.0,  # served in an earlier phase only
+        }
         for t in range(0, 30, 5)
     ],
     "overload_fcfs_metrics": [
@@ -56,10 +61,14 @@ def test_serve_plot_shows_throughput_and_ttft_against_concurrency():
     assert drawn["Throughput|offline engine, 32 at once"][1] == [150.0, 150.0]
 
 
-def test_fairness_plot_shows_each_tenants_service_rate_per_policy():
+def test_fairness_plot_shows_each_tenants_service_since_the_phase_began_per_policy():
     drawn = lines(plots.fairness(FAIRNESS))
-    assert drawn["vtc: service per tenant|tenant A"] == ([5, 10, 15, 20, 25], [100.0] * 5)
-    assert drawn["fcfs: service per tenant|tenant B"][1] == pytest.approx([10.0] * 5)
+    vtc = "vtc, overload (A at 2x capacity, B at 0.5x)"
+    assert drawn[f"{vtc}|tenant A"] == ([0, 5, 10, 15, 20, 25], [0.0, 500.0, 1000.0, 1500.0, 2000.0, 2500.0])
+    assert drawn["fcfs, overload (A at 2x capacity, B at 0.5x)|tenant B"][1] == pytest.approx(
+        [0, 50, 100, 150, 200, 250]
+    )
+    assert f"{vtc}|tenant cap" not in drawn  # no service in this phase
 
 
 def test_loader_plot_sets_the_loader_against_torch_per_epoch():

@@ -64,41 +64,53 @@ def serve(result: dict) -> Figure | None:
     return fig
 
 
-def _service_rates(samples: list[dict], tenant: str) -> tuple[list[float], list[float]]:
-    """Tokens/s served to `tenant` between consecutive /metrics samples, at each interval's end."""
+PHASES = {"overload": "A at 2x capacity, B at 0.5x", "proportional": "three tenants at rates 1:2:6"}
+
+
+def _service_since_start(samples: list[dict], tenant: str) -> tuple[list[float], list[float]]:
+    """Tokens served to `tenant` since the phase began (the server's counter, which persists across
+    phases, minus its first sample), at each /metrics sample."""
     key = f"tenant_service_tokens_total[{tenant}]"
     points = [(s["t"], s[key]) for s in samples if key in s]
-    times, rates = [], []
-    for (t0, v0), (t1, v1) in zip(points, points[1:]):
-        if t1 > t0:
-            times.append(t1)
-            rates.append((v1 - v0) / (t1 - t0))
-    return times, rates
+    if not points:
+        return [], []
+    return [t for t, _ in points], [v - points[0][1] for _, v in points]
 
 
 def fairness(result: dict) -> Figure | None:
     runs = {
-        key[len("overload_") : -len("_metrics")]: value
-        for key, value in result.items()
-        if key.startswith("overload_") and key.endswith("_metrics") and value
+        (phase, policy): result[f"{phase}_{policy}_metrics"]
+        for phase in PHASES
+        for policy in ("vtc", "fcfs")
+        if result.get(f"{phase}_{policy}_metrics")
     }
     if not runs:
         return None
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), sharey=True, squeeze=False)
-    for ax, (policy, samples) in zip(axes[0], sorted(runs.items(), reverse=True)):
-        tenants = sorted(
-            {
-                k[k.index("[") + 1 : -1]
-                for s in samples
-                for k in s
-                if k.startswith("tenant_service_tokens_total[")
-            }
-        )
-        for tenant in tenants:
-            ax.plot(*_service_rates(samples, tenant), label=f"tenant {tenant}")
-        ax.set(title=f"{policy}: service per tenant", xlabel="seconds", ylabel="tokens/s served")
-        ax.grid(alpha=0.3)
-        ax.legend()
+    phases = [p for p in PHASES if any(phase == p for phase, _ in runs)]
+    fig, axes = plt.subplots(len(phases), 2, figsize=(10, 3.6 * len(phases)), squeeze=False)
+    for row, phase in enumerate(phases):
+        for col, policy in enumerate(("vtc", "fcfs")):
+            ax, samples = axes[row][col], runs.get((phase, policy), [])
+            tenants = sorted(
+                {
+                    k[k.index("[") + 1 : -1]
+                    for s in samples
+                    for k in s
+                    if k.startswith("tenant_service_tokens_total[")
+                }
+            )
+            for tenant in tenants:
+                times, served = _service_since_start(samples, tenant)
+                if served and served[-1] > 0:  # tenants of other phases keep a flat counter: not drawn
+                    ax.plot(times, served, label=f"tenant {tenant}")
+            ax.set(
+                title=f"{policy}, {phase} ({PHASES[phase]})",
+                xlabel="seconds into the phase",
+                ylabel="tokens served (cumulative)",
+            )
+            ax.grid(alpha=0.3)
+            if ax.get_lines():
+                ax.legend()
     _title(fig, result)
     fig.tight_layout()
     return fig

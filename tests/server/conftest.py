@@ -24,15 +24,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, dtype: str = "float32", kv_cache: str = "256MiB"):
+    def __init__(
+        self, *args: str, dtype: str = "float32", kv_cache: str = "256MiB", command: list[str] | None = None
+    ):
+        """command: what starts the server (default `python -m server`), before the flags."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"prescient-server-{self.port}.log")
         self.log = open(self.log_path, "w")
         cmd = [
-            sys.executable,
-            "-m",
-            "server",
+            *(command or [sys.executable, "-m", "server"]),
             "--port",
             str(self.port),
             "--dtype",

@@ -83,3 +83,17 @@ def test_bad_settings_name_the_field():
         EngineConfig().replace(max_num_seq=8)
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         CacheConfig(0)
+
+
+def test_api_key_repeats_and_sits_beside_the_keys_file(tmp_path):
+    from server.auth import Tenant, api_keys
+
+    args = parse_args(["--api-key", "k1", "--api-key", "k2"])
+    assert server_config(args).api_key == ["k1", "k2"]
+    path = tmp_path / "keys.json"
+    path.write_text('{"k2": {"tenant": "b"}, "k3": {"tenant": "c"}}')
+    keys = api_keys(str(path), ["k1", "k2"])
+    assert keys == {"k1": None, "k2": Tenant("b"), "k3": Tenant("c")}  # the file's k2 keeps its tenant
+    assert api_keys(None, []) is None
+    with pytest.raises(ValueError, match="--api-key"):
+        api_keys(None, [" "])

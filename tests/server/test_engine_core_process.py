@@ -1,4 +1,5 @@
-"""The engine core in its own process: a dead core is an error to every client, never a hang; no orphan cores.
+"""The engine core in its own process: it serves n, best_of, logprobs and echo as the engine thread does; a
+dead core is an error to every client, never a hang; no orphan cores.
 
 Everything is real: `python -m server` on loopback, its core process, signals.
 """
@@ -16,7 +17,9 @@ import time
 import urllib.error
 import urllib.request
 
-from tests.server.conftest import ROOT, running_server
+import openai
+
+from tests.server.conftest import MODEL, ROOT, running_server
 
 
 def _children(pid: int) -> list[int]:
@@ -62,6 +65,65 @@ def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def _same_logprobs(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None) and (x is None or abs(x - y) < 1e-4), (a, b)
+
+
+def test_n_best_of_logprobs_and_echo_match_the_engine_thread(server):
+    """The same requests to the engine-thread server (the session's) and through a core process: the
+    same choices, the same logprobs; the sequences' forks and logprobs cross the process boundary."""
+    with running_server("--engine-process") as core_server:
+        thread, core = (
+            openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            for s in (server, core_server)
+        )
+        asks = [
+            dict(prompt="My favourite fruit is", max_tokens=6, temperature=1.0, seed=7, n=3, logprobs=2),
+            dict(prompt="My favourite fruit is", max_tokens=5, temperature=1.0, seed=21, best_of=3),
+            dict(prompt="Paris is the capital of France.", max_tokens=0, echo=True, logprobs=1),
+        ]
+        for ask in asks:
+            want, got = (c.completions.create(model=MODEL, **ask) for c in (thread, core))
+            assert [(c.index, c.text, c.finish_reason) for c in got.choices] == [
+                (c.index, c.text, c.finish_reason) for c in want.choices
+            ], ask
+            assert got.usage == want.usage
+            for w, g in zip(want.choices, got.choices):
+                assert (w.logprobs is None) == (g.logprobs is None)
+                if w.logprobs is not None:
+                    assert (
+                        g.logprobs.tokens == w.logprobs.tokens
+                        and g.logprobs.text_offset == w.logprobs.text_offset
+                    )
+                    _same_logprobs(g.logprobs.token_logprobs, w.logprobs.token_logprobs)
+
+        def chat(client) -> tuple[list[str], list[list[float]]]:
+            stream = client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Name a fruit."}],
+                max_tokens=6,
+                temperature=1.0,
+                seed=3,
+                n=2,
+                logprobs=True,
+                top_logprobs=2,
+                stream=True,
+            )
+            texts, scores = ["", ""], [[], []]
+            for chunk in stream:
+                for c in chunk.choices:
+                    texts[c.index] += c.delta.content or ""
+                    scores[c.index] += [t.logprob for t in (c.logprobs.content if c.logprobs else [])]
+            return texts, scores
+
+        (want_texts, want_scores), (got_texts, got_scores) = chat(thread), chat(core)
+        assert got_texts == want_texts and all(got_texts)
+        for w, g in zip(want_scores, got_scores):
+            _same_logprobs(g, w)
 
 
 def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():

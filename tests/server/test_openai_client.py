@@ -167,6 +167,7 @@ def test_openapi_describes_every_route(server):
         "/v1/models/{model}",
         "/health",
         "/metrics",
+        "/version",
         "/tokenize",
         "/detokenize",
         "/openapi.json",

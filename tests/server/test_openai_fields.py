@@ -137,7 +137,7 @@ def test_logit_bias_and_min_tokens_over_http(client, offline_engine):
     [
         (dict(prompt="Hi", max_tokens=0), "max_tokens"),
         (dict(prompt="Hi", logprobs=21), "logprobs"),
-        (dict(prompt=["Hi", 3]), "prompt"),
+        (dict(prompt=["Hi", 3]), "prompt[1]"),
         (dict(prompt="Hi", logit_bias={"x": 1}), "logit_bias"),
         (dict(prompt="Hi", max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
     ],
