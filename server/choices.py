@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime import RequestOutput
+from runtime import OutputDelta, RequestOutput
 from server.errors import bad_request
 from server.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from server.protocol import GenerationRequest
@@ -18,18 +18,27 @@ from server.tool_calls import extract_tool_calls, parses_tool_calls
 
 @dataclass
 class Choice:
-    """One returned sequence: prompt i's sample j, and what has been streamed of it."""
+    """One returned sequence: prompt i's sample j, assembled from its deltas, and what has been streamed."""
 
     index: int
     prompt_ids: list[int]
     prompt_text: str
     out: RequestOutput | None = None
+    """None until its first delta arrives."""
     sent_text: int = 0
-    sent_tokens: int = 0
+    """Characters of out.text streamed, where tool calls hold text back (otherwise each delta goes out whole)."""
     sent_offset: int = 0
     """text_offset of the next streamed completion token."""
     started: bool = False
     echo_only: bool = False
+
+
+def assemble(choice: Choice, delta: OutputDelta) -> Choice:
+    """Add an engine delta of this choice's sequence to its output."""
+    if choice.out is None:
+        choice.out = RequestOutput(delta.request_id, choice.prompt_ids, index=delta.index)
+    choice.out.append(delta)
+    return choice
 
 
 def usage(choices: list[Choice], outs: list[RequestOutput]) -> dict:

@@ -20,7 +20,7 @@ from runtime import QueueFullError, RequestFailedError
 from scheduler import InvalidRequestError
 from server import sse
 from server.auth import Tenant, authenticate, check_key
-from server.choices import Choice, best, decode_prompt, final_choice, usage
+from server.choices import Choice, assemble, best, decode_prompt, final_choice, usage
 from server.engine_errors import engine_failure
 from server.errors import APIError, bad_request
 from server.protocol import GenerationRequest, parse_chat, parse_completion
@@ -136,14 +136,13 @@ async def _generate(
             for i, ids in enumerate(checked)
         ]
         async with aclosing(merge(sources)) as outputs:
-            async for i, out in outputs:
-                choice = choices[i, out.index]
-                choice.out = out
+            async for i, delta in outputs:
+                choice = assemble(choices[i, delta.index], delta)
                 if not req.stream:
                     continue
                 if stream is None:
                     stream = await sse.open_stream(request)
-                await send_delta(stream, state, req, chat, request_id, created, model, choice)
+                await send_delta(stream, state, req, chat, request_id, created, model, choice, delta)
     except QueueFullError as exc:
         state.metrics.count_rejected("queue_full")
         raise APIError(
@@ -161,8 +160,8 @@ async def _generate(
     except Exception as exc:
         if isinstance(exc, RequestFailedError):
             for (i, j), c in choices.items():  # book the failed sequence with what it produced
-                if exc.output.request_id == f"{request_id}-{i}" and exc.output.index == j:
-                    c.out = exc.output
+                if exc.delta.request_id == f"{request_id}-{i}" and exc.delta.index == j:
+                    assemble(c, exc.delta)
         error = engine_failure(exc, request_id)
         if stream is None:
             raise error from exc

@@ -1,9 +1,10 @@
-"""Streamed responses: each SSE chunk carries what is new in one choice since its last chunk."""
+"""Streamed responses: each SSE chunk carries what is new in one choice: the engine's delta."""
 
 from __future__ import annotations
 
+from runtime import OutputDelta
 from server import sse
-from server.choices import Choice, end_offset, generated
+from server.choices import Choice, end_offset
 from server.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from server.protocol import GenerationRequest
 from server.state import ServerState
@@ -19,8 +20,9 @@ async def send_delta(
     created: int,
     model: str,
     c: Choice,
+    d: OutputDelta,
 ) -> None:
-    """Stream what is new in c.out since the last chunk of this choice."""
+    """Stream the delta d of choice c (c.out already holds it)."""
     out = c.out
     tok = state.client.tokenizer
     if chat and not c.started:
@@ -28,11 +30,10 @@ async def send_delta(
             stream,
             chunk_body(request_id, created, model, c.index, {"role": "assistant", "content": ""}, None, chat),
         )
-    token_ids, text = generated(c, out)
-    delta, new_tokens = text[c.sent_text :], token_ids[c.sent_tokens :]
+    delta, new_tokens = ("", []) if c.echo_only else (d.new_text, d.new_token_ids)
     logprobs = None
     if req.logprobs_requested:
-        scores = out.logprobs[c.sent_tokens : len(token_ids)]
+        scores = (d.new_logprobs or [])[: len(new_tokens)]
         if chat:
             logprobs = chat_logprobs(tok, new_tokens, scores)
         else:
@@ -48,7 +49,10 @@ async def send_delta(
     if req.echo and not c.started:
         delta = c.prompt_text + delta
     finish = out.finish_reason if out.finished else None
-    if chat and parses_tool_calls(req.tools):  # text that may be a call is held until the sequence ends
+    tools = chat and parses_tool_calls(req.tools)
+    if tools:  # text that may be a call is held until the sequence ends: what is sent is counted in chars
+        text = out.text
+        delta = text[c.sent_text :]
         if not out.finished:
             delta = delta[: max(len(delta) - held_back(text), 0)]
             text = text[: c.sent_text + len(delta)]
@@ -70,7 +74,8 @@ async def send_delta(
         if finish and out.stop_reason is not None and not req.echo_only:
             chunk["choices"][0]["stop_reason"] = out.stop_reason
         await sse.send(stream, chunk)
-        c.sent_text, c.sent_tokens = len(text), len(token_ids)
+        if tools:
+            c.sent_text = len(text)
     c.started = True
 
 

@@ -6,11 +6,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from runtime import RequestOutput
+from runtime import OutputDelta
 
 
-async def merge(sources: list) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(source index, output) from several engine streams as they arrive; closing this closes them all
+async def merge(sources: list) -> AsyncIterator[tuple[int, OutputDelta]]:
+    """(source index, delta) from several engine streams as they arrive; closing this closes them all
     (which aborts their requests)."""
     if len(sources) == 1:
         async with aclosing(sources[0]) as only:
