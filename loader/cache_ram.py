@@ -8,6 +8,7 @@ Layout, all int64 unless noted:
   ready    [ring]        ready[g % ring] == g + 1: plan position g may be read
   done     [ring]        done[g % ring]  == g + 1: plan position g was read, its bytes may go
   snaps    [slots, B]    uint8: worker RNG states at batch boundaries (for exact resume)
+  fill_*   [rings, ...]  the workers' fill rings (fill_ring.py): bytes they read, for the cache
   data     [arena]       uint8: sample bytes (cached and staged)
 
 The segment is created with multiprocessing's SharedMemory, so the resource tracker
@@ -29,6 +30,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from loader.fill_ring import RECORDS, FillRings
 from loader.reclaim import reclaim_shared_memory
 from loader.rng_state import RNG_STATE_BYTES
 
@@ -80,6 +82,8 @@ class Layout:
     ring: int  # plan positions that may be in flight at once
     snap_slots: int  # RNG snapshot slots
     arena: int  # bytes for sample data
+    fill_rings: int = 0  # one per reading process (fill_ring.py); 0: workers do not fill the cache
+    fill_bytes: int = 0  # bytes of each fill ring
 
     def sections(self) -> dict[str, tuple[int, int]]:
         sizes = {
@@ -89,6 +93,9 @@ class Layout:
             "ready": self.ring * 8,
             "done": self.ring * 8,
             "snaps": self.snap_slots * SNAP_BYTES,
+            "fill_ctl": self.fill_rings * 4 * 8,
+            "fill_records": self.fill_rings * RECORDS * 4 * 8,
+            "fill_data": self.fill_rings * self.fill_bytes,
             "data": self.arena,
         }
         out, offset = {}, 0
@@ -165,6 +172,15 @@ class SharedState:
         self.ready = view("ready", np.int64, (lay.ring,))
         self.done = view("done", np.int64, (lay.ring,))
         self.snaps = view("snaps", np.uint8, (lay.snap_slots, SNAP_BYTES))
+        self.fills = None
+        if lay.fill_rings:
+            offset, size = sec["fill_data"]
+            self.fills = FillRings(
+                view("fill_ctl", np.int64, (lay.fill_rings, 4)),
+                view("fill_records", np.int64, (lay.fill_rings, RECORDS, 4)),
+                self._buffer[offset : offset + size],
+                lay.fill_bytes,
+            )
         offset, size = sec["data"]
         self.data = self._buffer[offset : offset + size]
         # Flat int64 memoryviews of the same bytes: scalar reads and writes on the workers'
@@ -221,7 +237,7 @@ class SharedState:
             self.header[MODE] = DIRECT
         for view in self.fast.values():
             view.release()
-        for name in ("header", "counters", "table", "ready", "done", "snaps", "data", "fast"):
+        for name in ("header", "counters", "table", "ready", "done", "snaps", "data", "fast", "fills"):
             setattr(self, name, None)
         self._buffer = None
         if self._owner:

@@ -6,11 +6,11 @@ Note [Loader protocol: main <-> workers <-> cache, shutdown and resume]
 
 Processes and what they share. The main process owns one shared-memory segment
 (cache_ram.py: header, per-process counters, the sample table, the ready/done rings, RNG
-snapshot slots, the data arena) and, with a cache, the prefetcher (prefetch.py: one
-coordinator thread and reader threads). torch's worker processes get the dataset view
-(view.py), which attaches to the segment by name. Nothing but plain ints and raw sample
-bytes crosses a process boundary outside torch's own queues; no pickle is read from shared
-memory, from a peer or from a checkpoint.
+snapshot slots, the workers' fill rings, the data arena) and, with a cache, the prefetcher
+(prefetch.py: one coordinator thread; reader threads only for what peers could not give).
+torch's worker processes get the dataset view (view.py), which attaches to the segment by
+name. Nothing but plain ints and raw sample bytes crosses a process boundary outside torch's
+own queues; no pickle is read from shared memory, from a peer or from a checkpoint.
 
       main process                                   worker w (torch's worker loop)
       ------------                                   ------------------------------
@@ -18,12 +18,15 @@ memory, from a peer or from a checkpoint.
       PlannedSampler: TicketBatch(indices, first position, batch #, flags)
              -- torch index queue -->                view.__getitems__(batch):
       prefetcher (cache configured):                   FIRST: RNG snapshot -> slot batch % ring
-        walks the plan in order, places each            planned position p:
-        sample (RAM / disk / staging), then              wait ready[p % ring] == p + 1
-        ready[p % ring] = p + 1  -------------------->   copy bytes (table: tier, offset, length)
-        done[p % ring] == p + 1  <--------------------   done[p % ring] = p + 1
-        -> release staging, evict (Belady)             not planned / no cache: read storage here
-                                                         (batch_reads.py), then decode in order
+        walks the plan in order: a held sample          planned position p:
+        is pinned; for one not held it decides           wait ready[p % ring] == p + 1
+        now whether the cache keeps it (Belady,          held: copy bytes (table: tier, offset, length)
+        room reserved), then                             not held: read storage with the batch
+        ready[p % ring] = p + 1  -------------------->     (batch_reads.py), bytes -> own fill ring
+        fill ring records (p, index, bytes) <---------     (fill_ring.py)
+          -> into the reserved room, table: RAM          done[p % ring] = p + 1
+        done[p % ring] == p + 1  <--------------------   not planned / no cache: read storage here
+        -> unpin, evict (Belady)                         then decode in the batch's order
              <-- torch result queue --                 LAST near the epoch's end: RNG snapshot
       __next__ times the wait (stall)                  -> slot ring + w (else at worker exit)
 
@@ -36,6 +39,10 @@ fails, and on close, so a worker never waits on a position that will not come.
 Peers (exchange.py): under torch.distributed, each window of plan positions is four gloo
 collectives on the loader's own group (needs, holders, sizes, payload); the payload is raw
 bytes in a uint8 tensor, and a dataset cached with cache_items (pickled items) is refused.
+Each sample has a home rank that keeps it for the others (peer_plan.py). A window that
+fails or outlasts peer_timeout makes the rank log who is at fault (heartbeats in the
+rendezvous store, peer_health.py) and read the rest of the epoch itself; the survivors
+regroup at the next epoch's start (peer_cluster.py).
 
 Shutdown. close(), garbage collection (weakref.finalize) and interpreter exit stop the
 prefetcher, set MODE = DIRECT, unlink the segment and remove the disk tier. If the main
@@ -210,12 +217,18 @@ class Clairvoyant:
         if placing:
             self._fit_shared_memory()
         arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
+        # Without peers the workers read what the node does not hold and fill the cache themselves
+        # (fill_ring.py); half of prefetch_bytes is their rings, the rest room for evicted bytes still in use.
+        fill_rings = self.num_workers + 1 if placing and self.cluster is None else 0
+        fill_bytes = opts.prefetch_bytes // 2 // fill_rings if fill_rings else 0
         layout = Layout(
             samples=len(dataset),
             rows=self.num_workers + 2,
             ring=RING,
             snap_slots=max(self.snap_ring, 1) + self.num_workers,
-            arena=arena,
+            arena=arena - fill_bytes * fill_rings,
+            fill_rings=fill_rings,
+            fill_bytes=fill_bytes,
         )
         self.resources.shared = SharedState(layout)
         if placing:

@@ -126,9 +126,9 @@ class DataLoader(tud.DataLoader[T_co]):
       cache_disk / cache_disk_bytes: a local directory and how many bytes it may hold.
       cache_items: the dataset has no read/decode but its items are deterministic: cache them.
       prefetch_bytes: with a cache, bytes read ahead of the workers and not cached (default 64 MiB).
-      prefetch_threads: concurrent storage reads (default 16): with a cache, the prefetcher's; without
-        one, shared out among the workers, each reading its batch with that many reads in flight when
-        storage is slow.
+      prefetch_threads: concurrent storage reads (default 16), shared out among the workers, each reading
+        its batch with that many reads in flight when storage is slow; with peer_exchange, also the
+        prefetcher's reads of what no peer holds.
       peer_exchange: under torch.distributed, take samples another rank holds from it (gloo)
         instead of storage; all ranks must build the loader together and iterate whole epochs.
       peer_window: samples per exchange window (default 128).

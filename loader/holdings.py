@@ -44,6 +44,9 @@ class Holdings:
         self.disk_pending: dict[int, int] = {}
         self.arena = Arena(shared.layout.arena)
         self.held: dict[int, _Held] = {}
+        self.reserved: dict[
+            int, tuple[int, int]
+        ] = {}  # index -> (offset, size): kept, bytes to come (a fill)
         self.staged_bytes = self.staged_peak = 0  # held bytes outside the RAM cache set
         self.home: np.ndarray | None = None  # bool per sample: kept by this rank for its peers
 
@@ -75,6 +78,9 @@ class Holdings:
     def use(self, index: int, upcoming: int) -> int:
         """Pin a held sample for one more use; returns the tier it is read from (or ABSENT)."""
         upcoming = self.placement_key(index, upcoming)
+        if index in self.reserved:  # kept when it was last used; a worker's bytes are still on their way
+            self.ram.touch(index, upcoming)
+            return ABSENT
         held = self.held.get(index)
         if held is not None:
             held.pending += 1
@@ -120,6 +126,69 @@ class Holdings:
             self._evict(victims)
         return RAM
 
+    def reserve(self, index: int, size: int, upcoming: int) -> bool:
+        """A planned use of a sample the node does not hold, read by a worker (fill_ring.py): decide
+        now, in plan order, whether the cache keeps it, and hold the room for its bytes. False when
+        the shared area has no room now (bytes of published uses still pin it)."""
+        offset = self.arena.alloc(size)
+        if offset is None:
+            return False
+        victims = self.ram.offer(index, size, self.placement_key(index, upcoming))
+        if victims is None:
+            self.arena.free(offset)
+            return True
+        self.reserved[index] = (offset, size)
+        self._evict(victims)
+        return True
+
+    def filled(self, index: int, raw: bytes, upcoming: int, decided: bool) -> int:
+        """A worker's bytes for a sample it read: into its reserved room; offered now only if no
+        decision was made when its use was published (`decided`: reserve() ran for it)."""
+        offset, size = self.reserved.pop(index, (None, 0))
+        if offset is None and decided:
+            return self._keep_on_disk(index, raw, upcoming)  # the RAM tier bypassed or already evicted it
+        if offset is not None:
+            if len(raw) == size and index in self.ram:
+                self.shared.write(offset, raw)
+                self.held[index] = _Held(offset, size, next_use=self.ram.kept[index][1])
+                self.shared.set_entry(index, RAM, offset, size)
+                return RAM
+            self.arena.free(offset)
+            if index in self.ram:
+                self.ram.remove(index)
+            return ABSENT
+        return self.keep(index, raw, upcoming)
+
+    def cancel_reservations(self) -> None:
+        """Bytes that never came (a full fill ring, an epoch left early): not kept after all."""
+        for index, (offset, _) in self.reserved.items():
+            self.arena.free(offset)
+            if index in self.ram:
+                self.ram.remove(index)
+        self.reserved.clear()
+
+    def keep(self, index: int, raw: bytes, upcoming: int) -> int:
+        """A sample a worker read and used (fill_ring.py): keep it if placement says so, in RAM or
+        else on disk. Nothing pins it. Returns the tier it is kept in, or ABSENT."""
+        upcoming = self.placement_key(index, upcoming)
+        offset = self.arena.alloc(len(raw))
+        victims = self.ram.offer(index, len(raw), upcoming) if offset is not None else None
+        if victims is not None:
+            self.shared.write(offset, raw)
+            self.held[index] = _Held(offset, len(raw), next_use=upcoming)
+            self.shared.set_entry(index, RAM, offset, len(raw))
+            self._evict(victims)
+            return RAM
+        if offset is not None:
+            self.arena.free(offset)
+        return self._keep_on_disk(index, raw, upcoming)
+
+    def _keep_on_disk(self, index: int, raw: bytes, upcoming: int) -> int:
+        if self._to_disk(index, raw, upcoming):
+            self.shared.set_entry(index, DISK, 0, len(raw))
+            return DISK
+        return ABSENT
+
     def release(self, index: int, tier: int) -> None:
         """A published use was consumed: unpin, and free what nothing keeps any more."""
         if tier == RAM:
@@ -160,6 +229,9 @@ class Holdings:
     # --- eviction ------------------------------------------------------------------------------
     def _evict(self, victims: list[int]) -> None:
         for victim in victims:
+            if victim in self.reserved:
+                self.arena.free(self.reserved.pop(victim)[0])
+                continue
             held = self.held[victim]
             self._add_staged(held.size)  # out of the cache set; its bytes stay while pinned
             if held.pending == 0:
@@ -168,7 +240,7 @@ class Holdings:
     def _evict_one(self) -> bool:
         """Room for a sample needed now: evict the farthest-used cached one that is not pinned."""
         for index, _ in sorted(self.ram.kept.items(), key=lambda kv: -kv[1][1]):
-            if self.held[index].pending == 0:
+            if index in self.held and self.held[index].pending == 0:
                 self.ram.remove(index)
                 self._add_staged(self.held[index].size)
                 self._drop(index)
@@ -179,21 +251,26 @@ class Holdings:
         """Free a sample's shared bytes; keep it on the disk tier if placement says so."""
         held = self.held.pop(index)
         self.staged_bytes -= held.size
-        tier = ABSENT
-        if self.disk_set is not None and self.disk.enabled:
-            victims = self.disk_set.offer(
-                index, held.size, held.next_use, can_evict=lambda victim: not self.disk_pending.get(victim)
-            )
-            if victims is not None:
-                for victim in victims:
-                    self.shared.set_entry(victim, ABSENT)
-                    self.disk.remove(victim)
-                if self.disk.write(index, self.shared.read(held.offset, held.size)):
-                    tier = DISK
-                else:
-                    self.disk_set.remove(index)
-        self.shared.set_entry(index, tier, 0, held.size if tier == DISK else 0)
+        kept = self._to_disk(index, self.shared.read(held.offset, held.size), held.next_use)
+        self.shared.set_entry(index, DISK if kept else ABSENT, 0, held.size if kept else 0)
         self.arena.free(held.offset)
+
+    def _to_disk(self, index: int, raw: bytes, upcoming: int) -> bool:
+        """Keep a sample on the disk tier if placement says so."""
+        if self.disk_set is None or not self.disk.enabled:
+            return False
+        victims = self.disk_set.offer(
+            index, len(raw), upcoming, can_evict=lambda victim: not self.disk_pending.get(victim)
+        )
+        if victims is None:
+            return False
+        for victim in victims:
+            self.shared.set_entry(victim, ABSENT)
+            self.disk.remove(victim)
+        if self.disk.write(index, raw):
+            return True
+        self.disk_set.remove(index)
+        return False
 
     def _add_staged(self, nbytes: int) -> None:
         self.staged_bytes += nbytes

@@ -56,6 +56,7 @@ class Prefetcher:
         self.longest: int | None = None  # the longest stream of any rank this epoch, if not this one's
         self.peers_lost: str | None = None  # why this rank left the peer exchange, if it did
         self.lost: PeerFailure | None = None  # a loss the survivors have not regrouped after yet
+        self.peer_failures = 0  # times this rank left the exchange
         self._asked: list[int] = []
         self.staging = staging
         self.holdings = Holdings(shared, cache_ram, disk)
@@ -76,9 +77,13 @@ class Prefetcher:
         self.wakeup = threading.Event()
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.delivered: queue.SimpleQueue = queue.SimpleQueue()
+        # With fill rings the workers read what the node does not hold (fill_ring.py); reader threads
+        # here serve only what peers could not provide.
+        self.fills = shared.fills
+        self.decided: set[int] = set()  # indices whose placement reserve() decided, bytes to come
         self.readers = [
             threading.Thread(target=self._read_loop, name=f"prescient-reader-{n}", daemon=True)
-            for n in range(threads)
+            for n in range(threads if self.fills is None else 0)
         ]
         self.coordinator = threading.Thread(target=self._run, name="prescient-prefetch", daemon=True)
         for thread in self.readers + [self.coordinator]:
@@ -99,6 +104,9 @@ class Prefetcher:
         the longest stream any rank has this epoch, when they differ (an elastic resume): every
         rank takes part in as many exchange windows as that one needs."""
         with self.lock:
+            self._take_fills()  # the last epoch's reads, placed by its own plan before the renumbering
+            self.holdings.cancel_reservations()
+            self.decided.clear()
             self.longest = longest
             self.holdings.home = home
             if self.peers is not None:
@@ -158,6 +166,7 @@ class Prefetcher:
                     if self.closed:
                         return
                     progressed = self._collect()
+                    progressed = self._take_fills() or progressed
                     progressed = self._consume() or progressed
                     progressed = self._finalize() or progressed
                     progressed = self._exchange() or progressed
@@ -183,7 +192,7 @@ class Prefetcher:
             end = min(end, self.windows_started * self.peers.window)
         while self.sched < end and self.sched - self.consumed < ring:
             index = int(self.stream[self.sched])
-            if not (index in self.inflight or self.holdings.has(index)):
+            if self.fills is None and not (index in self.inflight or self.holdings.has(index)):
                 estimate = self.source.nbytes(index) or self._average()
                 outstanding = self.holdings.staged_bytes + self.inflight_bytes
                 if outstanding > 0 and outstanding + estimate > self.staging:
@@ -199,7 +208,13 @@ class Prefetcher:
             position = self.done
             index, upcoming = int(self.stream[position]), int(self.upcoming[position])
             tier = self.holdings.use(index, upcoming)
-            if tier == ABSENT:
+            if tier == ABSENT and self.fills is not None and index not in self.holdings.reserved:
+                # Decided now, in plan order; unknown size or no room now: placed when the bytes come.
+                # Never waits for consumption: a worker holds its batch's fills until all are read.
+                size = self.source.nbytes(index)
+                if size is not None and self.holdings.reserve(index, size, upcoming):
+                    self.decided.add(index)
+            if tier == ABSENT and self.fills is None:
                 if index not in self.results:
                     if index not in self.inflight:  # held earlier in the window, since freed: read again
                         self._request(index, self.source.nbytes(index) or self._average())
@@ -245,6 +260,7 @@ class Prefetcher:
         """Leave the exchange for good: what was asked of the peers, and all later reads, go to
         storage (or this rank's own cache)."""
         self.peers, self.peers_lost, self.lost = None, str(failure), failure
+        self.peer_failures += 1
         self.holdings.home = None  # nobody will ask for them: cache for this rank alone again
         log.warning(
             "prescient loader, rank %d: peer exchange failed, %s; reading from storage instead "
@@ -308,6 +324,19 @@ class Prefetcher:
                 raw = error
             self.delivered.put((index, raw))
             self.wakeup.set()
+
+    def _take_fills(self) -> bool:
+        """Offer the samples workers read this epoch to the cache (coordinator, lock held)."""
+        if self.fills is None:
+            return False
+        taken = self.fills.take()
+        for pos, index, raw in sorted(taken):
+            position = pos - self.base
+            if 0 <= position < len(self.stream) and not self.holdings.has(index):
+                decided = index in self.decided  # reserve() ran when its use was published
+                self.decided.discard(index)
+                self.holdings.filled(index, raw, int(self.upcoming[position]), decided)
+        return bool(taken)
 
     def _collect(self) -> bool:
         """Take the readers' results (coordinator thread, lock held)."""

@@ -21,7 +21,7 @@ from torch.utils.data import DistributedSampler
 from loader.plan import sampler_generator, uses_global_rng
 from loader.rng_state import check_rng
 
-FORMAT = "prescient.loader/2"
+FORMAT = "prescient.loader/3"
 
 
 @dataclass
@@ -84,10 +84,23 @@ def restore(
 
 
 def to_dict(
-    point: ResumePoint | None, generators_now: EpochStart, dataset_len: int, num_workers: int
+    point: ResumePoint | None,
+    generators_now: EpochStart,
+    dataset_len: int,
+    num_workers: int,
 ) -> dict:
-    """A plain dict of strings, ints, None and uint8 tensors: loads with torch.load(weights_only=True)
-    and resumes without unpickling anything (the format is documented in the README)."""
+    """A plain dict of strings, ints, bools, None and uint8 tensors: loads with
+    torch.load(weights_only=True) and resumes without unpickling anything.
+
+    The keys torchdata's StatefulDataLoader also has keep its names and shapes: `_num_yielded`
+    and `_iterator_finished` at the top (its single-process state), `_snapshot` with
+    `_snapshot_step`, `_main_snapshot._num_workers`, `_main_snapshot._sampler_iter_yielded` and
+    `_worker_snapshots["worker_<id>"]["worker_id"]`, plus `_steps_since_snapshot` (its
+    multi-process state; our snapshot is always taken at the step the state describes, so that
+    is 0, and the sampler is replayed to exactly the batches yielded). What torchdata keeps as
+    pickled sampler/dataset state is here RNG states: the epoch's start (`epoch_start`), the
+    generators now (`generators_now`) and each worker's (`_worker_snapshots[...]["rng_state"]`).
+    The README documents the format."""
 
     def states(start: EpochStart) -> dict:
         return {
@@ -97,13 +110,23 @@ def to_dict(
             "sampler_epoch": start.sampler_epoch,
         }
 
+    done = point.batches_done if point else 0
+    workers = {
+        f"worker_{worker}": {"worker_id": worker, "rng_state": rng}
+        for worker, rng in (point.worker_rng.items() if point else ())
+    }
     return {
         "format": FORMAT,
         "dataset_len": dataset_len,
-        "num_workers": num_workers,
+        "_num_yielded": done,
+        "_iterator_finished": point is None,
+        "_snapshot": {
+            "_snapshot_step": done,
+            "_main_snapshot": {"_num_workers": num_workers, "_sampler_iter_yielded": done},
+            "_worker_snapshots": workers,
+        },
+        "_steps_since_snapshot": 0,
         "epoch_start": states(point.start) if point else None,
-        "batches_done": point.batches_done if point else 0,
-        "worker_rng": dict(point.worker_rng) if point else {},
         "generators_now": states(generators_now),
     }
 
@@ -137,6 +160,27 @@ def _states(value, key: str) -> EpochStart:
     return EpochStart(**value)
 
 
+def _worker_snapshots(snapshot) -> tuple[int, dict[int, torch.Tensor]]:
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("_main_snapshot"), dict):
+        raise ValueError(
+            "load_state_dict: _snapshot must be a dict with _main_snapshot and _worker_snapshots"
+        )
+    num_workers = _int(snapshot["_main_snapshot"], "_num_workers")
+    workers = snapshot.get("_worker_snapshots")
+    if not isinstance(workers, dict):
+        raise ValueError('load_state_dict: _snapshot._worker_snapshots must be a dict {"worker_<id>": {...}}')
+    rngs = {}
+    for key, value in workers.items():
+        worker = value.get("worker_id") if isinstance(value, dict) else None
+        if type(worker) is not int or key != f"worker_{worker}" or "rng_state" not in value:
+            raise ValueError(
+                f"load_state_dict: _snapshot._worker_snapshots[{key!r}] must be "
+                '{"worker_id": <id>, "rng_state": <uint8 tensor>} under the key "worker_<id>"'
+            )
+        rngs[worker] = check_rng(value["rng_state"], f"worker_rng[{worker}]")
+    return num_workers, rngs
+
+
 def from_dict(state: dict, dataset_len: int, num_workers: int) -> tuple[ResumePoint | None, EpochStart]:
     """Check every field's type before anything is used: a checkpoint is data, never code."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -149,15 +193,12 @@ def from_dict(state: dict, dataset_len: int, num_workers: int) -> tuple[ResumePo
             f"load_state_dict: the checkpoint's dataset had {state['dataset_len']} samples, "
             f"this one has {dataset_len}; resume with the same dataset"
         )
-    worker_rng = state.get("worker_rng")
-    if not isinstance(worker_rng, dict) or not all(type(k) is int for k in worker_rng):
-        raise ValueError("load_state_dict: worker_rng must be a dict from worker id (int) to a uint8 tensor")
-    worker_rng = {worker: check_rng(rng, f"worker_rng[{worker}]") for worker, rng in worker_rng.items()}
-    if worker_rng and _int(state, "num_workers") != num_workers:
+    saved_workers, worker_rng = _worker_snapshots(state.get("_snapshot"))
+    if worker_rng and saved_workers != num_workers:
         # Every remaining sample still comes exactly once, in the same batches; only the workers' random
         # augmentation differs, as it does whenever torch's num_workers changes.
         warnings.warn(
-            f"load_state_dict: the checkpoint used num_workers={state['num_workers']}, this loader "
+            f"load_state_dict: the checkpoint used num_workers={saved_workers}, this loader "
             f"has {num_workers}: the rest of the epoch has the same samples and batches, but the "
             "workers' random augmentation follows new RNG streams",
             RuntimeWarning,
@@ -168,4 +209,4 @@ def from_dict(state: dict, dataset_len: int, num_workers: int) -> tuple[ResumePo
     if state.get("epoch_start") is None:
         return None, now
     start = _states(state["epoch_start"], "epoch_start")
-    return ResumePoint(start, _int(state, "batches_done"), worker_rng), now
+    return ResumePoint(start, _int(state, "_num_yielded"), worker_rng), now

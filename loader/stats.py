@@ -45,6 +45,7 @@ def collect_stats(engine) -> dict:
     out["worker_wait_seconds"] = float(totals[WAIT_NS]) / 1e9 if totals is not None else 0.0
     out["batches"] = engine.batches
     out["epochs"] = engine.epochs_begun
+    out["peer_failures"] = engine.prefetcher.peer_failures if engine.prefetcher is not None else 0
     usage = engine.prefetcher.usage() if engine.prefetcher is not None else {}
     for key in (
         "cache_ram_bytes",
@@ -58,7 +59,8 @@ def collect_stats(engine) -> dict:
     ):
         out[key] = usage.get(key, 0)
     out["disk_tier_enabled"] = usage.get("disk_tier_enabled", False)
-    out["shared_memory_bytes"] = shared.layout.arena if shared is not None else 0
+    lay = shared.layout if shared is not None else None
+    out["shared_memory_bytes"] = lay.arena + lay.fill_rings * lay.fill_bytes if lay is not None else 0
     return out
 
 
@@ -83,6 +85,11 @@ class _Collector:
         )
         families["batches"] = CounterMetricFamily(
             PREFIX + "batches", "Batches delivered to the training loop.", labels=["loader"]
+        )
+        families["peer_failures"] = CounterMetricFamily(
+            PREFIX + "peer_failures",
+            "Times this rank left the peer exchange (a rank died, stopped or fell behind).",
+            labels=["loader"],
         )
         families["epochs"] = CounterMetricFamily(
             PREFIX + "epochs", "Epochs begun (per-epoch rates divide by its increase).", labels=["loader"]

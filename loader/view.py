@@ -24,6 +24,7 @@ from loader.cache_ram import (
     COUNTERS,
     DIRECT_READS,
     DISK,
+    FAILED,
     GEN_BASE,
     LENGTH,
     MODE,
@@ -43,6 +44,7 @@ from loader.source import ByteSource
 # Ticket.edge bits: first / last of its batch; covered by the plan; among the epoch's last num_workers batches
 FIRST, LAST, PLANNED_READ, NEAR_END = 1, 2, 4, 8
 POLL_SECONDS = 0.0002  # how often a worker looks for a position it waits on
+FILL_WAIT_SECONDS = 0.2  # how long a worker waits for room in its fill ring before it skips the fill
 PARENT_CHECK_SECONDS = 0.5  # after this long waiting, a worker also checks that the main process lives
 
 
@@ -131,13 +133,22 @@ class CachedView(Dataset):
             return [self[k] for k in keys]
         row, worker = self._row()
         self._batch_start(keys[0], worker)
-        direct = [k.index for k in keys if not k.edge & PLANNED_READ]
-        fetched = iter(self.reader.read_all(self.source.read, direct))
-        raws = [self._planned_raw(k, row) if k.edge & PLANNED_READ else next(fetched) for k in keys]
-        if direct:
-            self._count_direct(
-                row, len(direct), sum(len(raws[j]) for j, k in enumerate(keys) if not k.edge & PLANNED_READ)
-            )
+        raws = [self._planned_raw(k, row, defer=True) if k.edge & PLANNED_READ else None for k in keys]
+        unread = [j for j, raw in enumerate(raws) if raw is None]  # not held, or not planned
+        fills = [j for j in unread if keys[j].edge & PLANNED_READ]
+        try:
+            for j, raw in zip(
+                unread, self.reader.read_all(self.source.read, [keys[j].index for j in unread])
+            ):
+                raws[j] = raw
+            for j in fills:
+                self._fill(keys[j], row, raws[j])
+        finally:
+            done = self.shared.fast["done"]
+            for j in fills:  # after the fill: the coordinator finds the bytes when it sees the use
+                done[keys[j].pos % len(done)] = keys[j].pos + 1
+        if unread:
+            self._count_direct(row, len(unread), sum(len(raws[j]) for j in unread), len(unread) - len(fills))
         samples = [self.source.decode(raw, k.index) for raw, k in zip(raws, keys)]
         self.shared.fast["counters"][row * COUNTERS + SAMPLES] += len(keys)
         self._batch_end(keys[-1], worker)
@@ -192,7 +203,10 @@ class CachedView(Dataset):
         info = get_worker_info()
         return (1, None) if info is None else (2 + info.id, info.id)
 
-    def _planned_raw(self, ticket: Ticket, row: int) -> bytes:
+    def _planned_raw(self, ticket: Ticket, row: int, defer: bool = False) -> bytes | None:
+        """The planned sample's bytes from the cache; one the node does not hold is read from storage
+        here and handed to the cache (fill_ring.py), or with `defer` left to the caller: None, and the
+        caller marks the position done after the fill."""
         shared = self.shared
         fast = shared.fast
         header, ready = fast["header"], fast["ready"]
@@ -214,6 +228,7 @@ class CachedView(Dataset):
             time.sleep(POLL_SECONDS)
         if waited is not None:
             fast["counters"][row * COUNTERS + WAIT_NS] += int((time.perf_counter() - waited) * 1e9)
+        deferred = False
         try:
             table, base = fast["table"], ticket.index * 4
             tier, offset, length = table[base + TIER], table[base + OFFSET], table[base + LENGTH]
@@ -224,20 +239,49 @@ class CachedView(Dataset):
                 raw = read_file(f"{self.disk_dir}/{ticket.index}", length)
             if raw is not None and header[GEN_BASE] > ticket.pos:
                 raw = None  # released while we copied: do not trust it
+            elif raw is None and shared.fills is not None and tier != FAILED:
+                if defer:
+                    deferred = True
+                    return None
+                raw = self._read_fill(ticket, row)
             return raw if raw is not None else self._direct(ticket.index, row)
         finally:
-            fast["done"][slot] = ticket.pos + 1
+            if not deferred:
+                fast["done"][slot] = ticket.pos + 1
+
+    def _read_fill(self, ticket: Ticket, row: int) -> bytes:
+        raw = self.source.read(ticket.index)
+        self._count_direct(row, 1, len(raw), 0)
+        self._fill(ticket, row, raw)
+        return raw
+
+    def _fill(self, ticket: Ticket, row: int, raw: bytes) -> None:
+        """Hand a planned sample read from storage to the cache, unless the plan moved on meanwhile."""
+        fills, header = self.shared.fills, self.shared.fast["header"]
+        if len(raw) > fills.ring_bytes:
+            return
+        deadline = None
+        while header[MODE] == PLANNED and header[GEN_BASE] <= ticket.pos:
+            if fills.put(row - 1, ticket.pos, ticket.index, raw):
+                return
+            now = time.perf_counter()  # the ring is full: the coordinator takes it every millisecond or so
+            if deadline is None:
+                deadline = now + FILL_WAIT_SECONDS
+            elif now > deadline:
+                return  # not cached this time
+            time.sleep(POLL_SECONDS)
 
     def _direct(self, index: int, row: int) -> bytes:
         raw = self.source.read(index)
         self._count_direct(row, 1, len(raw))
         return raw
 
-    def _count_direct(self, row: int, reads: int, nbytes: int) -> None:
+    def _count_direct(self, row: int, reads: int, nbytes: int, direct: int | None = None) -> None:
+        """Storage reads made here; `direct` of them (default all) outside the plan."""
         counters, base = self.shared.fast["counters"], row * COUNTERS
         counters[base + STORAGE_READS] += reads
         counters[base + STORAGE_BYTES] += nbytes
-        counters[base + DIRECT_READS] += reads
+        counters[base + DIRECT_READS] += reads if direct is None else direct
 
 
 class CachedItemsView(CachedView):

@@ -1,18 +1,13 @@
 """Prescient's model runtime: a Llama-family model on a paged KV cache with continuous batching."""
 
-from runtime.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    QueueFullError,
-    RequestAbortedError,
-    RequestFailedError,
-)
+from runtime.async_engine import AsyncEngine
 from runtime.config import CacheConfig, EngineConfig, ModelSettings, ParallelConfig
 from runtime.engine import Engine
 from runtime.engine_client import EngineClient
 from runtime.engine_core_client import EngineCoreClient
-from runtime.outputs import RequestOutput
-from scheduler import SamplingParams
+from runtime.errors import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError
+from runtime.outputs import OutputDelta, RequestOutput
+from scheduler import SamplingParams, StructuredOutput
 
 __all__ = [
     "AsyncEngine",
@@ -23,10 +18,12 @@ __all__ = [
     "EngineCoreClient",
     "EngineDeadError",
     "ModelSettings",
+    "OutputDelta",
     "ParallelConfig",
     "QueueFullError",
     "RequestAbortedError",
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
 ]

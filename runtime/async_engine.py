@@ -20,7 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from runtime.engine import Engine
-from runtime.outputs import RequestOutput
+from runtime.errors import EngineDeadError, QueueFullError, RequestAbortedError
+from runtime.output_stream import OutputStream
+from runtime.outputs import OutputDelta
 from runtime.tokenizer import Tokenizer
 from scheduler import InvalidRequestError, SamplingParams
 
@@ -36,8 +38,8 @@ log = logging.getLogger("prescient.engine")
 # Everything they share is guarded by one threading.Lock, `_lock`, held only for list and dict
 # operations, never while the model runs:
 #
-#   _sinks   {request_id: _Sink}  where a request's outputs go (one slot: the latest); present
-#            exactly while the request is in flight (num_in_flight = len(_sinks))
+#   _sinks   {request_id: OutputStream}  where a request's deltas go (runtime/output_stream.py);
+#            present exactly while the request is in flight (num_in_flight = len(_sinks))
 #   _adds    admitted requests (_Add) not yet given to the Engine
 #   _aborts  request ids to remove from the Engine
 #   _stats   the scheduler's stats as of the last step
@@ -50,41 +52,40 @@ log = logging.getLogger("prescient.engine")
 #   lock: error? -> EngineDeadError                   lock: swap out _adds and _aborts
 #         too many waiting? -> QueueFullError         engine.enqueue(each add)      <- adds first,
 #         register sink, append _Add, notify ------>  engine.abort_request(each)    <- then aborts
-#                                                     outputs = engine.step()        (no lock held)
+#                                                     deltas = engine.step()         (no lock held)
 #                                                     lock: _stats = engine.stats()
-#   sink.pending <---- lock: sink.put(item) --------  for each output: lock: look up its sink
-#     output -> yield it                                (pop it if the output is final), then
-#     final output -> return                            hand the item to the sink's loop
-#     an exception item -> raise it
+#   sink.deltas() <------ sink.put(delta) ----------  for each delta: lock: look up its sink, put
+#     yield what came since the last read,              (pop the sink if the delta ends the request)
+#       coalesced; the request's last one -> return
+#     a failed delta or sink.fail(exc) -> raise
 #   leaving early (break, cancel, the client
 #     went away) -> abort(): lock: pop the sink,
 #     append to _aborts, notify ------------------->  (removed at the next iteration)
 #
 # Why it holds:
-# * A sink holds only the latest item (each output holds everything before it), replaced under the
-#   lock; the engine thread wakes the consumer with call_soon_threadsafe(event.set) on its loop, so
-#   the asyncio.Event is only touched there. A slow reader gets outputs coalesced; the final one
-#   (or an exception) is always the last it sees, since nothing is put after it.
+# * A step hands over only what is new (OutputDelta), so its cost does not grow with the outputs'
+#   lengths. A sink keeps the deltas its reader has not taken and gives them out coalesced, so a
+#   slow reader loses and repeats nothing; the final delta (or an exception) is the last it sees,
+#   since nothing is put after it. The engine thread wakes the reader with call_soon_threadsafe, so
+#   the asyncio.Event is only touched on the loop.
 # * Adds are applied before aborts, so a request added and abandoned within one iteration is
 #   added, then aborted (its blocks freed), never left running with no one to read it.
-# * A sink is removed in exactly one place per request: on its final output (_deliver) or by
-#   abort(). After that nothing is delivered to it, and a late abort() is a no-op.
+# * A sink is removed in exactly one place per request: with the delta that ends it (_deliver),
+#   by abort() or abort_all(), or by the death sweep. After that nothing is delivered to it, and a
+#   late abort() is a no-op.
 # * Admission (tokenizing, the admission rule) runs on the caller's side, so a bad request fails
 #   in its handler without waiting for a step; what is queued can only fail for an engine-internal
-#   reason, which comes back as an exception item (RequestFailedError for one request).
+#   reason, which comes back as a delta with `error` (RequestFailedError for one request).
 # * Death: if the engine thread's loop raises, it sets `error`, takes every sink and clears _adds
-#   under the lock, then hands each sink EngineDeadError. generate() registers under the same lock
-#   after checking `error`, so a request either was registered before (and is answered by the
+#   under the lock, then fails each sink with EngineDeadError. generate() registers under the same
+#   lock after checking `error`, so a request either was registered before (and is answered by the
 #   sweep) or sees `error` and raises: none waits forever.
 # * Shutdown: shutdown() sets _stopping and notifies; the thread returns at its next check (after
 #   the step in progress) and the loop awaits the join in an executor. The server drains first
 #   (server/cli.py), so normally nothing is in flight by then.
-# An engine core in its own process would keep this shape: the sinks stay here, adds and aborts
-# become messages to it, and a task on the loop reads its outputs and does what _deliver does.
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than the server admits; retry later."""
+# The engine core in its own process (runtime/engine_core_client.py) keeps this shape: the sinks
+# stay in the server's process, adds and aborts are messages to the core, and the loop reads its
+# deltas and puts them as _deliver does.
 
 
 def check_queue_room(in_flight: int, stats: dict, max_num_seqs: int, max_waiting: int | None) -> None:
@@ -95,47 +96,6 @@ def check_queue_room(in_flight: int, stats: dict, max_num_seqs: int, max_waiting
     waiting = in_flight - running
     if max_waiting is not None and waiting >= max_waiting:
         raise QueueFullError(f"{waiting} requests are already waiting (limit {max_waiting})")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an internal error; nothing more will be served."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The server aborted this request (abort_all: shutdown after the drain timeout)."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request failed inside the engine (its step raised); the engine keeps serving the others.
-
-    `output` is the request's final output (what it had produced), `cause` says what failed."""
-
-    def __init__(self, output: RequestOutput):
-        super().__init__(f"request {output.request_id} failed: {output.error}")
-        self.output = output
-        self.cause = output.error
-
-
-class _Sink:
-    """Where the engine thread leaves one request's outputs for its consumer.
-
-    Only the latest output waits: each one holds everything before it (all tokens, all text), so a reader
-    slower than the engine gets the outputs coalesced, and a stalled one costs one output's memory, not
-    one per step. put() runs under the engine's lock; the event is only touched on the consumer's loop."""
-
-    __slots__ = ("loop", "event", "pending")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.event = asyncio.Event()
-        self.pending: dict = {}
-        """The latest output of each of the request's n sequences (by index); an exception under -1."""
-
-    def put(self, item) -> None:
-        was_empty = not self.pending
-        self.pending[item.index if isinstance(item, RequestOutput) else -1] = item
-        if was_empty:
-            self.loop.call_soon_threadsafe(self.event.set)
 
 
 @dataclass
@@ -163,10 +123,8 @@ class AsyncEngine:
         self._wake = threading.Condition(self._lock)
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, OutputStream] = {}
         self._stats: dict = engine.stats()
-        self._unfinished: dict[str, int] = {}
-        """Engine thread only: request id -> how many of its n sequences have not finished."""
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -222,23 +180,23 @@ class AsyncEngine:
         priority: int = 0,
         clamp_max_tokens: bool = False,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield snapshots of the request's output as tokens arrive; the last one has finished=True.
+    ) -> AsyncIterator[OutputDelta]:
+        """Yield what is new in the request's output as tokens arrive; the last delta has finished=True.
 
         The request is admitted here, before anything is queued: InvalidRequestError (naming the
         field) if it can never run, QueueFullError if too many wait. params.max_tokens None asks
         for all the room there is; clamp_max_tokens: max_tokens is a default, lowered to what fits;
         cache_salt: the prefix-cache namespace (default: the tenant's own). With params.n > 1 the
-        snapshots of its n sequences interleave (RequestOutput.index tells which), and the stream
-        ends when all n have finished."""
+        deltas of its n sequences interleave (OutputDelta.index tells which), and the stream
+        ends when all n have finished. A reader slower than the engine gets several steps in one delta."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        sink = _Sink(loop)
         arrival = time.monotonic()
         ids, params = self.engine.admit(prompt, params, clamp_max_tokens=clamp_max_tokens)
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
+        sink = OutputStream(loop, params.n)
         with self._lock:
             if self.error is not None:  # it died since the check above: never queue into a dead engine
                 raise EngineDeadError("the engine stopped after an internal error")
@@ -249,30 +207,12 @@ class AsyncEngine:
             self._adds.append(_Add(request_id, ids, params, tenant, weight, priority, arrival, cache_salt))
             self._wake.notify()
         finished = False
-        remaining = params.n  # sequences still running; the last one to finish ends the stream
         try:
-            while True:
-                with self._lock:
-                    items, sink.pending = sink.pending, {}
-                    if not items:
-                        sink.event.clear()
-                if not items:
-                    await sink.event.wait()
-                    continue
-                if -1 in items:
-                    finished = True
-                    raise items[-1]
-                for item in items.values():
-                    if item.error is not None:
-                        finished = True
-                        raise RequestFailedError(item)
-                    remaining -= item.finished
-                    finished = remaining == 0
-                    yield item
-                    if finished:
-                        return
+            async for delta in sink.deltas(params.n):
+                yield delta
+            finished = True
         finally:
-            if not finished:
+            if not finished:  # the reader left early (or the request failed: then this is a no-op)
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -288,8 +228,8 @@ class AsyncEngine:
             sinks, self._sinks = self._sinks, {}
             self._aborts.extend(sinks)
             self._wake.notify()
-            for sink in sinks.values():
-                sink.put(RequestAbortedError(reason))
+        for sink in sinks.values():
+            sink.fail(RequestAbortedError(reason))
         return len(sinks)
 
     async def shutdown(self) -> None:
@@ -317,7 +257,6 @@ class AsyncEngine:
                     aborts, self._aborts = self._aborts, []
                 # Adds first: a request added and abandoned during the same step must be added, then aborted.
                 for add in adds:
-                    self._unfinished[add.request_id] = add.params.n
                     try:
                         engine.enqueue(
                             add.request_id,
@@ -330,55 +269,45 @@ class AsyncEngine:
                             cache_salt=add.cache_salt,
                         )
                     except ValueError as exc:
-                        self._unfinished.pop(add.request_id, None)
-                        self._deliver(add.request_id, exc, final=True)
+                        self._fail_one(add.request_id, exc)
                     except Exception as exc:  # a bug adding this one request: fail it, not the engine
                         log.exception("adding request %s failed", add.request_id)
                         engine.abort_request(add.request_id)
-                        self._unfinished.pop(add.request_id, None)
                         self._deliver(
-                            add.request_id,
-                            RequestFailedError(
-                                RequestOutput(
-                                    add.request_id,
-                                    list(add.prompt_ids),
-                                    [],
-                                    "",
-                                    True,
-                                    "abort",
-                                    arrival_time=add.arrival_time,
-                                    error=f"{type(exc).__name__} while adding the request",
-                                )
-                            ),
-                            final=True,
+                            OutputDelta(
+                                add.request_id,
+                                finished=True,
+                                finish_reason="abort",
+                                arrival_time=add.arrival_time,
+                                error=f"{type(exc).__name__} while adding the request",
+                            )
                         )
                 for request_id in aborts:
                     engine.abort_request(request_id)
-                    self._unfinished.pop(request_id, None)
                 outputs = engine.step() if engine.has_unfinished_requests() else []
                 stats = engine.stats()
                 with self._lock:
                     self._stats = stats
-                for out in outputs:
-                    final = out.error is not None  # a failed request ends at once, all its sequences with it
-                    if out.finished and not final:  # the last of a request's n sequences ends its stream
-                        left = self._unfinished.get(out.request_id, 1) - 1
-                        self._unfinished[out.request_id] = left
-                        final = left <= 0
-                    if final:
-                        self._unfinished.pop(out.request_id, None)
-                    self._deliver(out.request_id, out, final=final)
+                for delta in outputs:
+                    self._deliver(delta)
         except BaseException as exc:  # keep serving errors visible instead of hanging clients
             log.exception("engine thread failed")
             with self._lock:  # with the error set under the lock, no request can slip in after the sweep
                 self.error = exc
                 sinks, self._sinks = self._sinks, {}
                 self._adds.clear()
-                for sink in sinks.values():
-                    sink.put(EngineDeadError("the engine failed"))
+            for sink in sinks.values():
+                sink.fail(EngineDeadError("the engine failed"))
 
-    def _deliver(self, request_id: str, item, final: bool) -> None:
+    def _deliver(self, delta: OutputDelta) -> None:
+        """Hand a delta to its request's stream; the one that ends the request removes the stream."""
         with self._lock:
-            sink = self._sinks.pop(request_id, None) if final else self._sinks.get(request_id)
-            if sink is not None:
-                sink.put(item)
+            sink = self._sinks.get(delta.request_id)
+            if sink is not None and sink.put(delta):
+                del self._sinks[delta.request_id]
+
+    def _fail_one(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.fail(error)

@@ -20,6 +20,38 @@ DEFAULT_TEMPLATE = (
 )
 
 
+TOOLS_PROMPT = (
+    "You can call functions to answer. These are the functions, one JSON signature per line, "
+    "between <tools> and </tools>:\n<tools>\n{signatures}\n</tools>\n\n"
+    "To call a function, reply with a JSON object holding its name and its arguments between "
+    "<tool_call> and </tool_call>, like this:\n"
+    '<tool_call>\n{{"name": "function_name", "arguments": {{"argument": "value"}}}}\n</tool_call>'
+)
+"""How tools reach a model whose chat template has no `tools` variable (SmolLM2's has none): a system
+message in the <tool_call> syntax the server parses back."""
+
+
+def template_takes_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+def with_tools(
+    template: str | None, messages: list[dict], tools: list[dict] | None
+) -> tuple[list[dict], dict]:
+    """(messages, extra template variables) for a request with tools: the template's own `tools`
+    variable when it has one, else TOOLS_PROMPT in the system message (added first when there is none)."""
+    if not tools:
+        return messages, {}
+    if template_takes_tools(template):
+        return messages, {"tools": tools}
+    signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    prompt = TOOLS_PROMPT.format(signatures=signatures)
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=messages[0]["content"] + "\n\n" + prompt)
+        return [first, *messages[1:]], {}
+    return [{"role": "system", "content": prompt}, *messages], {}
+
+
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 

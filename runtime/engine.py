@@ -11,37 +11,26 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from runtime.attention import AttentionMetadata, PrefillChunk
 from runtime.checkpoint import load_checkpoint
 from runtime.config import EngineConfig
-from runtime.detokenizer import Detokenizer
 from runtime.device import resolve_device, resolve_dtype
 from runtime.kv_cache import KVCache, bytes_per_block
-from runtime.logprobs import TokenLogprob
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
-from runtime.outputs import RequestOutput
+from runtime.output_tracker import OutputTracker
+from runtime.outputs import OutputDelta, RequestOutput
 from runtime.quantization import resolve_quantization
+from runtime.structured_output import GrammarBackend, check_structured_output
 from runtime.tokenizer import Tokenizer
 from scheduler import InvalidRequestError, Request, SamplingParams, Scheduler
 from scheduler.sampling_params import SEED_RANGE
 
 log = logging.getLogger("prescient.engine")
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    detokenizer: Detokenizer
-    token_times: list[float]
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    group_id: str = ""
-    """The id the caller gave: that of sequence 0 of the request's n."""
 
 
 class Engine:
@@ -76,12 +65,10 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.admission = sched.admission  # the one rule, over this pool and context
         self.scheduler = Scheduler(sched)
-        self.runner = ModelRunner(model, self.kv)
+        self.grammar = GrammarBackend(tokenizer, self.vocab_size)
+        self.runner = ModelRunner(model, self.kv, self.grammar)
         self.model_name = model_name or model.config.name
-        self._tracked: dict[str, _Tracked] = {}
-        """Every unfinished sequence by its own id (sequence j > 0 of request R is 'R#j')."""
-        self._groups: dict[str, list[str]] = {}
-        """Request id -> the ids of its n sequences."""
+        self.outputs = OutputTracker(tokenizer)
         self._ids = itertools.count()
 
     @classmethod
@@ -140,6 +127,7 @@ class Engine:
         resolved (None: as many as fit; clamp_max_tokens: a default lowered to what fits), or
         InvalidRequestError naming the field. Reads only what never changes: safe from any thread."""
         ids = self._prompt_ids(prompt)
+        check_structured_output(params.structured_output)
         max_tokens = self.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
         if max_tokens != params.max_tokens:  # min_tokens never above what may be generated
             params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
@@ -161,7 +149,7 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not weight > 0:
             raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
-        if params.n > 1 and any(f"{request_id}#{j}" in self._tracked for j in range(1, params.n)):
+        if params.n > 1 and self.outputs.collides(request_id, params.n):
             raise InvalidRequestError(
                 "request_id", f"{request_id!r} collides with another request's sequence ids"
             )
@@ -198,17 +186,7 @@ class Engine:
                 )
             )
         self.scheduler.add_request(request, admitted=True)  # refuses an id in use
-        self._groups[request_id] = [request_id] + [child.request_id for child in request.forks]
-        for seq in [request, *request.forks]:
-            p = seq.sampling_params
-            self._tracked[seq.request_id] = _Tracked(
-                seq,
-                Detokenizer(self.tokenizer, p.stop),
-                [],
-                [] if p.logprobs is not None else None,
-                [None] if p.prompt_logprobs is not None else None,
-                group_id=request_id,
-            )
+        self.outputs.add(request)
         return request
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -228,18 +206,16 @@ class Engine:
             raise InvalidRequestError("prompt", "must not be empty")
         return ids
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request (all its n sequences) now and free its KV blocks; returns the output of its
-        sequence 0 (None if unknown)."""
+    def abort_request(self, request_id: str) -> OutputDelta | None:
+        """Stop a request (all its n sequences) now and free its KV blocks; returns the final delta of
+        its sequence 0 (None if unknown)."""
         first = None
-        for seq_id in self._groups.pop(request_id, []):
-            tracked = self._tracked.pop(seq_id, None)
-            if tracked is None:
-                continue  # that sequence had finished
-            self.scheduler.abort_request(seq_id)  # the runner forgets it with the next plan
+        for tracked in self.outputs.pop_group(request_id):
+            self.scheduler.abort_request(
+                tracked.request.request_id
+            )  # the runner forgets it with the next plan
             tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
-            out = self._output(tracked)
-            first = first or out
+            first = first or tracked.delta()
         return first
 
     def has_unfinished_requests(self) -> bool:
@@ -247,8 +223,9 @@ class Engine:
 
     # ---- the step loop --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that got a token or finished."""
+    def step(self) -> list[OutputDelta]:
+        """Run one iteration; returns a delta for every sequence that got a token, released text or finished:
+        only what is new, so a step costs the same whatever the outputs' lengths."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             self.runner.update_states(plan)  # still forget what finished
@@ -261,72 +238,42 @@ class Engine:
                 len(plan.scheduled),
                 ", ".join(r.request_id for r, _ in plan.scheduled),
             )
-            groups = dict.fromkeys(self._tracked[r.request_id].group_id for r, _ in plan.scheduled)
+            groups = dict.fromkeys(self.outputs.tracked[r.request_id].group_id for r, _ in plan.scheduled)
             return [self._fail(group, exc) for group in groups]
         sampled = result.sampled
         now = time.monotonic()
-        for request_id, scores in result.prompt_logprobs.items():
-            kept = self._tracked[request_id].prompt_logprobs
-            for pos, score in scores:
-                if pos == len(kept):  # a recompute after preemption repeats positions
-                    kept.append(score)
-        lengths = {rid: self._tracked[rid].request.num_output_tokens for rid in result.logprobs}
+        self.outputs.add_prompt_logprobs(result.prompt_logprobs)
         finished = self.scheduler.update_from_output(plan, sampled)
-        for request_id, score in result.logprobs.items():
-            tracked = self._tracked[request_id]
-            if tracked.request.num_output_tokens > lengths[request_id]:  # the scheduler took the token
-                tracked.logprobs.append(score)
         done = {r.request_id for r in finished}
         outputs = []
         for request_id in sampled:
-            tracked = self._tracked[request_id]
-            tracked.token_times.append(now)
+            tracked = self.outputs.tracked[request_id]
             req = tracked.request
             try:
-                stopped = tracked.detokenizer.update(req.output_token_ids, req.is_finished)
+                new_ids, new_text = tracked.take_new()
             except Exception as exc:
                 log.exception("detokenizing request %s failed", request_id)
                 done.discard(request_id)
                 outputs.append(self._fail(request_id, exc))
                 continue
-            if stopped:
+            if tracked.detokenizer.stop_reason is not None:
                 self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
                 done.add(request_id)
-            outputs.append(self._output(tracked))
+            if new_ids or new_text or req.is_finished:
+                new_logprobs = None
+                if req.sampling_params.logprobs is not None:
+                    score = result.logprobs.get(request_id)
+                    new_logprobs = [score] if new_ids and score is not None else []
+                outputs.append(tracked.delta(new_ids, new_text, [now] * len(new_ids), new_logprobs))
         for request_id in done:
-            tracked = self._tracked.pop(request_id, None)
-            group = self._groups.get(tracked.group_id) if tracked else None
-            if group is not None and not any(seq in self._tracked for seq in group):
-                del self._groups[tracked.group_id]
+            self.outputs.finish(request_id)
         return outputs
 
-    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
-        """Abort a request whose step raised; its output is final and names the cause in `error`."""
+    def _fail(self, request_id: str, exc: BaseException) -> OutputDelta:
+        """Abort a request whose step raised; its delta is final and names the cause in `error`."""
         out = self.abort_request(request_id)
         out.error = f"{type(exc).__name__} in the engine step"
         return out
-
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        req = tracked.request
-        return RequestOutput(
-            request_id=tracked.group_id,
-            index=req.index,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=tracked.detokenizer.text,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time,
-            finished_time=req.finished_time,
-            token_times=list(tracked.token_times),
-            num_preemptions=req.num_preemptions,
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
-            prompt_logprobs=list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None,
-        )
 
     def generate(
         self,
@@ -349,14 +296,15 @@ class Engine:
             (params[i] if isinstance(params, list) else params or SamplingParams()).n for i in range(len(ids))
         ]
         keys = [(request_id, j) for request_id, n in zip(ids, widths) for j in range(n)]
-        results: dict[tuple[str, int], RequestOutput] = {}
-        while len(results) < len(keys):
+        prompt_ids = {rid: self.outputs.tracked[rid].request.prompt_token_ids for rid in ids}
+        results = {(rid, j): RequestOutput(rid, prompt_ids[rid], index=j) for rid, j in keys}
+        unfinished = len(keys)
+        while unfinished:
             if not self.has_unfinished_requests():
                 raise RuntimeError("engine: requests vanished without finishing")
-            for out in self.step():
-                if out.finished:
-                    results[out.request_id, out.index] = out
-        return [results[k] for k in keys]
+            for delta in self.step():
+                unfinished -= results[delta.request_id, delta.index].append(delta).finished
+        return list(results.values())
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:

@@ -1,11 +1,10 @@
 """EngineClient: everything the server may ask of the engine, and nothing more.
 
 The server holds one EngineClient and never reaches past it (no engine, model,
-scheduler or KV cache). Today's implementation is AsyncEngine, which runs the
-engine on a thread of the server's process. Because this surface is small and
-made of plain values (token ids, SamplingParams, RequestOutput snapshots, a
-stats dict), an engine core in its own process, with this client speaking to
-it over a pipe or socket, can replace it without touching the server.
+scheduler or KV cache). AsyncEngine runs the engine on a thread of the
+server's process; EngineCoreClient speaks to an engine core in a process of
+its own. The surface is small and made of plain values (token ids,
+SamplingParams, OutputDelta, a stats dict), so the server cannot tell which.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from runtime.outputs import RequestOutput
+from runtime.outputs import OutputDelta
 from runtime.tokenizer import Tokenizer
 from scheduler import SamplingParams
 
@@ -50,8 +49,9 @@ class EngineClient(Protocol):
         priority: int = 0,
         clamp_max_tokens: bool = False,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Snapshots of one request's output, the last with finished=True. Raises
+    ) -> AsyncIterator[OutputDelta]:
+        """What is new in one request's output, step by step (several coalesced for a slow reader), the
+        last delta with finished=True; the caller assembles what it needs (RequestOutput.append). Raises
         scheduler.InvalidRequestError (with .param) for a request that cannot run, QueueFullError
         when too many wait. Leaving the iteration early aborts the request."""
 

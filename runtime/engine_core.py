@@ -15,15 +15,14 @@ Protocol. Two one-way multiprocessing pipes; every message is a pickled tuple.
     ("add", request_id, ids, params, options)           ->  options: Engine.add_request's keywords
     ("abort", request_id)                                ->
     ("stop",)                                            ->  exits after the step it is in
-                                          <- outputs -   ("step", [Delta, ...], stats)
-                                                         one per loop iteration that did anything
+                                          <- outputs -   ("step", [OutputDelta, ...], rejected, stats)
+                                                         one per loop iteration that did anything;
+                                                         rejected: [(request_id, ValueError text)]
                                                          ("dead", text)  the loop itself failed; it exits
 
-A Delta carries only what is new since the last one for one sequence of a
-request (tokens, text, their times and logprobs; the prompt's logprobs once),
-so a step costs the same whatever the outputs' lengths. A request with n > 1
-has n sequences, told apart by Delta.index; each ends with its own finished
-delta.
+The engine's own deltas (runtime/outputs.py) go over the pipe as they are:
+each carries only what is new for its sequence (tokens, text, times,
+logprobs), so a step costs the same whatever the outputs' lengths.
 Messages are read between steps, in order, so an add followed by its abort is
 added, then aborted. The core dies with the server: prctl(PR_SET_PDEATHSIG)
 where Linux has it, and in any case an end-of-file on the requests pipe or a
@@ -41,7 +40,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from runtime.engine import Engine
-from runtime.logprobs import TokenLogprob
+from runtime.outputs import OutputDelta
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("prescient.engine_core")
@@ -68,34 +67,6 @@ class CoreInfo:
     dtype: str
     device: str
     stats: dict
-
-
-@dataclass
-class Delta:
-    """What a step added to one request's output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    token_time: float | None
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
-    error: str | None = None
-    """Set when the request failed: a ValueError's text on admission, or the engine's RequestOutput.error."""
-    rejected: bool = False
-    """The request was refused on admission (error is then the ValueError's message)."""
-    index: int = 0
-    """Which of the request's n sequences this is (RequestOutput.index)."""
-    new_logprobs: list[TokenLogprob] | None = None
-    """The logprobs of new_token_ids, when the request asked for logprobs."""
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    """The prompt's logprobs (echo), sent once: with the sequence's first delta that has them."""
 
 
 def run_engine_core(
@@ -150,8 +121,6 @@ class _CoreLoop:
         self.requests = requests
         self.outputs = outputs
         self.parent_pid = parent_pid
-        self._sent: dict[tuple[str, int], tuple[int, int, bool]] = {}
-        """(request id, sequence index) -> (tokens, characters of text, prompt logprobs?) already sent."""
 
     def run(self) -> None:
         engine = self.engine
@@ -161,7 +130,8 @@ class _CoreLoop:
                 if os.getppid() != self.parent_pid:
                     return
                 continue
-            deltas: list[Delta] = []
+            deltas: list[OutputDelta] = []
+            rejected: list[tuple[str, str]] = []
             while self.requests.poll(0):
                 try:
                     message = self.requests.recv()
@@ -169,65 +139,26 @@ class _CoreLoop:
                     return
                 if message[0] == "stop":
                     return
-                self._handle(message, deltas)
+                self._handle(message, deltas, rejected)
             if engine.has_unfinished_requests():
-                for out in engine.step():
-                    deltas.append(self._delta(out))
-            self.outputs.send(("step", deltas, engine.stats()))
+                deltas += engine.step()
+            self.outputs.send(("step", deltas, rejected, engine.stats()))
 
-    def _handle(self, message: tuple, deltas: list[Delta]) -> None:
+    def _handle(self, message: tuple, deltas: list[OutputDelta], rejected: list[tuple[str, str]]) -> None:
         kind, request_id = message[0], message[1]
         if kind == "abort":
             self.engine.abort_request(request_id)
-            for key in [key for key in self._sent if key[0] == request_id]:
-                del self._sent[key]
             return
         _, request_id, ids, params, options = message
         try:
             self.engine.enqueue(request_id, ids, params, **options)
         except ValueError as exc:
-            deltas.append(Delta(request_id, [], "", None, True, "abort", error=str(exc), rejected=True))
-            return
+            rejected.append((request_id, str(exc)))
         except Exception as exc:  # a bug adding this one request: fail it, not the engine
             log.exception("adding request %s failed", request_id)
             self.engine.abort_request(request_id)
-            deltas.append(
-                Delta(
-                    request_id,
-                    [],
-                    "",
-                    None,
-                    True,
-                    "abort",
-                    error=f"{type(exc).__name__} while adding the request",
-                )
-            )
-            return
-
-    def _delta(self, out) -> Delta:
-        key = (out.request_id, out.index)
-        tokens, chars, prompt_sent = self._sent.pop(key, (0, 0, False))
-        prompt = out.prompt_logprobs if not prompt_sent else None
-        if not out.finished:
-            self._sent[key] = (len(out.token_ids), len(out.text), prompt_sent or prompt is not None)
-        return Delta(
-            out.request_id,
-            out.token_ids[tokens:],
-            out.text[chars:],
-            out.token_times[-1] if out.token_times else None,
-            out.finished,
-            out.finish_reason,
-            out.stop_reason,
-            out.num_cached_tokens,
-            out.first_scheduled_time,
-            out.first_token_time,
-            out.finished_time,
-            out.num_preemptions,
-            out.error,
-            index=out.index,
-            new_logprobs=out.logprobs[tokens:] if out.logprobs is not None else None,
-            prompt_logprobs=prompt,
-        )
+            error = f"{type(exc).__name__} while adding the request"
+            deltas.append(OutputDelta(request_id, finished=True, finish_reason="abort", error=error))
 
 
 def _die_with_parent() -> None:

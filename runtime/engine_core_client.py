@@ -9,9 +9,9 @@ checks run here; the core only steps.
 Hand-off. Adds and aborts go through a queue to one sender thread, so a full
 pipe (the core busy in a long step) never blocks the event loop. The core's
 outputs are read on the event loop itself (loop.add_reader), one message per
-step for all requests; each request's state is updated in place and its
-consumer woken once, so a consumer slower than the engine gets one output
-carrying every token since its last one instead of a backlog of snapshots.
+step for all requests; each delta is put in its request's OutputStream, as
+the thread engine does, so a consumer slower than the engine gets one delta
+carrying every token since its last read.
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from runtime.async_engine import (
-    EngineDeadError,
-    RequestAbortedError,
-    RequestFailedError,
-    check_queue_room,
-)
-from runtime.engine_core import CoreInfo, Delta, run_engine_core
-from runtime.outputs import RequestOutput
+from runtime.async_engine import check_queue_room
+from runtime.engine_core import CoreInfo, run_engine_core
+from runtime.errors import EngineDeadError, RequestAbortedError
+from runtime.output_stream import OutputStream
+from runtime.outputs import OutputDelta
+from runtime.structured_output import check_structured_output
 from scheduler import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("prescient.engine")
@@ -49,39 +47,6 @@ libgomp's default (300,000 spins) is for a team that owns its cores; a main-thre
 are oversubscribed (other processes, or the server beside it) then spins away its time slices: measured on a
 2-core AMD EPYC under load, one stream decoded at 0.3-0.9 tok/s with the default, 4-6 with 1,000 or 0, and
 a team in a non-main thread (which libgomp throttles itself) at 4-7."""
-
-
-class _Stream:
-    """One request's outputs as the server sees them (one per sequence of its n), updated in place by
-    each step's deltas."""
-
-    __slots__ = ("outputs", "changed", "remaining", "wake", "failure")
-
-    def __init__(self, first: RequestOutput, n: int):
-        self.outputs = {0: first}
-        """Sequence index -> its output so far."""
-        self.changed: set[int] = set()
-        """Sequences with news since the consumer last looked."""
-        self.remaining = n
-        """Sequences not finished yet; the stream ends when none is left."""
-        self.wake = asyncio.Event()
-        self.failure: BaseException | None = None
-
-    def output(self, index: int) -> RequestOutput:
-        """Sequence `index`'s output, begun from the first's on its first delta."""
-        out = self.outputs.get(index)
-        if out is None:
-            first = self.outputs[0]
-            out = self.outputs[index] = RequestOutput(
-                first.request_id,
-                first.prompt_token_ids,
-                [],
-                "",
-                arrival_time=first.arrival_time,
-                index=index,
-                logprobs=[] if first.logprobs is not None else None,
-            )
-        return out
 
 
 class EngineCoreClient:
@@ -104,7 +69,7 @@ class EngineCoreClient:
         self.vocab_size = info.vocab_size
         self.max_waiting = max_waiting
         self._stats = dict(info.stats)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -176,6 +141,7 @@ class EngineCoreClient:
             raise InvalidRequestError(
                 "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
             )
+        check_structured_output(params.structured_output)
         max_tokens = self.info.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
         if max_tokens != params.max_tokens:
             params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
@@ -220,8 +186,9 @@ class EngineCoreClient:
         priority: int = 0,
         clamp_max_tokens: bool = False,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output as tokens arrive (each a snapshot); the last one has finished=True."""
+    ) -> AsyncIterator[OutputDelta]:
+        """Yield what is new in the request's output as tokens arrive; the last delta has finished=True
+        (AsyncEngine.generate says the rest)."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
         arrival = time.monotonic()
@@ -231,44 +198,18 @@ class EngineCoreClient:
         check_queue_room(len(self._streams), self._stats, self.info.max_num_seqs, self.max_waiting)
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        first = RequestOutput(
-            request_id,
-            ids,
-            [],
-            "",
-            arrival_time=arrival,
-            logprobs=[] if params.logprobs is not None else None,
-        )
-        stream = _Stream(first, params.n)
-        self._streams[request_id] = stream
+        stream = self._streams[request_id] = OutputStream(asyncio.get_running_loop(), params.n)
         options = dict(
             tenant=tenant, weight=weight, priority=priority, arrival_time=arrival, cache_salt=cache_salt
         )
         self._outbox.put(("add", request_id, ids, params, options))
         finished = False
-        remaining = params.n  # sequences whose final snapshot the consumer has not had yet
         try:
-            while True:
-                await stream.wake.wait()
-                stream.wake.clear()
-                if stream.failure is not None:
-                    finished = True
-                    raise stream.failure
-                changed = sorted(stream.changed)
-                stream.changed.clear()
-                for index in changed:
-                    out = stream.outputs[index]
-                    if out.error is not None:
-                        finished = True
-                        raise RequestFailedError(_snapshot(out))
-                    snapshot = _snapshot(out)
-                    yield snapshot
-                    remaining -= snapshot.finished  # not out.finished: it may have turned true meanwhile
-                    if remaining == 0:
-                        finished = True
-                        return
+            async for delta in stream.deltas(params.n):
+                yield delta
+            finished = True
         finally:
-            if not finished:
+            if not finished:  # the reader left early (or the request failed: then this is a no-op)
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -311,50 +252,20 @@ class EngineCoreClient:
             while self._outputs.poll():
                 message = self._outputs.recv()
                 if message[0] == "step":
-                    self._stats = message[2]
-                    for delta in message[1]:
-                        self._apply(delta)
+                    _, deltas, rejected, self._stats = message
+                    for request_id, reason in rejected:
+                        stream = self._streams.pop(request_id, None)
+                        if stream is not None:
+                            stream.fail(ValueError(reason))
+                    for delta in deltas:
+                        stream = self._streams.get(delta.request_id)
+                        if stream is not None and stream.put(delta):  # None: aborted by its consumer
+                            del self._streams[delta.request_id]
                 else:  # "dead"
                     self._core_died(f"the engine core failed: {message[1]}")
                     return
         except (EOFError, OSError):
             self._core_died(f"the engine core exited (code {self._process.exitcode})")
-
-    def _apply(self, delta: Delta) -> None:
-        stream = self._streams.get(delta.request_id)
-        if stream is None:  # aborted by its consumer
-            return
-        if delta.rejected:
-            stream.failure = ValueError(delta.error)
-        else:
-            out = stream.output(delta.index)
-            stream.changed.add(delta.index)
-            if delta.new_logprobs:
-                out.logprobs.extend(delta.new_logprobs)
-            if delta.prompt_logprobs is not None:
-                out.prompt_logprobs = delta.prompt_logprobs
-            out.token_ids.extend(delta.new_token_ids)
-            out.text += delta.new_text
-            if delta.token_time is not None:
-                out.token_times.extend([delta.token_time] * len(delta.new_token_ids))
-            for name in (
-                "finished",
-                "finish_reason",
-                "stop_reason",
-                "num_cached_tokens",
-                "num_preemptions",
-                "error",
-                "first_scheduled_time",
-                "first_token_time",
-                "finished_time",
-            ):
-                setattr(out, name, getattr(delta, name))
-            stream.remaining -= delta.finished
-        if delta.rejected or stream.remaining == 0:
-            del self._streams[delta.request_id]
-        elif delta.error is not None:  # one sequence failed: its consumer raises, the others go too
-            self.abort(delta.request_id)
-        stream.wake.set()
 
     def _core_died(self, reason: str) -> None:
         if self.error is None:
@@ -368,19 +279,8 @@ class EngineCoreClient:
     def _fail_all(self, error: BaseException) -> int:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.failure = error
-            stream.wake.set()
+            stream.fail(error)
         return len(streams)
-
-
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the consumer may keep while later deltas extend the original."""
-    return replace(
-        out,
-        token_ids=list(out.token_ids),
-        token_times=list(out.token_times),
-        logprobs=list(out.logprobs) if out.logprobs is not None else None,
-    )
 
 
 def _stop_process(process, timeout: float) -> None:

@@ -22,6 +22,7 @@ from runtime.logits_processors import apply_logits_processors
 from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.model import LlamaModel
 from runtime.sampler import sample
+from runtime.structured_output import GrammarBackend
 from scheduler import SamplingParams, SchedulerOutput
 
 
@@ -39,6 +40,8 @@ class _Sequence:
     eos_token_id: int | None = None
     forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
     """(id, params) of sequences that draw their first token from this one's last prompt row."""
+    matcher: object | None = None
+    """Its grammar state (an llguidance matcher) when its params ask for structured output."""
 
 
 @dataclass
@@ -79,9 +82,11 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache):
+    def __init__(self, model: LlamaModel, kv: KVCache, grammar: GrammarBackend | None = None):
         self.model = model
         self.kv = kv
+        self.grammar = grammar
+        """Builds and applies structured-output masks; None: no request may ask for them."""
         self.device = model.device
         self.block_size = kv.block_size
         self._seqs: dict[str, _Sequence] = {}
@@ -142,6 +147,14 @@ class ModelRunner:
             [len(r.seq.token_ids) - r.seq.num_prompt_tokens for r in rows],
             [r.seq.eos_token_id for r in rows],
         )
+        constrained = [i for i, r in enumerate(rows) if r.seq.matcher is not None]
+        if constrained:  # a fork's row draws from its parent's state: the same matcher, before it moves
+            self.grammar.apply_masks(
+                logits,
+                constrained,
+                [rows[i].seq.matcher for i in constrained],
+                [rows[i].seq.eos_token_id for i in constrained],
+            )
         histories = None
         if any(p.penalized for p in params):
             histories = [
@@ -151,6 +164,8 @@ class ModelRunner:
         tokens = sample(logits, params, [self._generators.get(r.request_id) for r in rows], histories)
         for w, token in zip(to_sample, tokens):
             w.seq.token_ids.append(token)
+            if w.seq.matcher is not None:
+                self.grammar.accept(w.seq.matcher, token)
         out.sampled = {r.request_id: t for r, t in zip(rows, tokens)}
         if raw:
             scores = token_logprobs(raw_logits, [tokens[i] for i in raw], [params[i].logprobs for i in raw])
@@ -197,6 +212,7 @@ class ModelRunner:
         for rid in plan.preempted_request_ids:  # recomputed later from its tokens; its generator stays
             self._seqs.pop(rid, None)
         for new in plan.new_requests:
+            structured = new.sampling_params.structured_output
             self._seqs[new.request_id] = _Sequence(
                 new.prompt_token_ids + new.output_token_ids,
                 len(new.prompt_token_ids),
@@ -205,6 +221,8 @@ class ModelRunner:
                 new.num_computed_tokens,
                 new.eos_token_id,
                 list(new.forks),
+                # a resumed or forked sequence replays what it generated to reach its grammar state
+                self.grammar.matcher(structured, new.output_token_ids) if structured is not None else None,
             )
             seed = new.sampling_params.seed
             if seed is not None and new.request_id not in self._generators:

@@ -9,7 +9,7 @@ from functools import lru_cache
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from runtime.chat_template import render_chat
+from runtime.chat_template import render_chat, with_tools
 from runtime.checkpoint_types import TokenizerSource
 
 
@@ -41,6 +41,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def tokenizer_json(self) -> str:
+        """The whole tokenizer as tokenizer.json text (what grammar engines read)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
@@ -58,27 +62,34 @@ class Tokenizer:
         return piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        tools: list[dict] | None = None,
     ) -> str | list[int]:
         """tokenize=True: the ids the model sees. Special tokens typed inside a message's content are
         tokenized as the text they are (so a user cannot forge a system turn); the template's own
-        special tokens become their ids."""
+        special tokens become their ids. tools: OpenAI function tools, through the template's `tools`
+        variable or, when it has none, a system message (chat_template.with_tools)."""
+        messages, extra = with_tools(self.chat_template, messages, tools)
         text = render_chat(
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            **extra,
         )
         if not tokenize:
             return text
         forged = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self.special_tokens)]
         if not forged:  # the common case: one pass over the text, exactly as transformers tokenizes it
             return _encode(self._tok, text)
-        return self._encode_with_literal_contents(messages, add_generation_prompt, text, forged[0])
+        return self._encode_with_literal_contents(messages, add_generation_prompt, text, forged[0], extra)
 
     def _encode_with_literal_contents(
-        self, messages: list[dict], add_generation_prompt: bool, text: str, first_forged: int
+        self, messages: list[dict], add_generation_prompt: bool, text: str, first_forged: int, extra: dict
     ) -> list[int]:
         """Render again with a unique marker in place of each content, encode the template's pieces with
         special tokens and each content as plain text."""
@@ -90,6 +101,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            **extra,
         )
         pieces: list[tuple[str, bool]] = []  # (text, is user content)
         rest = marked

@@ -8,7 +8,7 @@ from scheduler.plan import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.policy import Policy
 from scheduler.priority import PriorityPolicy
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutput
 from scheduler.scheduler import Scheduler
 from scheduler.vtc import VTCPolicy
 
@@ -25,6 +25,7 @@ __all__ = [
     "Request",
     "RequestStatus",
     "SamplingParams",
+    "StructuredOutput",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",

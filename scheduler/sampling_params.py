@@ -24,6 +24,28 @@ SEED_RANGE = (-(1 << 63), 1 << 64)
 """Seeds a torch.Generator accepts: [-2**63, 2**64)."""
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow, enforced while decoding (runtime/structured_output.py)."""
+
+    kind: str
+    """'json_object' (any JSON object), 'json_schema' (spec: the schema as JSON text) or 'lark'."""
+    spec: str = ""
+    source: str = "response_format"
+    """The request field it came from, named by errors (e.g. 'response_format.json_schema')."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise ValueError(
+                f"structured_output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {self.kind!r}"
+            )
+        if not isinstance(self.spec, str):
+            raise ValueError("structured_output spec must be text (a JSON schema as JSON, or a Lark grammar)")
+
+
+STRUCTURED_OUTPUT_KINDS = ("json_object", "json_schema", "lark")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16
@@ -64,6 +86,8 @@ class SamplingParams:
     """End-of-sequence and stop_token_ids cannot be sampled before this many tokens are generated."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Token id -> value added to its logit before sampling, in [-100, 100]."""
+    structured_output: StructuredOutput | None = None
+    """A grammar every generated token must keep the output inside (JSON schema, JSON object, Lark)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -18,30 +18,22 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from scheduler.admission import InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.fcfs import FCFSPolicy
-from scheduler.plan import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduler.plan import SchedulerOutput
 from scheduler.policy import Policy
 from scheduler.priority import PriorityPolicy
 from scheduler.request import Request, RequestStatus
+from scheduler.runner_view import RunnerView
+from scheduler.tenants import Tenants
 from scheduler.vtc import VTCPolicy
 
 _RUNNING = RequestStatus.RUNNING
 _FLOAT_SLACK = 1e-6
 """Rounding error to ignore before a ceiling: 0.01 * 700 blocks is 7.000000000000001, which is 7."""
-
-
-@dataclass
-class _TenantTally:
-    service_tokens: int = 0
-    """Tokens served: prompt tokens at first admission (cache hits included) + generated tokens."""
-    waiting: int = 0
-    running: int = 0
 
 
 def make_policy(config: SchedulerConfig) -> Policy:
@@ -68,14 +60,8 @@ class Scheduler:
         self.prefix_hits = 0  # of those, tokens found there
         self.num_computed_tokens = 0  # tokens run through the model (prefill chunks and decodes)
         self.num_generated_tokens = 0  # tokens sampled
-        self._tenants: dict[str, _TenantTally] = {}
-        self._idle: OrderedDict[str, None] = OrderedDict()
-        """Tenants in _tenants without a waiting or running request, longest idle first."""
-        self.retired_service_tokens = 0
-        """Service of the tenants forgotten after being idle longest (still part of the total)."""
-        self._blocks_sent: dict[str, int] = {}
-        """Block ids the model runner has been told of, per request it holds (see plan.py)."""
-        self._finished_since_plan: list[str] = []
+        self._tenants = Tenants(config.max_idle_tenants)
+        self._runner_view = RunnerView()
         self._watermark_blocks = math.ceil(config.watermark * config.num_blocks - _FLOAT_SLACK)
 
     # ---- requests in and out --------------------------------------------------------------------
@@ -95,11 +81,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        tally = self._tenants.get(request.tenant)
-        if tally is None:
-            tally = self._tenants[request.tenant] = _TenantTally()
-        self._idle.pop(request.tenant, None)
-        tally.waiting += 1
+        self._tenants.busy(request.tenant).waiting += 1
         self.policy.add(request)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -140,19 +122,18 @@ class Scheduler:
             tally.waiting -= 1
         request.status = status
         request.finished_time = time.monotonic()
-        if self._blocks_sent.pop(request.request_id, None) is not None:
-            self._finished_since_plan.append(request.request_id)
+        self._runner_view.drop(request, finished=True)
         self.block_manager.free(request)
         self.policy.on_finish(request)
         del self.requests[request.request_id]
-        if not tally.waiting and not tally.running:
-            self._idle[request.tenant] = None
-            if len(self._idle) > self.config.max_idle_tenants:
-                self._forget(self._idle.popitem(last=False)[0])
+        forgotten = self._tenants.settle(request.tenant)
+        if forgotten is not None:
+            self.policy.forget_tenant(forgotten)
 
-    def _forget(self, tenant: str) -> None:
-        self.retired_service_tokens += self._tenants.pop(tenant).service_tokens
-        self.policy.forget_tenant(tenant)
+    @property
+    def retired_service_tokens(self) -> int:
+        """Service of the tenants forgotten after being idle longest (still part of the total)."""
+        return self._tenants.retired_service_tokens
 
     @property
     def num_running(self) -> int:
@@ -203,40 +184,8 @@ class Scheduler:
             self._admit(out, budget)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         out.block_copies, bm.copies = bm.copies, []
-        self._describe_for_runner(out)
+        self._runner_view.describe(out, bm)
         return out
-
-    def _describe_for_runner(self, out: SchedulerOutput) -> None:
-        """Fill the runner's narrow view of the plan: what changed since the last one (plan.py)."""
-        sent = self._blocks_sent
-        bm = self.block_manager
-        for request, n in out.scheduled:
-            rid = request.request_id
-            table = request.block_table
-            known = sent.get(rid)
-            if known is None:
-                out.new_requests.append(
-                    NewRequestData(
-                        rid,
-                        list(request.prompt_token_ids),
-                        list(request.output_token_ids),
-                        request.sampling_params,
-                        list(table),
-                        request.num_computed_tokens,
-                        request.eos_token_id,
-                        [(c.request_id, c.sampling_params) for c in request.forks],
-                    )
-                )
-            else:
-                replaced = [(i, table[i]) for i in bm.rewritten.get(rid, ()) if i < known]
-                out.cached_requests.append(
-                    CachedRequestData(rid, table[known:], request.num_computed_tokens, replaced)
-                )
-            sent[rid] = len(table)
-            out.num_scheduled_tokens[rid] = n
-        out.preempted_request_ids = [r.request_id for r in out.preempted]
-        bm.rewritten.clear()
-        out.finished_request_ids, self._finished_since_plan = self._finished_since_plan, []
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -299,7 +248,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, index: int) -> None:
         del self.running[index]
-        self._blocks_sent.pop(request.request_id, None)
+        self._runner_view.drop(request, finished=False)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -380,16 +329,7 @@ class Scheduler:
         live += sum(
             (bm.ref_counts[b] - 1) * (bs - filled) for b, filled in partial.items()
         )  # forked, not full
-        counters = self.policy.counters()
-        tenants = {
-            t: {
-                "counter": counters.get(t, 0.0),
-                "service_tokens": tally.service_tokens,
-                "waiting": tally.waiting,
-                "running": tally.running,
-            }
-            for t, tally in self._tenants.items()
-        }
+        tenants = self._tenants.stats(self.policy.counters())
         return {
             "num_running": len(self.running),
             "num_waiting": self.num_waiting,

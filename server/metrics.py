@@ -233,6 +233,39 @@ class _EngineCollector:
         self.model_name = model_name
         self.stats_source = stats_source
         self.tenant_label = tenant_label
+        self._seen: dict[str, tuple[int, float]] = {}
+        """Tenants shown under their own label -> (their tally's `since`, service at the last scrape)."""
+        self._carried: dict[str, float] = {}
+        """Label -> service of that label's tenants before the scheduler forgot them."""
+        self._carried_total = 0.0
+
+    def _service_by_label(self, tenants: dict, retired: float) -> dict[str, float]:
+        """tenant_service_tokens per label, monotonic like any Prometheus counter.
+
+        The scheduler forgets long-idle tenants (their service moves to retired_service_tokens) and a
+        tenant that comes back starts a new tally at 0. A tenant shown under its own label keeps its
+        series: what it had at the last scrape before it was forgotten is carried, and its new tally
+        counts on top. Service no scrape saw under the tenant's name (served after the last scrape,
+        then forgotten) and that of tenants labelled 'other' are reported under 'other'."""
+        out: dict[str, float] = {}
+        for tenant, (since, served) in list(self._seen.items()):
+            now = tenants.get(tenant)
+            if now is None or now.get("since", since) != since:  # forgotten (and perhaps back)
+                label = self.tenant_label(tenant)
+                self._carried[label] = self._carried.get(label, 0.0) + served
+                self._carried_total += served
+                del self._seen[tenant]
+        for tenant, t in tenants.items():
+            label = self.tenant_label(tenant)
+            served = t.get("service_tokens", 0)
+            if label == tenant:
+                self._seen[tenant] = (t.get("since", 0), served)
+            out[label] = out.get(label, 0.0) + served
+        for label, served in self._carried.items():
+            out[label] = out.get(label, 0.0) + served
+        if retired > self._carried_total:
+            out["other"] = out.get("other", 0.0) + retired - self._carried_total
+        return out
 
     def describe(self):
         return []
@@ -280,7 +313,8 @@ class _EngineCollector:
         )
         counter_g = GaugeMetricFamily(
             PREFIX + "tenant_virtual_counter",
-            "Fair scheduler's virtual token counter per tenant.",
+            "Fair scheduler's virtual token counter per tenant (a gauge: a tenant back from idle is lifted "
+            "to the smallest active counter; one the scheduler has forgotten has no series).",
             labels=["model_name", "tenant"],
         )
         waiting = GaugeMetricFamily(
@@ -288,17 +322,17 @@ class _EngineCollector:
             "Waiting requests per tenant.",
             labels=["model_name", "tenant"],
         )
-        merged: dict[str, list[float]] = {}
-        for tenant, t in sorted(stats.get("tenants", {}).items()):
-            label = self.tenant_label(tenant)
-            acc = merged.setdefault(label, [0.0, 0.0, 0.0])
-            acc[0] += t.get("service_tokens", 0)
-            acc[1] = max(acc[1], t.get("counter", 0.0))
-            acc[2] += t.get("waiting", 0)
-        if stats.get("retired_service_tokens"):  # tenants forgotten after a long idle stay in the total
-            merged.setdefault("other", [0.0, 0.0, 0.0])[0] += stats["retired_service_tokens"]
-        for label, (served, vtc, queued) in merged.items():
+        tenants = stats.get("tenants", {})
+        for label, served in sorted(
+            self._service_by_label(tenants, stats.get("retired_service_tokens", 0)).items()
+        ):
             service.add_metric(m + [label], served)
+        merged: dict[str, list[float]] = {}  # gauges: only the tenants the scheduler holds now
+        for tenant, t in sorted(tenants.items()):
+            acc = merged.setdefault(self.tenant_label(tenant), [0.0, 0.0])
+            acc[0] = max(acc[0], t.get("counter", 0.0))
+            acc[1] += t.get("waiting", 0)
+        for label, (vtc, queued) in merged.items():
             counter_g.add_metric(m + [label], vtc)
             waiting.add_metric(m + [label], queued)
         yield service

@@ -8,12 +8,14 @@ APIError, so a bad body can never turn into a 500.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutput
 from server.errors import bad_request
 from server.request_fields import CHAT, COMPLETION, MAX_N
 from server.schema_check import _show
+from server.tool_calls import ToolRequest, parse_tools
 
 
 @dataclass
@@ -42,6 +44,8 @@ class GenerationRequest:
     """Completions: sequences sampled per prompt, of which the n with the highest mean logprob return."""
     logprobs_requested: bool = False
     """The client asked for logprobs (completions `logprobs`, chat `logprobs: true`)."""
+    tools: ToolRequest | None = None
+    """Chat: the functions the model may call and tool_choice."""
 
     def __post_init__(self) -> None:
         if self.prompts is None:
@@ -91,6 +95,16 @@ def _sampling(v: dict, default_max_tokens: int | None, chat: bool = False) -> Sa
         )
     logprobs = _logprobs(v, chat)
     echo = not chat and v.get("echo", False)
+    structured = _response_format(v["response_format"])
+    tools = parse_tools(v) if chat else None
+    if tools is not None and tools.constrained:
+        if structured is not None:
+            raise bad_request(
+                "'response_format' cannot constrain the output when 'tool_choice' forces a tool call; "
+                "send one of them",
+                "response_format",
+            )
+        structured = tools.structured_output()
     if max_tokens == 0:  # echo with max_tokens 0: score the prompt; one token is sampled and dropped
         max_tokens = 1
     max_tokens = max_tokens or default_max_tokens
@@ -113,10 +127,30 @@ def _sampling(v: dict, default_max_tokens: int | None, chat: bool = False) -> Sa
             logprobs_mode=v["logprobs_mode"],
             min_tokens=min(min_tokens, max_tokens or min_tokens),
             logit_bias={int(token): float(bias) for token, bias in v["logit_bias"].items()},
+            structured_output=structured,
         )
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0]
         raise bad_request(f"'{field_name}' {str(exc).split(' ', 1)[1]}", field_name) from exc
+
+
+def _response_format(response_format: dict | None) -> StructuredOutput | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}.
+    Whether the schema compiles is the engine's admission rule (a 400 naming response_format.json_schema)."""
+    if response_format is None or response_format["type"] == "text":
+        return None
+    if response_format["type"] == "json_object":
+        return StructuredOutput("json_object", source="response_format")
+    spec = response_format.get("json_schema")
+    if spec is None:
+        raise bad_request(
+            "'response_format.json_schema' is required with type 'json_schema': "
+            '{"name": ..., "schema": {...}}',
+            "response_format.json_schema",
+            "missing_required_parameter",
+        )
+    schema = spec.get("schema") or {"type": "object"}
+    return StructuredOutput("json_schema", json.dumps(schema), source="response_format.json_schema")
 
 
 def _common(v: dict, prompts: list, default_max_tokens: int | None, chat: bool) -> GenerationRequest:
@@ -142,6 +176,7 @@ def _common(v: dict, prompts: list, default_max_tokens: int | None, chat: bool) 
         n=v["n"],
         best_of=params.n,
         logprobs_requested=v["logprobs"] not in (None, False),
+        tools=parse_tools(v) if chat else None,
     )
 
 
@@ -173,8 +208,26 @@ def parse_messages(messages: list[dict]) -> list[dict]:
                     "missing_required_parameter",
                 )
             content = ""
+        if role == "assistant" and message.get("tool_calls"):
+            content = _with_tool_calls(content, message["tool_calls"])
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
+
+
+def _with_tool_calls(content: str, calls: list[dict]) -> str:
+    """An assistant turn that called tools (checked against request_fields.TOOL_CALL), written back in
+    the syntax the model calls them in."""
+    text = content
+    for call in calls:
+        function = call["function"]
+        arguments = function.get("arguments") or "{}"
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # kept as the text the client sent
+        call_text = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+        text += ("\n" if text else "") + f"<tool_call>\n{call_text}\n</tool_call>"
+    return text
 
 
 def parse_chat(body: dict) -> tuple[GenerationRequest, list[dict]]:

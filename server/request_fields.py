@@ -105,8 +105,22 @@ SAMPLING = {
         "type": "object",
         "required": ["type"],
         "properties": {
-            "type": {"const": "text", "title": "'text' (json_object and json_schema are not supported yet)"}
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "schema": {
+                        "type": "object",
+                        "description": "The JSON Schema the output validates against",
+                    },
+                    "strict": {"type": "boolean"},
+                },
+                "description": "With type json_schema",
+            },
         },
+        "description": "json_object / json_schema are enforced while decoding: the output parses and validates",
     },
     "stream": {"type": "boolean", "default": False},
     "stream_options": {
@@ -117,7 +131,6 @@ SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10, "default": 1.0},
-    "tools": _none_but({"type": "array", "maxItems": 0}, "tools are not supported by this server yet"),
     "functions": _none_but({"type": "array", "maxItems": 0}, "functions are not supported by this server"),
 }
 
@@ -160,6 +173,7 @@ COMPLETION_ONLY = {
         "return; not with stream",
     },
     "suffix": _none_but({"type": "string", "maxLength": 0}, "suffix (insertion) is not supported"),
+    "tools": _none_but({"type": "array", "maxItems": 0}, "tools are a chat field: use /v1/chat/completions"),
 }
 
 TEXT_PART = {
@@ -168,6 +182,41 @@ TEXT_PART = {
     "properties": {
         "type": {"const": "text", "title": "'text' (this model reads text only)"},
         "text": {"type": "string"},
+    },
+}
+FUNCTION_NAME = {
+    "type": "string",
+    "pattern": "^[A-Za-z0-9_.\\-]{1,64}$",
+    "title": "1-64 of A-Z a-z 0-9 _ . -",
+}
+TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
+TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": FUNCTION_NAME,
+                "description": {"type": "string"},
+                "parameters": {"type": "object", "description": "JSON Schema of the arguments"},
+                "strict": {"type": "boolean"},
+            },
+        },
     },
 }
 MESSAGE = {
@@ -182,6 +231,8 @@ MESSAGE = {
             ],
             "description": "Required except for an assistant message; developer is read as system",
         },
+        "tool_calls": {"type": "array", "items": TOOL_CALL, "description": "An assistant turn's calls"},
+        "tool_call_id": {"type": "string", "description": "A tool message: the call it answers"},
     },
 }
 
@@ -199,6 +250,31 @@ CHAT_ONLY = {
         "minimum": 0,
         "maximum": MAX_LOGPROBS,
         "description": "Most likely alternatives per token (needs logprobs: true)",
+    },
+    "tools": {
+        "type": "array",
+        "items": TOOL,
+        "description": "Functions the model may call; rendered through the chat template's tools variable, "
+        "or a system message when it has none",
+    },
+    "tool_choice": {
+        "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {
+                    "type": {"const": "function"},
+                    "function": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    },
+                },
+            },
+        ],
+        "description": "auto (default with tools), none, required, or a named function; required and named "
+        "constrain the call's arguments to the function's schema",
     },
     "function_call": _none_but({"type": "string", "enum": ["none"]}, "functions are not supported"),
 }

@@ -33,7 +33,7 @@ def _first_tokens(engine: Engine, prompt: list[int], n: int, separate: bool) -> 
     started = set()
     while len(started) < n:
         for out in engine.step():
-            if out.token_ids:
+            if out.new_token_ids:
                 started.add((out.request_id, out.index))
     seconds = time.perf_counter() - start
     blocks = engine.scheduler.block_manager.num_used_blocks

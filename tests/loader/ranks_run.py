@@ -7,7 +7,7 @@ reads  ARG=epochs: peer exchange with a per-rank cache of 1.15 x dataset / world
        storage reads per epoch as the dataset counted them.
 kill   ARG=rank: that rank SIGKILLs itself in epoch 2; the others must finish with torch's batches,
        and regroup for epoch 3.
-stall  ARG=rank: that rank's training loop sleeps past peer_timeout in epoch 2.
+stall  ARG=rank: that rank SIGSTOPs itself in epoch 2 (the test sends SIGCONT once the others are done).
 save   ROOT=samples, ARG=batches: iterate that many batches of epoch 1, write this rank's
        state_dict (rank<r>.pt) and the sample ids it was given.
 resume ROOT=samples, ARG=a saved state: finish epoch 1 from it (resumed<r>.json: the ids
@@ -36,20 +36,8 @@ BATCH = 4
 PEER_TIMEOUT = 3.0
 
 
-def run_epochs(dl, sampler, epochs: int, on_batch=None) -> list[list]:
-    torch.manual_seed(7)
-    random.seed(7)
-    np.random.seed(7)
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        batches = []
-        for step, batch in enumerate(dl):
-            batches.append(batch)
-            if on_batch is not None:
-                on_batch(epoch, step)
-        out.append(batches)
-    return out
+def run_epochs(dl, sampler, epochs: int) -> list[list]:
+    return [batch for epoch in range(epochs) for batch in run_epoch(dl, sampler, epoch)]
 
 
 def peer_loader(dataset, sampler, world: int) -> DataLoader:
@@ -86,7 +74,7 @@ def compare_with_torch(root: str, out_dir: str, epochs: int, on_batch=None) -> N
 
     ours = []
     for epoch in range(epochs):
-        ours += run_epochs_one(dl, sampler, epoch, counted)
+        ours += run_epoch(dl, sampler, epoch, counted)
         now, peers_now = int(dataset.read_counts().sum()), dl.stats()["peer_reads"]
         reads.append(now - before)
         peer_reads.append(peers_now - peers_before)
@@ -100,14 +88,15 @@ def compare_with_torch(root: str, out_dir: str, epochs: int, on_batch=None) -> N
         "peer_reads_per_epoch": peer_reads,
         "storage_reads": stats["storage_reads"],
         "peers_lost": dl._engine.prefetcher.peers_lost,
+        "peer_failures": stats["peer_failures"],
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
     dl.close()
 
 
-def run_epochs_one(dl, sampler, epoch: int, on_batch) -> list[list]:
-    """Epoch `epoch` alone, seeded as run_epochs seeds the first (so torch's run matches)."""
+def run_epoch(dl, sampler, epoch: int, on_batch=None) -> list[list]:
+    """One epoch's batches (in a list of one); the RNGs are seeded before the first."""
     if epoch == 0:
         torch.manual_seed(7)
         random.seed(7)
@@ -116,14 +105,15 @@ def run_epochs_one(dl, sampler, epoch: int, on_batch) -> list[list]:
     batches = []
     for step, batch in enumerate(dl):
         batches.append(batch)
-        on_batch(epoch, step)
+        if on_batch is not None:
+            on_batch(epoch, step)
     return [batches]
 
 
 def main(mode: str, root: str, out_dir: str, arg: str) -> None:
     import faulthandler
 
-    faulthandler.dump_traceback_later(22, exit=False)
+    faulthandler.dump_traceback_later(150, exit=False)  # a hang shows its stacks before the test's timeout
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if mode == "reads":

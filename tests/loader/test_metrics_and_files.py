@@ -55,6 +55,7 @@ def test_prometheus_series_match_stats(counting):
         "ram_hits",
         "disk_hits",
         "peer_reads",
+        "peer_failures",
         "batches",
         "epochs",
     ):

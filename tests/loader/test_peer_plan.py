@@ -40,17 +40,23 @@ def test_every_sample_has_one_home_that_reads_it_first():
     assert counts.max() - counts.min() <= 1  # homes split the dataset evenly
 
 
-def test_a_resumed_remainder_and_what_was_seen_are_the_epoch_exactly_once():
+@pytest.mark.parametrize("sampler_drop_last", [False, True])
+@pytest.mark.parametrize("batch_drop_last", [False, True])
+def test_a_resumed_remainder_and_what_was_seen_are_the_epoch_exactly_once(sampler_drop_last, batch_drop_last):
     n, batch, done = 50, 3, 2
-    sampler = DistributedSampler(range(n), 4, 0, seed=9)
+    sampler = DistributedSampler(range(n), 4, 0, seed=9, drop_last=sampler_drop_last)
     sampler.set_epoch(1)
-    seen = []
-    for rank in range(4):
-        mine = DistributedSampler(range(n), 4, rank, seed=9)
+    seen, epoch = [], set()
+    for rank in range(4):  # what torch's loaders on the 4 old ranks yield in that epoch
+        mine = DistributedSampler(range(n), 4, rank, seed=9, drop_last=sampler_drop_last)
         mine.set_epoch(1)
-        seen += list(mine)[: done * batch]
-    rest = remaining_samples(sampler, 4, done, batch, drop_last=False)
-    assert sorted(set(seen) | set(rest)) == list(range(n))
+        stream = list(mine)
+        if batch_drop_last:
+            stream = stream[: len(stream) // batch * batch]
+        seen += stream[: done * batch]
+        epoch |= set(stream)
+    rest = remaining_samples(sampler, 4, done, batch, drop_last=batch_drop_last)
+    assert set(seen) | set(rest) == epoch
     assert not set(seen) & set(rest) and len(rest) == len(set(rest))
 
 

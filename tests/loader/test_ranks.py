@@ -93,6 +93,7 @@ def test_a_killed_rank_leaves_the_others_to_storage_then_they_regroup(tmp_path, 
         assert rank["peers_lost"] and f"rank {victim} stopped answering" in rank["peers_lost"], rank
         assert rank["reads"][1] > 0, "the rest of epoch 2 came from storage"
         assert rank["peer_reads_per_epoch"][2] > 0, "the survivors exchange again in epoch 3"
+        assert rank["peer_failures"] == 1
     # epoch 3: only the lost rank's samples (a quarter of the data) are read again, by their new homes
     assert 0 < sum(r["reads"][2] for r in ranks) <= 96 // RANKS, [r["reads"] for r in ranks]
     assert f"rank {victim} stopped answering" in log  # logged, not only recorded

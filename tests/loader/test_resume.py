@@ -124,7 +124,7 @@ def plain(value) -> bool:
         return all(type(k) in (str, int) and plain(v) for k, v in value.items())
     return (
         value is None
-        or type(value) in (int, str)
+        or type(value) in (int, str, bool)
         or (isinstance(value, torch.Tensor) and value.dtype in (torch.uint8, torch.int64))
     )
 
@@ -136,7 +136,7 @@ def test_weights_only_checkpoint_resumes_and_never_runs_code(files, tmp_path):
     train(dl, g, 0, stop=STOP)
     state = dl.state_dict()
     dl.close()
-    assert plain(state) and state["worker_rng"], state.keys()
+    assert plain(state) and state["_snapshot"]["_worker_snapshots"], state.keys()
     torch.save(state, tmp_path / "ckpt.pt")
     loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     dl, g = build(DataLoader, files, "generator", WORKERS["w2"], cache_ram="1MiB")
@@ -145,7 +145,9 @@ def test_weights_only_checkpoint_resumes_and_never_runs_code(files, tmp_path):
     dl.close()
 
     marker = str(tmp_path / "code-ran")
-    hostile = dict(loaded, worker_rng={0: pickle.dumps(_RunsCode(marker)), 1: loaded["worker_rng"][1]})
+    workers = loaded["_snapshot"]["_worker_snapshots"]
+    hostile_workers = dict(workers, worker_0={"worker_id": 0, "rng_state": pickle.dumps(_RunsCode(marker))})
+    hostile = dict(loaded, _snapshot=dict(loaded["_snapshot"], _worker_snapshots=hostile_workers))
     torch.save(hostile, tmp_path / "hostile.pt")
     hostile = torch.load(tmp_path / "hostile.pt", weights_only=True)  # bytes pass weights_only...
     dl, g = build(DataLoader, files, "generator", WORKERS["w2"], cache_ram="1MiB")
@@ -154,7 +156,12 @@ def test_weights_only_checkpoint_resumes_and_never_runs_code(files, tmp_path):
     list(dl)
     dl.close()
     assert not os.path.exists(marker)
-    for key, bad in [("batches_done", "5"), ("dataset_len", 45.0), ("epoch_start", {"x": 1})]:
+    for key, bad in [
+        ("_num_yielded", "5"),
+        ("dataset_len", 45.0),
+        ("epoch_start", {"x": 1}),
+        ("_snapshot", []),
+    ]:
         with pytest.raises(ValueError, match=key):
             DataLoader(FileDataset(files), num_workers=2).load_state_dict(dict(loaded, **{key: bad}))
 
@@ -197,3 +204,49 @@ def test_resume_with_other_num_workers_yields_the_rest_once(files, resumed_worke
     rest = list(dl)
     dl.close()
     assert same(rest, expected[STOP:])
+
+
+def _flat(state: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in state.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, path + "."))
+        out[path] = value
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_keys_match_torchdata_where_they_overlap(files, workers):
+    """torchdata's StatefulDataLoader, same arguments, same step: every key both states hold has
+    the same type, and the positions (batches yielded, workers) the same value."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    states = []
+    for cls, extra in ((StatefulDataLoader, {"snapshot_every_n_steps": 1}), (DataLoader, {})):
+        dl = cls(
+            FileDataset(files, decode=plain_decode),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5),
+            num_workers=workers,
+            **extra,
+        )
+        iterator = iter(dl)
+        for _ in range(STOP):
+            next(iterator)
+        states.append(_flat(dl.state_dict()))
+        del iterator
+        if cls is DataLoader:
+            dl.close()
+    theirs, ours = states
+    shared = set(theirs) & set(ours)
+    position = "_num_yielded" if workers == 0 else "_snapshot._snapshot_step"
+    assert position in shared and "_iterator_finished" in shared
+    for path in shared:
+        assert type(ours[path]) is type(theirs[path]), path
+        if not isinstance(ours[path], dict):
+            assert ours[path] == theirs[path], path
+    if workers:
+        assert set(ours["_snapshot._worker_snapshots"]) == set(theirs["_snapshot._worker_snapshots"])
+        assert ours["_snapshot._main_snapshot._num_workers"] == workers

@@ -87,10 +87,10 @@ SCRIPT = textwrap.dedent("""
     root, disk, ending = sys.argv[1:4]
 
     class Storage(FileDataset):
-        def read(self, index):
+        def nbytes(self, index):       # asked by the prefetcher (main process) as it publishes positions
             if ending == "hang" and index >= 12 and get_worker_info() is None:
                 time.sleep(600)        # storage hangs: the workers wait on the prefetcher for good
-            return super().read(index)
+            return super().nbytes(index)
 
     decode = lambda raw: torch.frombuffer(bytearray(raw[:8]), dtype=torch.uint8)
     dl = DataLoader(Storage(root, decode=decode), batch_size=2, num_workers=2, persistent_workers=True,

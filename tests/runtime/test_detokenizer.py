@@ -34,7 +34,8 @@ def test_stop_string_cuts_the_text(engine_fp32):
     ids = tok.encode("The answer is 42. END of the story", add_special_tokens=False)
     detok = Detokenizer(tok, ["END"])
     for n in range(1, len(ids) + 1):
-        if detok.update(ids[:n], False):
+        detok.update(ids[:n], False)
+        if detok.stop_reason is not None:
             break
         assert "END"[:1] not in detok.text[len("The answer is 42. ") :]  # the stop string is held back
     assert detok.stop_reason == "END" and detok.text == "The answer is 42. "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import SamplingParams
+from runtime import RequestOutput, SamplingParams
 
 
 def test_n_prefills_once_and_shares_blocks(engine_fp32):
@@ -14,7 +14,7 @@ def test_n_prefills_once_and_shares_blocks(engine_fp32):
     before = engine.stats()["computed_tokens"]
     engine.add_request("fork-n4", prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=11, n=4))
     outputs = []
-    while not any(o.token_ids for o in outputs):
+    while not any(o.new_token_ids for o in outputs):
         outputs = engine.step()
     stats = engine.stats()
     assert stats["computed_tokens"] - before == 512  # the prompt went through the model once
@@ -23,9 +23,10 @@ def test_n_prefills_once_and_shares_blocks(engine_fp32):
     tables = [r.block_table for r in engine.scheduler.running]
     assert all(t == tables[0] for t in tables) and len(tables[0]) == 64
     assert bm.num_used_blocks == 64 and all(bm.ref_counts[b] == 4 for b in tables[0])
-    done = {}
+    done = {o.index: RequestOutput(o.request_id, prompt, index=o.index).append(o) for o in outputs}
     while engine.has_unfinished_requests():
-        done.update({o.index: o for o in engine.step() if o.finished})
+        for o in engine.step():
+            done[o.index].append(o)
     assert sorted(done) == [0, 1, 2, 3] and {o.request_id for o in done.values()} == {"fork-n4"}
     for j, out in done.items():  # the first token comes from the same prefill row: exactly equal
         alone = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=1.0, seed=11 + j))[0]

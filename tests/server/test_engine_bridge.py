@@ -47,7 +47,7 @@ async def test_abandoned_mid_stream_frees_its_blocks(offline_engine):
         async for out in bridge.generate(
             "Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True), "mid-leaver"
         ):
-            got = len(out.token_ids)
+            got += len(out.new_token_ids)
             if got >= 3:
                 break
         assert got >= 3
@@ -58,19 +58,25 @@ async def test_abandoned_mid_stream_frees_its_blocks(offline_engine):
 
 
 async def test_a_stalled_reader_gets_coalesced_outputs_not_a_backlog(offline_engine):
-    """While the consumer does not read, only the latest output waits for it (each holds all before it):
-    memory per request stays one output, however far the engine runs ahead."""
+    """While the consumer does not read, the engine's deltas wait for it; the next read hands them over as
+    one delta, with nothing lost or repeated."""
     bridge = AsyncEngine(offline_engine)
     bridge.start()
     try:
         outputs = bridge.generate(
-            "Once upon a time", SamplingParams(max_tokens=40, ignore_eos=True), "stalled"
+            "Once upon a time", SamplingParams(max_tokens=40, ignore_eos=True, temperature=0), "stalled"
         )
         first = await outputs.__anext__()  # the request is running
         while bridge.stats()["num_running"]:  # ...and the reader stalls until it is done
             await asyncio.sleep(0.05)
         rest = [out async for out in outputs]
-        assert len(rest) == 1 and rest[0].finished and len(rest[0].token_ids) == 40
-        assert rest[0].text.startswith(first.text)
+        assert len(rest) == 1 and rest[0].finished
+        assert len(first.new_token_ids) + len(rest[0].new_token_ids) == 40
+        assert len(rest[0].new_token_times) == len(rest[0].new_token_ids)
+        alone = offline_engine.generate(
+            ["Once upon a time"], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+        )[0]
+        assert first.new_token_ids + rest[0].new_token_ids == alone.token_ids
+        assert first.new_text + rest[0].new_text == alone.text
     finally:
         await bridge.shutdown()

@@ -6,11 +6,13 @@ Everything is real: `python -m server` on loopback, its core process, signals.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -136,6 +138,19 @@ def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
             {"prompt": ["Hello", [1, 2, 3]], "max_tokens": 2, "min_tokens": 2, "logit_bias": {"0": -100}},
         )
         assert status == 200 and [c["index"] for c in json.loads(body)["choices"]] == [0, 1]
+        # the core hands over the thread engine's deltas: n > 1, logprobs and echo come through it too
+        request = {
+            "prompt": "Hello",
+            "max_tokens": 3,
+            "n": 2,
+            "logprobs": 1,
+            "echo": True,
+            "ignore_eos": True,
+        }
+        status, body = _post(server.url, request)
+        assert status == 200, body
+        for choice in json.loads(body)["choices"]:
+            assert choice["text"].startswith("Hello") and len(choice["logprobs"]["tokens"]) == 1 + 3
 
         # a stream in flight when the core dies ends with an error event and [DONE], not a hang
         req = urllib.request.Request(
@@ -166,6 +181,71 @@ def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
         core = _core_pid(server)
         assert server.stop(signal.SIGTERM) == 0
         assert _wait_gone(core, 10), "the engine core outlived the server's SIGTERM"
+
+
+def _read(url: str, body: dict, started: threading.Event | None = None) -> tuple[int, list[bytes]]:
+    """POST and read the whole answer: (status, SSE data lines, or the body as the one line)."""
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            if not body.get("stream"):
+                return r.status, [r.read()]
+            lines = []
+            for line in r:
+                if line.startswith(b"data: "):
+                    lines.append(line[6:].strip())
+                    if started is not None:
+                        started.set()
+            return r.status, lines
+    except urllib.error.HTTPError as exc:
+        return exc.code, [exc.read()]
+
+
+def _code(payload: bytes) -> str:
+    return json.loads(payload)["error"]["code"]
+
+
+def test_a_core_killed_while_requests_stream_and_queue_answers_every_client():
+    """Item 6 with --engine-process: SIGKILL of the real core with two streams running, more requests waiting
+    behind them and more arriving in the instant after: each gets engine_dead within seconds, /health turns
+    unhealthy, and nothing stays in flight (the drain at SIGTERM finds 0 requests)."""
+    with running_server("--engine-process", "--max-num-seqs", "2") as server:
+        core = _core_pid(server)
+        long = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
+        started = [threading.Event(), threading.Event()]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            streams = [pool.submit(_read, server.url, {**long, "stream": True}, e) for e in started]
+            assert all(e.wait(60) for e in started), server.output()  # both streams are running...
+            waiting = [pool.submit(_read, server.url, long) for _ in range(3)]
+            deadline = time.time() + 30
+            while server.metrics()["prescient:num_requests_waiting{}"] < 3 and time.time() < deadline:
+                time.sleep(0.05)  # ...and three more wait behind them
+            killed = time.monotonic()
+            os.kill(core, signal.SIGKILL)
+            late = [pool.submit(_read, server.url, {**long, "stream": i % 2 == 0}) for i in range(8)]
+            for future in streams:
+                status, events = future.result(timeout=30)
+                assert status == 200 and events[-1] == b"[DONE]" and _code(events[-2]) == "engine_dead"
+            for future in waiting:
+                status, (body,) = future.result(timeout=30)
+                assert status == 500 and _code(body) == "engine_dead", body
+            for future in late:  # refused before any stream opens, or the stream ends with the error
+                status, lines = future.result(timeout=30)
+                assert (status == 500 and _code(lines[0]) == "engine_dead") or (
+                    status == 200 and lines[-1] == b"[DONE]" and _code(lines[-2]) == "engine_dead"
+                ), (status, lines)
+            assert time.monotonic() - killed < 30
+        try:
+            urllib.request.urlopen(server.url + "/health", timeout=10)
+            raise AssertionError("/health answered 200 with a dead engine core")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 500
+        assert server.stop(signal.SIGTERM) == 0
+        with open(server.log_path) as f:
+            output = f.read()
+        assert "draining: 0 requests in flight" in output, output
 
 
 def test_a_killed_server_takes_its_core_with_it():

@@ -100,9 +100,9 @@ async def test_only_the_failing_steps_requests_fail(faulty_engine):
         with pytest.raises(RequestFailedError) as info:
             async for _ in bridge.generate(POISON, SamplingParams(max_tokens=5, ignore_eos=True), "poisoned"):
                 pass
-        assert "RuntimeError" in info.value.cause and info.value.output.finished
+        assert "RuntimeError" in info.value.cause and info.value.delta.finished
         outs = [out async for out in bridge.generate("Hello", SamplingParams(max_tokens=5, ignore_eos=True))]
-        assert len(outs[-1].token_ids) == 5 and outs[-1].error is None
+        assert sum(len(o.new_token_ids) for o in outs) == 5 and outs[-1].finished
         assert bridge.error is None and bridge.num_in_flight == 0
     finally:
         await bridge.shutdown()
@@ -134,7 +134,9 @@ async def test_request_arriving_while_the_engine_dies_gets_an_error(offline_engi
     finally:
         monkeypatch.undo()
         await bridge.shutdown()
-        for request_id in list(offline_engine._tracked):  # leave the shared engine clean for other tests
+        for request_id in list(
+            offline_engine.outputs.tracked
+        ):  # leave the shared engine clean for other tests
             offline_engine.abort_request(request_id)
 
 

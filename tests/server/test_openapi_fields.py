@@ -26,6 +26,7 @@ NEEDS = {
     "model": {"model": MODEL},  # a string from the schema would name a model this server does not serve
     "top_logprobs": {"logprobs": True},
     "stream_options": {"stream": True},
+    "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}]},
 }
 """Fields that need another field beside them (each field's description says so)."""
 

@@ -1,0 +1,70 @@
+"""Workers fill the cache: each hands the raw bytes it read from storage to the prefetch
+coordinator through a ring of its own in shared memory (one writer, one reader).
+
+With a cache, a planned sample the node does not hold is published to the workers as
+absent: the worker that decodes it reads storage itself (in its own process, beside the
+other workers, never behind the main process's GIL), then copies the raw bytes into its
+fill ring before it marks the position consumed. The coordinator takes the rings' records
+and offers each sample to the cache (Belady, holdings.py), so the next epoch finds it in RAM.
+A full ring is skipped, never waited on: that sample is simply not cached this time.
+
+Per ring (ring 0: the main process when num_workers=0; ring 1 + w: worker w):
+  ctl     [4]           HEAD records written, TAIL records taken, FREED bytes given back,
+                        WRITTEN bytes handed out (the writer's cursor, kept here so that the
+                        worker process of the next epoch continues where the last one stopped)
+  records [R, 4]        plan position, dataset index, byte cursor, length
+  data    [S]           the bytes; a record never wraps (the cursor skips to the next lap)
+Order: the writer stores bytes and the record, then HEAD; the reader loads HEAD, then the
+record and bytes, then stores TAIL and FREED (x86 keeps stores in order, as the ready/done
+rings of cache_ram.py also assume).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+HEAD, TAIL, FREED, WRITTEN = 0, 1, 2, 3
+POS, INDEX, CURSOR, LENGTH = 0, 1, 2, 3
+RECORDS = 1024  # records per ring
+
+
+class FillRings:
+    def __init__(self, ctl: np.ndarray, records: np.ndarray, data: memoryview, ring_bytes: int):
+        self.ctl = ctl  # [rings, 4] int64
+        self.records = records  # [rings, RECORDS, 4] int64
+        self.data = data  # rings * ring_bytes
+        self.ring_bytes = ring_bytes
+
+    def put(self, ring: int, pos: int, index: int, raw: bytes) -> bool:
+        """Worker side: hand over one sample's bytes; False when the ring has no room."""
+        size, ctl = self.ring_bytes, self.ctl[ring]
+        n = len(raw)
+        head = int(ctl[HEAD])
+        if n > size or head - int(ctl[TAIL]) >= RECORDS:
+            return False
+        cursor = int(ctl[WRITTEN])
+        if cursor % size + n > size:
+            cursor += size - cursor % size  # to the start of the next lap
+        if cursor + n - int(ctl[FREED]) > size:
+            return False
+        start = ring * size + cursor % size
+        self.data[start : start + n] = raw
+        self.records[ring, head % RECORDS] = (pos, index, cursor, n)
+        ctl[WRITTEN] = cursor + n
+        ctl[HEAD] = head + 1
+        return True
+
+    def take(self) -> list[tuple[int, int, bytes]]:
+        """Coordinator side: every record written since the last call, (position, index, bytes)."""
+        out = []
+        size = self.ring_bytes
+        for ring in range(len(self.ctl)):
+            ctl = self.ctl[ring]
+            head, tail = int(ctl[HEAD]), int(ctl[TAIL])
+            for record in range(tail, head):
+                pos, index, cursor, n = (int(v) for v in self.records[ring, record % RECORDS])
+                start = ring * size + cursor % size
+                out.append((pos, index, bytes(self.data[start : start + n])))
+                ctl[FREED] = cursor + n
+            ctl[TAIL] = head
+        return out
