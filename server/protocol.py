@@ -175,7 +175,9 @@ def _common(v: dict, prompts: list, default_max_tokens: int | None, chat: bool) 
         echo_only=echo and given and v["max_tokens"] == 0,
         n=v["n"],
         best_of=params.n,
-        logprobs_requested=v["logprobs"] not in (None, False),
+        # completions' `logprobs: 0` asks for the chosen tokens' logprobs with no alternatives (0 == False
+        # in Python, so test identity); chat's `logprobs: false` asks for none
+        logprobs_requested=v["logprobs"] is not None and v["logprobs"] is not False,
         tools=parse_tools(v) if chat else None,
     )
 

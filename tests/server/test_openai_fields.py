@@ -80,6 +80,19 @@ def test_streamed_batch_with_echo_and_logprobs_assembles(client, offline_engine)
         assert generated == pytest.approx([s.logprob for s in e.logprobs], abs=1e-4)
 
 
+def test_completions_logprobs_zero_gives_the_chosen_tokens_and_no_alternatives(client, offline_engine):
+    prompt = "The sky is"
+    expected = offline_engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=0))[0]
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0)
+    lp = resp.choices[0].logprobs
+    assert lp is not None, "logprobs: 0 must still return the sampled tokens' logprobs"
+    assert lp.token_logprobs == pytest.approx([s.logprob for s in expected.logprobs], abs=1e-4)
+    # no alternatives: each position lists only the chosen token, as vLLM's do
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_chat_logprobs_sync_and_async_streaming(client, server, offline_engine):
     messages = [{"role": "user", "content": "Name a color."}]
     resp = client.chat.completions.create(
