@@ -5,6 +5,8 @@ with cel-python."""
 
 from __future__ import annotations
 
+import functools
+
 import celpy
 import jsonschema
 import yaml
@@ -42,17 +44,16 @@ def errors(doc: dict, crd: dict) -> list[str]:
 
 def _walk(value, schema: dict, path: str, found: list[str]) -> None:
     for rule in schema.get("x-kubernetes-validations", []):
-        env = celpy.Environment()
-        program = env.program(env.compile(rule["rule"]))
+        message = rule.get("message", rule["rule"])
         try:
-            ok = bool(program.evaluate({"self": celpy.json_to_cel(value)}))
+            ok = bool(_program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)}))
         except Exception as e:  # a rule that cannot be evaluated on this value fails it, as on a server
-            ok, rule = False, {**rule, "message": f"{rule.get('message', rule['rule'])} ({e})"}
+            ok, message = False, f"{message} ({e})"
         if not ok:
-            found.append(f"{path or '<root>'}: {rule.get('message', rule['rule'])}")
+            found.append(f"{path or '<root>'}: {message}")
     if isinstance(value, dict):
         properties = schema.get("properties")
-        if properties is not None and path != ".metadata":
+        if properties is not None:
             preserve = schema.get("x-kubernetes-preserve-unknown-fields") or schema.get(
                 "additionalProperties"
             )
@@ -67,3 +68,10 @@ def _walk(value, schema: dict, path: str, found: list[str]) -> None:
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for i, item in enumerate(value):
             _walk(item, schema["items"], f"{path}[{i}]", found)
+
+
+@functools.cache
+def _program(rule: str):
+    """A CEL rule compiled once, however many values it is evaluated on."""
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
