@@ -40,6 +40,7 @@ class LoaderIterator:
         self.sampler_iter = iter(index_sampler)
         self.base_seed = torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
         self.yielded = 0
+        self.profile_name = f"enumerate(DataLoader)#{type(self).__name__}.__next__"
 
     def __iter__(self):
         return self
@@ -48,9 +49,10 @@ class LoaderIterator:
         return len(self.index_sampler)
 
     def __next__(self):
-        start = time.perf_counter()
-        data = self.next_batch()
-        self.engine.batch_yielded(time.perf_counter() - start)
+        with torch.autograd.profiler.record_function(self.profile_name):  # as torch labels it
+            start = time.perf_counter()
+            data = self.next_batch()
+            self.engine.batch_yielded(time.perf_counter() - start)
         self.yielded += 1
         if self.iterable and self.len_called is not None and self.yielded > self.len_called:
             message = (

@@ -139,3 +139,54 @@ def test_in_order_false_yields_the_same_batches():
     theirs, ours = run(tud.DataLoader), run(DataLoader)
     key = lambda b: b.tolist()  # noqa: E731
     assert sorted(map(key, theirs)) == sorted(map(key, ours)) and len(ours) == 10
+
+
+class FirstSlow(tud.Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, index):
+        if index == 0:
+            time.sleep(1.0)  # worker 0 is stuck on batch 0 while worker 1 keeps delivering
+        return index
+
+
+def test_in_order_false_yields_batches_as_they_come_like_torch():
+    def order(cls):
+        return [int(b[0]) // 2 for b in cls(FirstSlow(), batch_size=2, num_workers=2, in_order=False)]
+
+    theirs, ours = order(tud.DataLoader), order(DataLoader)
+    assert ours == theirs and ours[0] != 0 and sorted(ours) == list(range(12))
+
+
+class FakePinnable:
+    """Stands in for a tensor on a machine with an accelerator (none here): pin_memory() marks it."""
+
+    def __init__(self, value, pinned=False):
+        self.value, self.pinned = value, pinned
+
+    def pin_memory(self):
+        return FakePinnable(self.value, True)
+
+    def __eq__(self, other):
+        return type(other) is FakePinnable and (self.value, self.pinned) == (other.value, other.pinned)
+
+
+def test_pin_keeps_containers_as_torchs_pin_memory_does():
+    from collections import OrderedDict, namedtuple
+
+    from torch.utils.data._utils.pin_memory import pin_memory as torchs_pin  # the oracle, tests only
+
+    from loader.pin_memory import pin
+
+    Pair = namedtuple("Pair", "a b")
+    batch = {
+        "x": FakePinnable(1),
+        "pair": Pair(FakePinnable(2), "label"),
+        "list": [FakePinnable(3), (FakePinnable(4), 5)],
+        "ordered": OrderedDict(y=FakePinnable(6)),
+        "raw": b"bytes",
+    }
+    ours, theirs = pin(batch), torchs_pin(batch)
+    assert ours == theirs and ours["x"].pinned and ours["list"][1][0].pinned
+    assert type(ours["pair"]) is Pair and type(ours["ordered"]) is OrderedDict
