@@ -24,6 +24,7 @@ import itertools
 import queue
 import signal
 import time
+import warnings
 import weakref
 from pickle import PicklingError
 
@@ -93,7 +94,15 @@ class MultiProcessIterator(LoaderIterator):
                 worker.start()
         except (TypeError, AttributeError, PicklingError):
             self.shutdown()
-            raise  # e.g. spawn/forkserver and a dataset or function that cannot be pickled
+            warnings.warn(  # torch's words: spawn/forkserver pickle the dataset and the functions
+                "Got pickle error when attempting to start a worker Process. "
+                "This might be because the worker Process arguments are not picklable. "
+                "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+                "to 'forkserver', which requires the worker Process arguments to be picklable. "
+                "You can also try multiprocessing.set_start_method('fork').",
+                stacklevel=4,
+            )
+            raise
         except BaseException:
             self.shutdown()
             raise

@@ -250,3 +250,21 @@ def test_pin_memory_device_warnings_like_torch():
 
     for kwargs in (dict(pin_memory=True, pin_memory_device="cuda"), dict(pin_memory_device="cuda")):
         assert same(warned(tud.DataLoader, **kwargs), warned(DataLoader, **kwargs))
+
+
+def test_unpicklable_worker_arguments_fail_like_torch():
+    def failure(cls):
+        dl = cls(
+            list(range(8)),
+            batch_size=2,
+            num_workers=2,
+            multiprocessing_context="spawn",
+            collate_fn=lambda b: b,
+        )
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(Exception) as raised:
+            warnings.simplefilter("always")
+            iter(dl)
+        return type(raised.value), sorted(str(w.message) for w in caught)
+
+    theirs, ours = failure(tud.DataLoader), failure(DataLoader)
+    assert ours == theirs and "pickle" in " ".join(ours[1])
