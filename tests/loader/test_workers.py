@@ -268,3 +268,16 @@ def test_unpicklable_worker_arguments_fail_like_torch():
 
     theirs, ours = failure(tud.DataLoader), failure(DataLoader)
     assert ours == theirs and "pickle" in " ".join(ours[1])
+
+
+def test_installed_torch_is_in_the_range_pyproject_declares():
+    """The range CI tests is the installed release: the loader's worker semantics are those of it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml")) as handle:
+        low, high = re.search(r'"torch>=([\d.]+),<([\d.]+)"', handle.read()).groups()
+
+    def release(text: str) -> tuple[int, int]:
+        major, minor = re.match(r"(\d+)\.(\d+)", text).groups()
+        return int(major), int(minor)
+
+    assert release(low) <= release(torch.__version__) < release(high)
