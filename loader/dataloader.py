@@ -197,10 +197,8 @@ class DataLoader(tud.DataLoader[T_co]):
             return SingleProcessIterator(self, dataset, self._planned_sampler(), engine)
         self.check_worker_number_rationality()
         view = engine.view
-        rings = None
-        if view is not None and view.shared is not None and view.shared.fills is not None:
-            ring_set = view.ring_sets.claim()
-            rings = (view.ring_sets, ring_set) if ring_set is not None else None
+        fills = view is not None and view.shared is not None and view.shared.fills is not None
+        rings = view.ring_sets if fills else None  # the workers fill the cache (fill_ring.py)
         return MultiProcessIterator(self, dataset, self._planned_sampler(), engine, rotation, rings)
 
     def _iterate(self):

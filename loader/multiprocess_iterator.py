@@ -51,21 +51,21 @@ atexit.register(_at_exit)
 
 
 class MultiProcessIterator(LoaderIterator):
-    def __init__(self, loader, dataset, index_sampler, engine, rotation: int = 0, fill_rings=None):
+    def __init__(self, loader, dataset, index_sampler, engine, rotation: int = 0, ring_sets=None):
         super().__init__(loader, dataset, index_sampler, engine)
         self.prefetch_factor = loader.prefetch_factor
         self.in_order = loader.in_order
         self.persistent = loader.persistent_workers
         self.rotation = rotation
-        self.fill_rings = fill_rings  # (RingSets, set) this iterator's workers write, or None
-        self.shut = False
         context = loader.multiprocessing_context or torch.multiprocessing
         self.results = context.Queue()
         self.done_event = context.Event()
         self.index_queues, self.workers = [], []
-        rings = (
-            fill_rings[0].rings(fill_rings[1], self.num_workers) if fill_rings else [None] * self.num_workers
-        )
+        self.shut = False
+        # the fill rings this iterator's workers write (fill_ring.py): (RingSets, the set), or None
+        ring_set = ring_sets.claim() if ring_sets is not None else None
+        self.fill_rings = (ring_sets, ring_set) if ring_set is not None else None
+        rings = ring_sets.rings(ring_set, self.num_workers) if self.fill_rings else [None] * self.num_workers
         try:
             for worker_id in range(self.num_workers):
                 index_queue = context.Queue()
