@@ -28,30 +28,36 @@ from runtime.quantization import (
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in float32, scale in the model dtype (as the reference implementation does)."""
+    if x.dtype == torch.float32:  # F.rms_norm computes the same float32 function in fewer ops
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
 class RotaryEmbedding:
-    """Half-split RoPE: cos/sin tables in float32 for every position, cast to the model dtype."""
+    """Half-split RoPE: cos/sin tables in float32 for every position, cast to the model dtype.
+
+    rotate_half(x) * sin is computed as roll(x, D/2) * sin_signed, sin_signed = [-sin, sin] by halves (a
+    negation moves no rounding), so a step's rotation is a few whole-tensor ops over q and k together."""
 
     def __init__(self, head_dim: int, max_len: int, theta: float, dtype: torch.dtype, device: torch.device):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.half = head_dim // 2
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
+        self.sin_signed = torch.cat((-self.sin[:, : self.half], self.sin[:, self.half :]), dim=-1)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) rows of these positions, [T, 1, D]: gathered once a step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, half: int) -> torch.Tensor:
+        """x [T, heads, D] rotated: x * cos + rotate_half(x) * sin."""
+        return torch.addcmul(x * cos, x.roll(half, dims=-1), sin_signed)
 
 
 class Layer:
@@ -175,22 +181,29 @@ class LlamaModel:
         """Returns the final hidden states [T, hidden] (normalised), one row per input token."""
         c = self.config
         t = input_ids.shape[0]
+        qk_heads = c.num_heads + c.num_kv_heads
+        cos, sin = self.rope.tables(positions)
+        half = self.rope.half
         h = self.embed[input_ids]
+        x = rms_norm(h, self.layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv)
-            q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
-            k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
+            # q and k heads side by side: one rotation for both
+            qk = self.rope.rotate(
+                qkv[:, : c.q_size + c.kv_size].view(t, qk_heads, c.head_dim), cos, sin, half
+            )
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
-            q, k = self.rope(positions, q, k)
             k_cache, v_cache = kv.layer(i)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + linear(attn.reshape(t, c.q_size), layer.o)
+            h += linear(attn.reshape(t, c.q_size), layer.o)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.down)
-        return rms_norm(h, self.norm, c.rms_norm_eps)
+            h += linear(F.silu(gate).mul_(up), layer.down)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = rms_norm(h, following, c.rms_norm_eps)
+        return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
