@@ -22,6 +22,7 @@ from runtime.quantization import (
     linear,
     make_linear,
     measure_dense_rows,
+    measure_native_rows,
     weight_nbytes,
 )
 
@@ -79,15 +80,19 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         quantization: str = "none",
+        dense_copy_bytes: int | None = None,
     ):
         """quantization: as resolved by runtime.quantization.resolve_quantization ('none', 'gguf', 'int8',
-        'int4')."""
+        'int4'); dense_copy_bytes: the cap on packed projections' dense copies (ModelSettings)."""
         self.config = config
         self.dtype = dtype
         self.device = device
         self.quantization = quantization
         self.dense_rows: int | None = None
         """Packed projections run as dense matmuls from this many rows up (None: always packed)."""
+        self.native_rows: dict[tuple[int, int], int | None] = {}
+        """(out, in features) of packed projections -> the C kernel serves up to this many rows (None:
+        never), as measured at load."""
 
         def source(name: str) -> np.ndarray | GGUFBlocks:
             if name not in weights:
@@ -99,12 +104,28 @@ class LlamaModel:
             w = w.dequantize() if isinstance(w, GGUFBlocks) else w
             return torch.from_numpy(w).to(device=device, dtype=dtype)
 
+        dense_budget = [dense_copy_bytes]  # bytes left for dense copies (None: no cap)
+
         def proj(names: list[str], how: str = quantization):
             parts = [source(n) for n in names]
             fused = GGUFBlocks.stack(parts) if all(isinstance(p, GGUFBlocks) for p in parts) else None
             if fused is None:
                 fused = np.concatenate([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts])
-            return make_linear(fused, how, dtype, device, dense=how == "gguf")
+            dense = how == "gguf"
+            if dense and dense_budget[0] is not None:
+                cost = fused.shape[0] * fused.shape[1] * dtype.itemsize
+                dense = cost <= dense_budget[0]
+                dense_budget[0] -= cost if dense else 0
+            return make_linear(fused, how, dtype, device, dense=dense)
+
+        # the layers first: their dense copies serve every prefill row, the LM head's only sampled rows
+        self.layers = [
+            Layer(
+                lambda s, i=i: tensor(f"model.layers.{i}.{s}"),
+                lambda names, i=i: proj([f"model.layers.{i}.{s}" for s in names]),
+            )
+            for i in range(config.num_layers)
+        ]
 
         embed = source("model.embed_tokens.weight")
         if quantization != "none" and (config.tie_word_embeddings or isinstance(embed, GGUFBlocks)):
@@ -120,14 +141,8 @@ class LlamaModel:
             self.embed = tensor("model.embed_tokens.weight")
             self.lm_head = self.embed if config.tie_word_embeddings else proj(["lm_head.weight"])
         self.norm = tensor("model.norm.weight")
-        self.layers = [
-            Layer(
-                lambda s, i=i: tensor(f"model.layers.{i}.{s}"),
-                lambda names, i=i: proj([f"model.layers.{i}.{s}" for s in names]),
-            )
-            for i in range(config.num_layers)
-        ]
         self._choose_dense_rows()
+        self._choose_native_rows()
         self.rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, dtype, device)
         self.scale = config.head_dim**-0.5
 
@@ -144,12 +159,27 @@ class LlamaModel:
         if not packed:
             return
         probe = self.layers[0].gate_up
-        rows = measure_dense_rows(probe) if isinstance(probe, Int4Linear) else None
+        probe = probe if probe in packed else packed[0]  # the first layer's copy may be over the cap
+        rows = measure_dense_rows(probe)
         for w in packed:
             w.dense_rows = rows
             if rows is None:
                 w.dense = None
         self.dense_rows = rows
+
+    def _choose_native_rows(self) -> None:
+        """Packed projections with a copy for the C kernel use it up to the row count where it measured
+        faster than torch's packed kernel, measured once per shape; where it never did, the copy is
+        dropped."""
+        for w in self._packed():
+            if w.native is None:
+                continue
+            shape = (w.out_features, w.in_features)
+            if shape not in self.native_rows:
+                self.native_rows[shape] = measure_native_rows(w)
+            w.native_rows = self.native_rows[shape]
+            if w.native_rows is None:
+                w.native = None
 
     @property
     def weight_bytes(self) -> int:
