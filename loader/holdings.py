@@ -26,7 +26,7 @@ HOME_FIRST = 1 << 62  # subtracted from a home sample's next use: ahead of any o
 HORIZON_CAP = 1 << 40  # a home sample not used again by this rank still ranks ahead
 
 
-@dataclass
+@dataclass(slots=True)
 class _Held:
     """A sample's bytes in the shared data area."""
 
