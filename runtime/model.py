@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime import native_attention, native_layer_ops
 from runtime.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
@@ -144,6 +145,8 @@ class LlamaModel:
         self._choose_dense_rows()
         self._choose_native_rows()
         self.rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, dtype, device)
+        self.native_decode = native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0
+        """Steps that only decode, with the C attention kernel, run the layers' element-wise work in C."""
         self.scale = config.head_dim**-0.5
 
     def _packed(self) -> list[Int4Linear]:
@@ -211,6 +214,8 @@ class LlamaModel:
         """Returns the final hidden states [T, hidden] (normalised), one row per input token."""
         c = self.config
         t = input_ids.shape[0]
+        if self.native_decode and not meta.prefills and meta.num_decode == t and meta.native_decode:
+            return self._forward_decode(input_ids, positions, meta, kv)
         qk_heads = c.num_heads + c.num_kv_heads
         cos, sin = self.rope.tables(positions)
         half = self.rope.half
@@ -234,6 +239,46 @@ class LlamaModel:
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = rms_norm(h, following, c.rms_norm_eps)
         return x
+
+    def _forward_decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+    ) -> torch.Tensor:
+        """forward for a step of one row per decoding sequence, its element-wise work and attention in C
+        (native_layer_ops, native_attention): a few calls per layer instead of ~40 torch ops."""
+        c = self.config
+        t, eps = input_ids.shape[0], c.rms_norm_eps
+        h = self.embed[input_ids].contiguous()
+        x = torch.empty_like(h)
+        q = torch.empty(t, c.num_heads, c.head_dim, dtype=torch.float32, device=self.device)
+        act = torch.empty(t, c.intermediate_size, dtype=self.dtype, device=self.device)
+        positions = positions.contiguous()
+        native_layer_ops.add_rms_norm(h, None, self.layers[0].input_norm, x, eps)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(i)
+            native_layer_ops.rope_write_kv(
+                linear(x, layer.qkv),
+                positions,
+                self.rope.cos,
+                self.rope.sin_signed,
+                q,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+            )
+            attn = native_attention.decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            ).view(t, c.q_size)
+            native_layer_ops.add_rms_norm(h, self._project(attn, layer.o), layer.post_norm, x, eps)
+            native_layer_ops.silu_mul(linear(x, layer.gate_up), act)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            native_layer_ops.add_rms_norm(h, linear(act, layer.down), following, x, eps)
+        return x
+
+    def _project(self, x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
+        """x W^T for float32 x, out in the model dtype: the C matmul takes float32 as it is."""
+        if isinstance(w, Int4Linear) and w.native_rows is not None and x.shape[0] <= w.native_rows:
+            return w.native(x, out_dtype=self.dtype)
+        return linear(x.to(self.dtype), w)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ per-user cache, keyed by their sources and the CPU, and loaded with ctypes.
 One library for all of them: one build, one load, and one warning when it
 cannot be had. Whenever it cannot be built or loaded, the engine keeps the
 PyTorch paths (see load()); each kernel's wrapper (native_attention,
-native_matmul) says what it does.
+native_matmul, native_layer_ops) says what it does.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pathlib import Path
 
 log = logging.getLogger("prescient.runtime")
 SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.c", "quantized_matmul.c")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_decode_attention.c", "quantized_matmul.c", "decode_layer_ops.c")
 ]
 
 
@@ -139,6 +140,7 @@ def _open(path: Path) -> ctypes.CDLL:
     try:
         attention = (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16)
         matmul, vectorized = lib.quantized_matmul, lib.quantized_matmul_vectorized
+        norm, silu_mul, rope = lib.add_rms_norm, lib.silu_mul, lib.rope_write_kv
     except AttributeError as exc:  # some other library under our name
         raise OSError(f"{path} lacks the kernels' symbols") from exc
     for fn in attention:
@@ -148,4 +150,9 @@ def _open(path: Path) -> ctypes.CDLL:
     matmul.restype = None
     vectorized.argtypes = []
     vectorized.restype = cint
+    norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, cint]
+    silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
+    rope.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint]
+    for fn in (norm, silu_mul, rope):
+        fn.restype = None
     return lib

@@ -255,12 +255,20 @@ def measure_dense_rows(w: Int4Linear, rounds: int = 5) -> int | None:
 NATIVE_ROW_CANDIDATES = (1, 2, 4, 8)
 
 
-def measure_native_rows(w: Int4Linear, rounds: int = 7) -> int | None:
+def measure_native_rows(w: Int4Linear, rounds: int = 9, calls: int = 4) -> int | None:
     """The most rows (of NATIVE_ROW_CANDIDATES, counting up until it first loses) for which w's C kernel
-    multiplied faster than torch's packed kernel in median seconds, interleaved; None: not even one."""
+    multiplied faster than torch's packed kernel: median CPU seconds of `calls` calls, the two interleaved
+    (CPU time, as the machine may be shared: waiting for a core is nobody's cost); None: not even one."""
     if w.native is None:
         return None
     best = None
+
+    def seconds(fn, x) -> float:
+        start = time.process_time()
+        for _ in range(calls):
+            fn(x)
+        return time.process_time() - start
+
     for rows in NATIVE_ROW_CANDIDATES:
         if w.dense_rows is not None and rows >= w.dense_rows:
             break
@@ -270,12 +278,8 @@ def measure_native_rows(w: Int4Linear, rounds: int = 7) -> int | None:
         w.native(x)
         packed, native = [], []
         for _ in range(rounds):
-            start = time.perf_counter()
-            w(x)
-            packed.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            w.native(x)
-            native.append(time.perf_counter() - start)
+            packed.append(seconds(w, x))
+            native.append(seconds(w.native, x))
         if statistics.median(native) >= statistics.median(packed):
             break
         best = rows

@@ -77,7 +77,7 @@ def test_one_row_goes_to_the_kernel_only_where_it_measured_faster(monkeypatch):
     w(torch.randn(2, w.in_features).bfloat16())
     assert calls == [1]
     seconds = iter([0.0, 2.0, 2.0, 3.0] * 100)  # packed 2 s, C kernel 1 s: the kernel wins every row count
-    monkeypatch.setattr(quantization.time, "perf_counter", lambda: next(seconds))
+    monkeypatch.setattr(quantization.time, "process_time", lambda: next(seconds))
     w.dense_rows = 8
     assert quantization.measure_native_rows(w) == 4  # counts up to the dense copy's rows, not past
     seconds = iter([0.0, 1.0, 1.0, 3.0] * 100)  # packed 1 s, C kernel 2 s
