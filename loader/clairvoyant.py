@@ -8,15 +8,16 @@ Processes and what they share. The main process owns one shared-memory segment
 (cache_ram.py: header, per-process counters, the sample table, the ready/done rings, RNG
 snapshot slots, the workers' fill rings, the data arena) and, with a cache, the prefetcher
 (prefetch.py: one coordinator thread; reader threads only for what peers could not give).
-torch's worker processes get the dataset view (view.py), which attaches to the segment by
-name. Nothing but plain ints and raw sample bytes crosses a process boundary outside torch's
-own queues; no pickle is read from shared memory, from a peer or from a checkpoint.
+The loader's worker processes (worker_loop.py, started by multiprocess_iterator.py) get the
+dataset view (view.py), which attaches to the segment by name. Nothing but plain ints and raw
+sample bytes crosses a process boundary outside the iterator's queues; no pickle is read from
+shared memory, from a peer or from a checkpoint.
 
-      main process                                   worker w (torch's worker loop)
-      ------------                                   ------------------------------
+      main process                                   worker w (worker_loop.py)
+      ------------                                   -------------------------
       sampler --(first draw)--> plan the epoch
       PlannedSampler: TicketBatch(indices, first position, batch #, flags)
-             -- torch index queue -->                view.__getitems__(batch):
+             -- index queue w: (task, batch) -->     view.__getitems__(batch):
       prefetcher (cache configured):                   FIRST: RNG snapshot -> slot batch % ring
         walks the plan in order: a held sample          planned position p:
         is pinned; for one not held it decides           wait ready[p % ring] == p + 1
@@ -27,8 +28,29 @@ own queues; no pickle is read from shared memory, from a peer or from a checkpoi
           -> into the reserved room, table: RAM          done[p % ring] = p + 1
         done[p % ring] == p + 1  <--------------------   not planned / no cache: read storage here
         -> unpin, evict (Belady)                         then decode in the batch's order
-             <-- torch result queue --                 LAST near the epoch's end: RNG snapshot
+             <-- result queue: (task, batch) --        LAST near the epoch's end: RNG snapshot
       __next__ times the wait (stall)                  -> slot ring + w (else at worker exit)
+
+Iterators and workers (iterator.py, multiprocess_iterator.py, worker_loop.py). iter(loader)
+makes an iterator: it makes the sampler's iterator, then draws the workers' base seed from
+the loader's generator (torch's order, which the plan and resume rely on), then starts
+num_workers processes with the chosen multiprocessing context. Task t, the t-th batch of
+indices drawn, goes to the next live worker round robin; at most prefetch_factor x
+num_workers tasks are out; results come back on one queue and are yielded in task order
+(in_order=False: as they arrive). A worker seeds itself from the base seed and its id as
+torch's do, sets get_worker_info(), runs worker_init_fn, and sends each batch or a
+WorkerError (its exception type and traceback, raised again in the main process). A
+persistent worker gets NewEpoch at each epoch and echoes it. The fill rings an iterator's
+workers write are a set it claims at start and gives back when all of them have exited
+(fill_ring.py), so two iterators of one loader alive at once never share a ring.
+torch internals the loader touches, each tested to exist (test_contract.py) so that a torch
+upgrade fails loudly: get_worker_info() reads torch.utils.data._utils.worker._worker_info,
+which a worker sets to a torch.utils.data._utils.worker.WorkerInfo; and torch's DataLoader
+constructor (inherited) sets _IterableDataset_len_called, which the length warning of an
+IterableDataset reads. Not reproduced: torch's SIGCHLD handler (a dead
+worker is found by polling every 0.5 s instead) and its C handlers for SIGSEGV/SIGBUS in
+workers (the worker dies by the signal and is reported as killed by it); DataPipes get no
+sharding of their own.
 
 Positions are global: epoch e's plan starts at e * EPOCH_STRIDE, so a stale ring entry
 never matches a new epoch. header[GEN_BASE] is the oldest position still valid and
@@ -44,10 +66,12 @@ fails or outlasts peer_timeout makes the rank log who is at fault (heartbeats in
 rendezvous store, peer_health.py) and read the rest of the epoch itself; the survivors
 regroup at the next epoch's start (peer_cluster.py).
 
-Shutdown. close(), garbage collection (weakref.finalize) and interpreter exit stop the
-prefetcher, set MODE = DIRECT, unlink the segment and remove the disk tier. If the main
-process is SIGKILLed: torch's workers notice the dead parent within its status interval
-(5 s) when idle, and a worker waiting on a ready position checks its parent pid after
+Shutdown. An iterator stops its workers at the epoch's end (unless persistent), when it is
+dropped, on close() and at interpreter exit: done event, None to each, join, then terminate
+what is left after 0.5 s. The loader's close(), garbage collection (weakref.finalize) and
+interpreter exit stop the prefetcher, set MODE = DIRECT, unlink the segment and remove the
+disk tier. If the main process is SIGKILLed: an idle worker notices the dead parent within
+WATCH_SECONDS (1 s), and a worker waiting on a ready position checks its parent pid after
 0.5 s and exits; the resource tracker unlinks the segment; segments and disk-tier
 directories carry the owner's pid and the next loader on the node removes those of dead
 owners (reclaim.py). Segments reserve their pages at creation (posix_fallocate), so
@@ -58,8 +82,8 @@ Resume. An epoch's order is fixed by the RNG states at its sampler's first draw
 each worker the RNG state it must start its next batch with: the snapshot its upcoming
 batch started with, or, if it never starts one (the iterator was dropped, or it has none
 left this epoch), the state after its last batch. A new loader replays the sampler from
-the saved states, skips the yielded batches, rotates torch's round robin so batch b still
-goes to worker b % num_workers, and each worker restores its state before its first batch.
+the saved states, skips the yielded batches, rotates the iterator's round robin so batch
+b still goes to worker b % num_workers, and each worker restores its state before its first batch.
 Under a DistributedSampler the state also records the world size; resumed under another
 one (elastic), the rest of the epoch is what no old rank yielded, dealt out to the new ranks
 (elastic.py), and the sampler's own stream takes over again from the next epoch.
@@ -75,11 +99,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler
-from torch.utils.data.dataloader import _DatasetKind
+from torch.utils.data import BatchSampler, IterableDataset
 
 from loader.cache_disk import DiskTier
 from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
+from loader.fill_ring import ring_count
 from loader.peer_cluster import PeerCluster
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
@@ -147,7 +171,7 @@ class Clairvoyant:
         self.loader_ref = weakref.ref(loader)
         self.options = options
         dataset = loader.dataset
-        self.map_style = loader._dataset_kind == _DatasetKind.Map
+        self.map_style = not isinstance(dataset, IterableDataset)
         own_batching = callable(getattr(dataset, "__getitems__", None))
         cacheable = self.map_style and not own_batching and (has_read_decode(dataset) or options.cache_items)
         retry = RetryPolicy(options.read_attempts, options.read_retry_delay)
@@ -219,7 +243,7 @@ class Clairvoyant:
         arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
         # Without peers the workers read what the node does not hold and fill the cache themselves
         # (fill_ring.py); half of prefetch_bytes is their rings, the rest room for evicted bytes still in use.
-        fill_rings = self.num_workers + 1 if placing and self.cluster is None else 0
+        fill_rings = ring_count(self.num_workers) if placing and self.cluster is None else 0
         fill_bytes = opts.prefetch_bytes // 2 // fill_rings if fill_rings else 0
         layout = Layout(
             samples=len(dataset),
