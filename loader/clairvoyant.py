@@ -118,6 +118,10 @@ RING = 1 << 16  # plan positions that may be published and unconsumed at once
 SNAPSHOT_WAIT_SECONDS = 30.0
 FALLBACK_SECONDS = 0.5  # how long state_dict() waits for a start-of-batch snapshot before using the end
 # of the worker's previous batch
+READS_IN_FLIGHT = 64  # the most storage reads a worker keeps in flight when prefetch_threads is not set
+PEER_READ_THREADS = (
+    16  # the prefetcher's storage readers under peer exchange when prefetch_threads is not set
+)
 SHM_SHARE = 0.8  # of /dev/shm's free space the loader may take (torch's workers need some)
 
 
@@ -128,7 +132,7 @@ class CacheOptions:
     cache_disk_bytes: int = 0  # bytes the disk tier may hold
     cache_items: bool = False  # the dataset's items are deterministic: cache them whole
     prefetch_bytes: int = 64 << 20  # bytes read ahead and not cached, plus reads in flight
-    prefetch_threads: int = 16  # concurrent storage reads
+    prefetch_threads: int | None = None  # concurrent storage reads in all (None: a batch's per worker)
     horizon_epochs: int = 2  # epochs the placement looks ahead when the order is seeded
     peer_exchange: bool = False  # fetch samples other ranks hold (torch.distributed, gloo)
     peer_window: int = 128  # samples per exchange window
@@ -181,6 +185,7 @@ class Clairvoyant:
         self.num_workers = loader.num_workers
         self.persistent = loader.persistent_workers and loader.num_workers > 0
         self.snap_ring = (loader.prefetch_factor or 0) * loader.num_workers + 2 * loader.num_workers
+        self.reads_in_flight = self._reads_in_flight(loader)
         self.resources = _Resources()
         self._finalizer = weakref.finalize(self, self.resources.close)
         self.view: CachedView | None = None
@@ -229,7 +234,7 @@ class Clairvoyant:
                 self.shared,
                 self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
                 max(self.snap_ring, 1),
-                read_threads=-(-self.options.prefetch_threads // max(1, self.num_workers)),
+                read_threads=self.reads_in_flight,
             )
         return self.view
 
@@ -263,10 +268,20 @@ class Clairvoyant:
                 self.source,
                 opts.cache_ram,
                 opts.prefetch_bytes,
-                opts.prefetch_threads,
+                opts.prefetch_threads or PEER_READ_THREADS,
                 disk,
                 peers,
             )
+
+    def _reads_in_flight(self, loader) -> int:
+        """Storage reads each worker keeps in flight while it reads its batch (batch_reads.py). Sized to
+        hide the storage's latency, not to the worker count: a whole batch in one round trip, so a
+        batch takes one read's latency however slow the storage (up to READS_IN_FLIGHT), unless
+        prefetch_threads says how many reads the node may have in flight in all."""
+        if self.options.prefetch_threads is not None:
+            return -(-self.options.prefetch_threads // max(1, self.num_workers))
+        batch = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        return max(1, min(READS_IN_FLIGHT, batch if isinstance(batch, int) else READS_IN_FLIGHT))
 
     def _fit_shared_memory(self) -> None:
         """/dev/shm is often small (64 MiB in a default Docker container) and a write beyond it
