@@ -6,6 +6,7 @@ Main-process bookkeeping only; workers never allocate, they read ranges the tabl
 from __future__ import annotations
 
 import bisect
+import itertools
 
 ALIGN = 64  # bytes; keeps every sample on its own cache line
 
@@ -33,6 +34,29 @@ class Arena:
                 self._used[start] = need
                 self.used += need
                 return start
+        return None
+
+    def alloc_run(self, sizes: list[int]) -> list[int] | None:
+        """Offsets of one block per size, carved in a row from the first free block that holds them
+        all (one search for a whole batch); None when no free block is that large. Each block is
+        freed on its own later, as if alloc had made it."""
+        if not sizes:
+            return []
+        needs = [max(ALIGN, -(-n // ALIGN) * ALIGN) for n in sizes]
+        total = sum(needs)
+        for position, start in enumerate(self._starts):
+            block = self._free[start]
+            if block >= total:
+                del self._free[start]
+                if block == total:
+                    del self._starts[position]
+                else:
+                    self._starts[position] = start + total
+                    self._free[start + total] = block - total
+                offsets = list(itertools.accumulate(needs[:-1], initial=start))
+                self._used.update(zip(offsets, needs))
+                self.used += total
+                return offsets
         return None
 
     def free(self, offset: int) -> None:

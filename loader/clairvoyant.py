@@ -8,15 +8,16 @@ Processes and what they share. The main process owns one shared-memory segment
 (cache_ram.py: header, per-process counters, the sample table, the ready/done rings, RNG
 snapshot slots, the workers' fill rings, the data arena) and, with a cache, the prefetcher
 (prefetch.py: one coordinator thread; reader threads only for what peers could not give).
-torch's worker processes get the dataset view (view.py), which attaches to the segment by
-name. Nothing but plain ints and raw sample bytes crosses a process boundary outside torch's
-own queues; no pickle is read from shared memory, from a peer or from a checkpoint.
+The loader's worker processes (worker_loop.py, started by multiprocess_iterator.py) get the
+dataset view (view.py), which attaches to the segment by name. Nothing but plain ints and raw
+sample bytes crosses a process boundary outside the iterator's queues; no pickle is read from
+shared memory, from a peer or from a checkpoint.
 
-      main process                                   worker w (torch's worker loop)
-      ------------                                   ------------------------------
+      main process                                   worker w (worker_loop.py)
+      ------------                                   -------------------------
       sampler --(first draw)--> plan the epoch
       PlannedSampler: TicketBatch(indices, first position, batch #, flags)
-             -- torch index queue -->                view.__getitems__(batch):
+             -- index queue w: (task, batch) -->     view.__getitems__(batch):
       prefetcher (cache configured):                   FIRST: RNG snapshot -> slot batch % ring
         walks the plan in order: a held sample          planned position p:
         is pinned; for one not held it decides           wait ready[p % ring] == p + 1
@@ -27,8 +28,29 @@ own queues; no pickle is read from shared memory, from a peer or from a checkpoi
           -> into the reserved room, table: RAM          done[p % ring] = p + 1
         done[p % ring] == p + 1  <--------------------   not planned / no cache: read storage here
         -> unpin, evict (Belady)                         then decode in the batch's order
-             <-- torch result queue --                 LAST near the epoch's end: RNG snapshot
+             <-- result queue: (task, batch) --        LAST near the epoch's end: RNG snapshot
       __next__ times the wait (stall)                  -> slot ring + w (else at worker exit)
+
+Iterators and workers (iterator.py, multiprocess_iterator.py, worker_loop.py). iter(loader)
+makes an iterator: it makes the sampler's iterator, then draws the workers' base seed from
+the loader's generator (torch's order, which the plan and resume rely on), then starts
+num_workers processes with the chosen multiprocessing context. Task t, the t-th batch of
+indices drawn, goes to the next live worker round robin; at most prefetch_factor x
+num_workers tasks are out; results come back on one queue and are yielded in task order
+(in_order=False: as they arrive). A worker seeds itself from the base seed and its id as
+torch's do, sets get_worker_info(), runs worker_init_fn, and sends each batch or a
+WorkerError (its exception type and traceback, raised again in the main process). A
+persistent worker gets NewEpoch at each epoch and echoes it. The fill rings an iterator's
+workers write are a set it claims at start and gives back when all of them have exited
+(fill_ring.py), so two iterators of one loader alive at once never share a ring.
+torch internals the loader touches, each tested to exist (test_contract.py) so that a torch
+upgrade fails loudly: get_worker_info() reads torch.utils.data._utils.worker._worker_info,
+which a worker sets to a torch.utils.data._utils.worker.WorkerInfo; and torch's DataLoader
+constructor (inherited) sets _IterableDataset_len_called, which the length warning of an
+IterableDataset reads. Not reproduced: torch's SIGCHLD handler (a dead
+worker is found by polling every 0.5 s instead) and its C handlers for SIGSEGV/SIGBUS in
+workers (the worker dies by the signal and is reported as killed by it); DataPipes get no
+sharding of their own.
 
 Positions are global: epoch e's plan starts at e * EPOCH_STRIDE, so a stale ring entry
 never matches a new epoch. header[GEN_BASE] is the oldest position still valid and
@@ -44,10 +66,12 @@ fails or outlasts peer_timeout makes the rank log who is at fault (heartbeats in
 rendezvous store, peer_health.py) and read the rest of the epoch itself; the survivors
 regroup at the next epoch's start (peer_cluster.py).
 
-Shutdown. close(), garbage collection (weakref.finalize) and interpreter exit stop the
-prefetcher, set MODE = DIRECT, unlink the segment and remove the disk tier. If the main
-process is SIGKILLed: torch's workers notice the dead parent within its status interval
-(5 s) when idle, and a worker waiting on a ready position checks its parent pid after
+Shutdown. An iterator stops its workers at the epoch's end (unless persistent), when it is
+dropped, on close() and at interpreter exit: done event, None to each, join, then terminate
+what is left after 0.5 s. The loader's close(), garbage collection (weakref.finalize) and
+interpreter exit stop the prefetcher, set MODE = DIRECT, unlink the segment and remove the
+disk tier. If the main process is SIGKILLed: an idle worker notices the dead parent within
+WATCH_SECONDS (1 s), and a worker waiting on a ready position checks its parent pid after
 0.5 s and exits; the resource tracker unlinks the segment; segments and disk-tier
 directories carry the owner's pid and the next loader on the node removes those of dead
 owners (reclaim.py). Segments reserve their pages at creation (posix_fallocate), so
@@ -58,8 +82,8 @@ Resume. An epoch's order is fixed by the RNG states at its sampler's first draw
 each worker the RNG state it must start its next batch with: the snapshot its upcoming
 batch started with, or, if it never starts one (the iterator was dropped, or it has none
 left this epoch), the state after its last batch. A new loader replays the sampler from
-the saved states, skips the yielded batches, rotates torch's round robin so batch b still
-goes to worker b % num_workers, and each worker restores its state before its first batch.
+the saved states, skips the yielded batches, rotates the iterator's round robin so batch
+b still goes to worker b % num_workers, and each worker restores its state before its first batch.
 Under a DistributedSampler the state also records the world size; resumed under another
 one (elastic), the rest of the epoch is what no old rank yielded, dealt out to the new ranks
 (elastic.py), and the sampler's own stream takes over again from the next epoch.
@@ -75,11 +99,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler
-from torch.utils.data.dataloader import _DatasetKind
+from torch.utils.data import BatchSampler, IterableDataset
 
 from loader.cache_disk import DiskTier
 from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
+from loader.fill_ring import ring_count
 from loader.peer_cluster import PeerCluster
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
@@ -94,6 +118,10 @@ RING = 1 << 16  # plan positions that may be published and unconsumed at once
 SNAPSHOT_WAIT_SECONDS = 30.0
 FALLBACK_SECONDS = 0.5  # how long state_dict() waits for a start-of-batch snapshot before using the end
 # of the worker's previous batch
+READS_IN_FLIGHT = 64  # the most storage reads a worker keeps in flight when prefetch_threads is not set
+PEER_READ_THREADS = (
+    16  # the prefetcher's storage readers under peer exchange when prefetch_threads is not set
+)
 SHM_SHARE = 0.8  # of /dev/shm's free space the loader may take (torch's workers need some)
 
 
@@ -104,7 +132,7 @@ class CacheOptions:
     cache_disk_bytes: int = 0  # bytes the disk tier may hold
     cache_items: bool = False  # the dataset's items are deterministic: cache them whole
     prefetch_bytes: int = 64 << 20  # bytes read ahead and not cached, plus reads in flight
-    prefetch_threads: int = 16  # concurrent storage reads
+    prefetch_threads: int | None = None  # concurrent storage reads in all (None: a batch's per worker)
     horizon_epochs: int = 2  # epochs the placement looks ahead when the order is seeded
     peer_exchange: bool = False  # fetch samples other ranks hold (torch.distributed, gloo)
     peer_window: int = 128  # samples per exchange window
@@ -147,7 +175,7 @@ class Clairvoyant:
         self.loader_ref = weakref.ref(loader)
         self.options = options
         dataset = loader.dataset
-        self.map_style = loader._dataset_kind == _DatasetKind.Map
+        self.map_style = not isinstance(dataset, IterableDataset)
         own_batching = callable(getattr(dataset, "__getitems__", None))
         cacheable = self.map_style and not own_batching and (has_read_decode(dataset) or options.cache_items)
         retry = RetryPolicy(options.read_attempts, options.read_retry_delay)
@@ -157,6 +185,7 @@ class Clairvoyant:
         self.num_workers = loader.num_workers
         self.persistent = loader.persistent_workers and loader.num_workers > 0
         self.snap_ring = (loader.prefetch_factor or 0) * loader.num_workers + 2 * loader.num_workers
+        self.reads_in_flight = self._reads_in_flight(loader)
         self.resources = _Resources()
         self._finalizer = weakref.finalize(self, self.resources.close)
         self.view: CachedView | None = None
@@ -205,7 +234,7 @@ class Clairvoyant:
                 self.shared,
                 self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
                 max(self.snap_ring, 1),
-                read_threads=-(-self.options.prefetch_threads // max(1, self.num_workers)),
+                read_threads=self.reads_in_flight,
             )
         return self.view
 
@@ -219,7 +248,7 @@ class Clairvoyant:
         arena = opts.cache_ram + opts.prefetch_bytes if placing else 0
         # Without peers the workers read what the node does not hold and fill the cache themselves
         # (fill_ring.py); half of prefetch_bytes is their rings, the rest room for evicted bytes still in use.
-        fill_rings = self.num_workers + 1 if placing and self.cluster is None else 0
+        fill_rings = ring_count(self.num_workers) if placing and self.cluster is None else 0
         fill_bytes = opts.prefetch_bytes // 2 // fill_rings if fill_rings else 0
         layout = Layout(
             samples=len(dataset),
@@ -239,10 +268,20 @@ class Clairvoyant:
                 self.source,
                 opts.cache_ram,
                 opts.prefetch_bytes,
-                opts.prefetch_threads,
+                opts.prefetch_threads or PEER_READ_THREADS,
                 disk,
                 peers,
             )
+
+    def _reads_in_flight(self, loader) -> int:
+        """Storage reads each worker keeps in flight while it reads its batch (batch_reads.py). Sized to
+        hide the storage's latency, not to the worker count: a whole batch in one round trip, so a
+        batch takes one read's latency however slow the storage (up to READS_IN_FLIGHT), unless
+        prefetch_threads says how many reads the node may have in flight in all."""
+        if self.options.prefetch_threads is not None:
+            return -(-self.options.prefetch_threads // max(1, self.num_workers))
+        batch = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        return max(1, min(READS_IN_FLIGHT, batch if isinstance(batch, int) else READS_IN_FLIGHT))
 
     def _fit_shared_memory(self) -> None:
         """/dev/shm is often small (64 MiB in a default Docker container) and a write beyond it

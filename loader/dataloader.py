@@ -1,26 +1,31 @@
 """`loader.DataLoader`: torch's DataLoader, same arguments and batches, plus a cache that
 knows the future.
 
-It subclasses torch's DataLoader and keeps its worker machinery, sampler and collation:
-the batches come out of torch's own code. Three seams are used: the index sampler is
-observed (the epoch is planned at its first draw and indices go out as Tickets), the
-dataset the workers get is a view that reads planned samples from shared memory, and the
-time the caller waits in `__next__` is measured.
+What it inherits from torch and what it owns: the class subclasses the public
+`torch.utils.data.DataLoader` for its constructor (the same arguments, defaults and errors for
+the same misuse), its attributes and `len()`. It owns its iterators (iterator.py,
+multiprocess_iterator.py) and its worker loop (worker_loop.py) rather than subclassing torch's
+private iterators, so that nothing here depends on how torch arranges their attributes. The
+samplers and `default_collate` / `default_convert` are torch's public ones. The epoch's index
+sampler is observed (planned at its first draw; indices go to the workers as Tickets), the
+workers get a view of the dataset that reads planned samples from shared memory, and the time
+the caller waits in `__next__` is counted. The protocol between the processes is the note at
+the top of clairvoyant.py.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import TypeVar
 
 import torch
 import torch.utils.data as tud
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from loader.clairvoyant import CacheOptions, Clairvoyant
 from loader.elastic import distributed_state, elastic_batches
+from loader.iterator import SingleProcessIterator
+from loader.multiprocess_iterator import MultiProcessIterator
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.retry import check_retry_options
 from loader.sizes import parse_size
@@ -76,48 +81,6 @@ class PlannedSampler:
             after_first_draw()
 
 
-class _Observed:
-    """Mixin for torch's iterators: the dataset becomes the loader's view; waits are timed."""
-
-    def __init__(self, loader) -> None:
-        self._engine = loader._engine
-        self.__dict__["_rotate"] = self._engine.rotation
-        self._engine.rotation = 0
-        super().__init__(loader)
-
-    @property
-    def _dataset(self):
-        return self.__dict__["_view"]
-
-    @_dataset.setter
-    def _dataset(self, dataset) -> None:
-        self.__dict__["_view"] = self.__dict__["_engine"].dataset_view(dataset)
-
-    def _next_data(self):
-        start = time.perf_counter()
-        data = super()._next_data()
-        self._engine.batch_yielded(time.perf_counter() - start)
-        return data
-
-
-class _SingleIter(_Observed, _SingleProcessDataLoaderIter):
-    pass
-
-
-class _MultiIter(_Observed, _MultiProcessingDataLoaderIter):
-    # A resumed run starts at batch k; torch hands batch b to worker b % num_workers only if
-    # the round-robin starts at worker k % num_workers, which keeps each worker's RNG stream.
-    @property
-    def _worker_queue_idx_cycle(self):
-        return self.__dict__["_cycle"]
-
-    @_worker_queue_idx_cycle.setter
-    def _worker_queue_idx_cycle(self, cycle) -> None:
-        for _ in range(self.__dict__.pop("_rotate", 0)):
-            next(cycle)
-        self.__dict__["_cycle"] = cycle
-
-
 class DataLoader(tud.DataLoader[T_co]):
     """Drop-in for `torch.utils.data.DataLoader` (same arguments, defaults, errors, batches).
 
@@ -126,9 +89,10 @@ class DataLoader(tud.DataLoader[T_co]):
       cache_disk / cache_disk_bytes: a local directory and how many bytes it may hold.
       cache_items: the dataset has no read/decode but its items are deterministic: cache them.
       prefetch_bytes: with a cache, bytes read ahead of the workers and not cached (default 64 MiB).
-      prefetch_threads: concurrent storage reads (default 16), shared out among the workers, each reading
-        its batch with that many reads in flight when storage is slow; with peer_exchange, also the
-        prefetcher's reads of what no peer holds.
+      prefetch_threads: concurrent storage reads in all, shared out among the workers, each reading its
+        batch with that many reads in flight when storage is slow; with peer_exchange, also the
+        prefetcher's reads of what no peer holds. Default: each worker reads a whole batch at once
+        (up to 64 reads in flight), so a batch costs one read's latency; 16 for peer_exchange's reads.
       peer_exchange: under torch.distributed, take samples another rank holds from it (gloo)
         instead of storage; all ranks must build the loader together and iterate whole epochs.
       peer_window: samples per exchange window (default 128).
@@ -168,7 +132,7 @@ class DataLoader(tud.DataLoader[T_co]):
         cache_disk_bytes: int | str | None = None,
         cache_items: bool = False,
         prefetch_bytes: int | str = "64MiB",
-        prefetch_threads: int = 16,
+        prefetch_threads: int | None = None,
         peer_exchange: bool = False,
         peer_window: int = 128,
         peer_timeout: float = 60.0,
@@ -216,24 +180,45 @@ class DataLoader(tud.DataLoader[T_co]):
 
     @property
     def _index_sampler(self):
-        inner = super()._index_sampler
-        engine = self.__dict__.get("_engine")
-        if engine is None or not engine.map_style:
-            return inner
-        return PlannedSampler(inner, engine, self._auto_collation)
+        """What the fetcher is given per step, as in torch: the batch sampler when batching, else the sampler."""
+        return self.batch_sampler if self.batch_sampler is not None else self.sampler
 
-    def _get_iterator(self):
+    def _planned_sampler(self):
+        """The index sampler the iterators draw from: torch's, observed by the plan (map-style)."""
+        inner = self._index_sampler
+        if not self._engine.map_style:
+            return inner
+        return PlannedSampler(inner, self._engine, self.batch_sampler is not None)
+
+    def _new_iterator(self):
+        engine = self._engine
+        dataset = engine.dataset_view(self.dataset)
+        rotation, engine.rotation = engine.rotation, 0
         if self.num_workers == 0:
-            return _SingleIter(self)
+            return SingleProcessIterator(self, dataset, self._planned_sampler(), engine)
         self.check_worker_number_rationality()
-        return _MultiIter(self)
+        view = engine.view
+        rings = None
+        if view is not None and view.shared is not None and view.shared.fills is not None:
+            ring_set = view.ring_sets.claim()
+            rings = (view.ring_sets, ring_set) if ring_set is not None else None
+        return MultiProcessIterator(self, dataset, self._planned_sampler(), engine, rotation, rings)
+
+    def _iterate(self):
+        if self.persistent_workers and self.num_workers > 0:
+            if self._iterator is None:
+                self._iterator = self._new_iterator()
+            else:
+                self._iterator.restart(self)
+            return self._iterator
+        return self._new_iterator()
 
     def __iter__(self):
         engine = self._engine
         if engine.resume is None:
-            return super().__iter__()
+            return self._iterate()
         if self._iterator is not None:  # persistent workers from before the resume: restart them
-            self._iterator._shutdown_workers()
+            self._iterator.shutdown()
             self._iterator = None
         callers = torch.get_rng_state()
         engine.dataset_view(self.dataset)
@@ -241,7 +226,7 @@ class DataLoader(tud.DataLoader[T_co]):
             engine.view.resume_rng = engine.resume.worker_rng
             engine.rotation = engine.resume.batches_done % engine.num_workers
         try:
-            iterator = super().__iter__()
+            iterator = self._iterate()
         finally:
             if engine.view is not None:
                 engine.view.resume_rng = None
@@ -267,18 +252,18 @@ class DataLoader(tud.DataLoader[T_co]):
         point = None
         if epoch is not None and epoch.num_batches is not None and epoch.yielded < epoch.num_batches:
             point = ResumePoint(epoch.start, epoch.yielded, engine.worker_snapshots(self.in_order))
-        now = capture(self.generator, super()._index_sampler)
+        now = capture(self.generator, self._index_sampler)
         state = to_dict(point, now, len(self.dataset), self.num_workers)
-        state["distributed"] = distributed_state(super()._index_sampler)  # for a resume on another world size
+        state["distributed"] = distributed_state(self._index_sampler)  # for a resume on another world size
         return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`: the next iteration yields the rest of that epoch."""
         point, now = from_dict(state, len(self.dataset), self.num_workers)
         if point is None:  # between epochs: only the generators move on
-            restore(replace(now, global_rng=None, sampler_epoch=None), self.generator, super()._index_sampler)
+            restore(replace(now, global_rng=None, sampler_epoch=None), self.generator, self._index_sampler)
         else:
-            elastic = elastic_batches(state, super()._index_sampler, point.batches_done)
+            elastic = elastic_batches(state, self._index_sampler, point.batches_done)
             if elastic is not None:  # another world size: this rank's share of what no rank has seen
                 point = replace(point, batches_done=0, worker_rng={})
             self._engine.elastic = elastic
@@ -287,7 +272,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def close(self) -> None:
         """Stop workers and prefetch threads, release shared memory and the disk tier."""
         if self._iterator is not None:
-            self._iterator._shutdown_workers()
+            self._iterator.shutdown()
             self._iterator = None
         self._engine.close()
 
@@ -310,8 +295,10 @@ def _options(
         raise ValueError("cache_disk needs a budget: pass cache_disk_bytes (e.g. '100GiB')")
     if not isinstance(cache_items, bool):
         raise TypeError(f"cache_items: expected True or False, got {cache_items!r}")
-    if not isinstance(prefetch_threads, int) or isinstance(prefetch_threads, bool) or prefetch_threads < 1:
-        raise ValueError(f"prefetch_threads: expected an int >= 1, got {prefetch_threads!r}")
+    if prefetch_threads is not None and (
+        not isinstance(prefetch_threads, int) or isinstance(prefetch_threads, bool) or prefetch_threads < 1
+    ):
+        raise ValueError(f"prefetch_threads: expected an int >= 1 or None, got {prefetch_threads!r}")
     staging = parse_size(prefetch_bytes, "prefetch_bytes")
     if staging < 1:
         raise ValueError("prefetch_bytes: must be > 0 (at least the largest sample)")

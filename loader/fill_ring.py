@@ -8,7 +8,15 @@ fill ring before it marks the position consumed. The coordinator takes the rings
 and offers each sample to the cache (Belady, holdings.py), so the next epoch finds it in RAM.
 A full ring is skipped, never waited on: that sample is simply not cached this time.
 
-Per ring (ring 0: the main process when num_workers=0; ring 1 + w: worker w):
+Rings belong to iterators, not to worker ids: one writer per ring must hold even while an
+old iterator's workers still run beside a new iterator's (`it = iter(loader)` makes the new
+one before the old is dropped). With num_workers=0 there is one ring, the main process's;
+otherwise the workers' rings come in SETS sets of num_workers, and an iterator claims a free set for its workers
+(RingSets, in the main process) and gives it back only once all of them have exited. An
+iterator that finds no free set starts workers without a ring: they read and decode as
+usual and the samples they read are simply not cached.
+
+Per ring (the main process's, or s * num_workers + w: worker w of the set s):
   ctl     [4]           HEAD records written, TAIL records taken, FREED bytes given back,
                         WRITTEN bytes handed out (the writer's cursor, kept here so that the
                         worker process of the next epoch continues where the last one stopped)
@@ -26,6 +34,33 @@ import numpy as np
 HEAD, TAIL, FREED, WRITTEN = 0, 1, 2, 3
 POS, INDEX, CURSOR, LENGTH = 0, 1, 2, 3
 RECORDS = 1024  # records per ring
+SETS = 2  # workers' ring sets: iterators of one loader whose workers may run at once
+
+
+def ring_count(num_workers: int) -> int:
+    return SETS * num_workers if num_workers else 1
+
+
+class RingSets:
+    """Main process only: which ring sets an iterator's workers own."""
+
+    def __init__(self):
+        self.owned = [False] * SETS
+
+    def claim(self) -> int | None:
+        for ring_set, owned in enumerate(self.owned):
+            if not owned:
+                self.owned[ring_set] = True
+                return ring_set
+        return None
+
+    def release(self, ring_set: int) -> None:
+        self.owned[ring_set] = False
+
+    @staticmethod
+    def rings(ring_set: int, num_workers: int) -> list[int]:
+        """The ring of each worker of an iterator that owns `ring_set`."""
+        return [ring_set * num_workers + w for w in range(num_workers)]
 
 
 class FillRings:

@@ -1,12 +1,15 @@
 """Prefetch in exact plan order into shared memory, bounded by bytes.
 
 One coordinator thread walks the epoch's plan ahead of consumption: for each position it
-either finds the sample held (RAM), on the disk tier, or asks a reader thread to fetch it
-from storage. Reads start in plan order; their results are taken in plan order too, so
-the placement decisions (Belady, see placement.py) are made exactly as the plan predicts.
-A position is published in the `ready` ring once its bytes are in place; a worker marks
-it in the `done` ring after copying, and only then may the bytes go. Staged bytes (read
-ahead but not cached) plus reads in flight stay under `staging` bytes.
+finds the sample held (RAM) or on the disk tier, or publishes it as absent for the worker
+to read and hand to the cache (fill_ring.py); under peer exchange it asks the peers first
+(prefetch_peers.py) and reader threads read the rest (prefetch_reads.py). Placement
+decisions (Belady, see placement.py) are made in plan order, exactly as the plan predicts.
+A position is published in the `ready` ring once its bytes are in place (or it is known
+absent); a worker marks it in the `done` ring after copying, and only then may the bytes
+go. Staged bytes (read ahead but not cached) plus reads in flight stay under `staging`
+bytes. An epoch whose samples all fit in RAM needs none of this per sample: it is kept
+in bulk (resident.py).
 """
 
 from __future__ import annotations
@@ -18,29 +21,30 @@ import warnings
 
 import numpy as np
 
+from loader import resident
 from loader.cache_disk import DiskTier
 from loader.cache_ram import (
     ABSENT,
     DIRECT,
     GEN_BASE,
     MODE,
-    PEER_READS,
     PLANNED,
-    STORAGE_BYTES,
-    STORAGE_READS,
     SharedState,
 )
 from loader.exchange import PeerExchange, PeerFailure
 from loader.holdings import Holdings
 from loader.placement import first_use, next_use
+from loader.prefetch_peers import PeerWindows
+from loader.prefetch_reads import StorageReads
 from loader.source import ByteSource
 
 log = logging.getLogger("loader")
 BUSY_POLL_SECONDS = 0.001  # how often to look at the done ring while workers hold positions
+RESIDENT_POLL_SECONDS = 0.004  # a resident epoch published whole: only fills and consumption to follow
 IDLE_WAIT_SECONDS = 0.05
 
 
-class Prefetcher:
+class Prefetcher(PeerWindows, StorageReads):
     def __init__(
         self,
         shared: SharedState,
@@ -81,6 +85,8 @@ class Prefetcher:
         # here serve only what peers could not provide.
         self.fills = shared.fills
         self.decided: set[int] = set()  # indices whose placement reserve() decided, bytes to come
+        self.resident = False  # this epoch's samples all fit in RAM: bulk bookkeeping (resident.py)
+        self.absent = 0  # positions of a resident epoch published while the node did not hold them
         self.readers = [
             threading.Thread(target=self._read_loop, name=f"prescient-reader-{n}", daemon=True)
             for n in range(threads if self.fills is None else 0)
@@ -117,8 +123,9 @@ class Prefetcher:
             self.windows_started = 0
             self.shared.header[GEN_BASE] = base  # first: workers stop trusting older positions
             self.shared.header[MODE] = PLANNED if self.failure is None else DIRECT
-            for position in range(self.consumed, self.done):  # published, never consumed: a break
-                self.holdings.release(int(self.stream[position]), int(self.holder[position]))
+            if not self.resident:  # a resident epoch pins nothing
+                for position in range(self.consumed, self.done):  # published, never consumed: a break
+                    self.holdings.release(int(self.stream[position]), int(self.holder[position]))
             while True:  # reads not started yet: not needed now
                 try:
                     self.requests.get_nowait()
@@ -128,18 +135,19 @@ class Prefetcher:
             self.inflight_bytes = 0
             self.results.clear()
             horizon = np.concatenate([stream, *following]) if following else stream
-            self.upcoming = next_use(horizon)[: len(stream)]
-            self.holdings.renumber(first_use(horizon))
+            self.resident = (
+                self.fills is not None
+                and self.peers is None
+                and resident.fits(self.holdings, self.source, horizon)
+            )
+            if not self.resident:  # a resident epoch needs no next uses: nothing is evicted
+                self.upcoming = next_use(horizon)[: len(stream)]
+                self.holdings.renumber(first_use(horizon))
             self.stream = stream
             self.holder = np.zeros(len(stream), dtype=np.int8)
-            self.sched = self.done = self.consumed = 0
+            self.sched = self.done = self.consumed = self.absent = 0
             self.base = base
         self.wakeup.set()
-
-    def rejoin(self, peers: PeerExchange | None) -> None:
-        """The exchange among the survivors of a loss (None: storage alone from now on)."""
-        with self.lock:
-            self.peers = peers
 
     def usage(self) -> dict:
         with self.lock:
@@ -172,8 +180,11 @@ class Prefetcher:
                     progressed = self._exchange() or progressed
                     progressed = self._schedule() or progressed
                     busy = self.consumed < self.done or self.done < self.sched
+                    poll = None
+                    if self.resident and self.done == len(self.stream):  # published whole
+                        poll = RESIDENT_POLL_SECONDS if self.absent else IDLE_WAIT_SECONDS
                 if not progressed:
-                    self.wakeup.wait(BUSY_POLL_SECONDS if busy else IDLE_WAIT_SECONDS)
+                    self.wakeup.wait(poll or (BUSY_POLL_SECONDS if busy else IDLE_WAIT_SECONDS))
         except BaseException as error:  # noqa: BLE001 - workers must never wait on a dead thread
             self.failure = error
             self.shared.header[MODE] = DIRECT
@@ -190,9 +201,13 @@ class Prefetcher:
         end = len(self.stream)
         if self.peers is not None:  # only where the window's peers were asked first
             end = min(end, self.windows_started * self.peers.window)
+        if self.fills is not None:  # the workers read what is absent: nothing to start here
+            sched = max(self.sched, min(end, self.consumed + ring))
+            progressed, self.sched = sched > self.sched, sched
+            return progressed
         while self.sched < end and self.sched - self.consumed < ring:
             index = int(self.stream[self.sched])
-            if self.fills is None and not (index in self.inflight or self.holdings.has(index)):
+            if not (index in self.inflight or self.holdings.has(index)):
                 estimate = self.source.nbytes(index) or self._average()
                 outstanding = self.holdings.staged_bytes + self.inflight_bytes
                 if outstanding > 0 and outstanding + estimate > self.staging:
@@ -203,6 +218,12 @@ class Prefetcher:
         return progressed
 
     def _finalize(self) -> bool:
+        if self.resident:
+            if self.done == self.sched:
+                return False
+            self.absent += resident.publish(self.shared, self.stream, self.base, self.done, self.sched)
+            self.done = self.sched
+            return True
         progressed = False
         while self.done < self.sched:
             position = self.done
@@ -234,6 +255,12 @@ class Prefetcher:
         return progressed
 
     def _consume(self) -> bool:
+        if self.resident:
+            if self.sched == len(self.stream):
+                return False  # published whole: consumption frees nothing and bounds nothing now
+            consumed = resident.consumed_up_to(self.shared, self.base, self.consumed, self.done)
+            progressed, self.consumed = consumed > self.consumed, consumed
+            return progressed
         progressed = False
         ring = len(self.shared.done)
         while self.consumed < self.done:
@@ -245,90 +272,12 @@ class Prefetcher:
             progressed = True
         return progressed
 
-    # --- peers ---------------------------------------------------------------------------------
-    def _exchange(self) -> bool:
-        peers = self.peers
-        if peers is None:
-            return False
-        try:
-            return self._exchange_step(peers)
-        except PeerFailure as failure:
-            self._lose_peers(failure)
-            return True
-
-    def _lose_peers(self, failure: PeerFailure) -> None:
-        """Leave the exchange for good: what was asked of the peers, and all later reads, go to
-        storage (or this rank's own cache)."""
-        self.peers, self.peers_lost, self.lost = None, str(failure), failure
-        self.peer_failures += 1
-        self.holdings.home = None  # nobody will ask for them: cache for this rank alone again
-        log.warning(
-            "prescient loader, rank %d: peer exchange failed, %s; reading from storage instead "
-            "until the others regroup at the next epoch",
-            failure.rank,
-            failure,
-        )
-        for index in self._asked:
-            if index in self.inflight and index not in self.results:
-                self.requests.put(index)
-        self._asked = []
-
-    def _exchange_step(self, peers: PeerExchange) -> bool:
-        if peers.busy:
-            received = peers.poll(self.holdings.copy_of)
-            if received is None:
-                return False
-            for index, raw in received.items():
-                if index in self.inflight and index not in self.results:
-                    self.results[index] = raw
-                    self.shared.counters[0, PEER_READS] += 1
-            for index in self._asked:
-                if index not in received:
-                    self.requests.put(index)  # no peer holds it: storage
-            self._asked = []
-            return True
-        size = peers.window
-        windows = -(-max(len(self.stream), self.longest or 0) // size)
-        start = self.windows_started * size
-        if self.windows_started >= windows or self.sched < min(start, len(self.stream)) - size:
-            return False
-        needs = []
-        for index in dict.fromkeys(self.stream[start : start + size].tolist()):
-            if not (index in self.inflight or self.holdings.has(index)):
-                estimate = self.source.nbytes(index) or self._average()
-                self.inflight[index] = estimate
-                self.inflight_bytes += estimate
-                needs.append(index)
-        self._asked = needs
-        self.windows_started += 1
-        peers.start(needs)
-        return True
-
-    # --- helpers ---------------------------------------------------------------------------------
-    def _average(self) -> int:
-        return self.read_bytes // self.read_count if self.read_count else 1 << 20
-
-    def _request(self, index: int, estimate: int) -> None:
-        self.inflight[index] = estimate
-        self.inflight_bytes += estimate
-        self.requests.put(index)
-
-    def _read_loop(self) -> None:
-        while True:
-            index = self.requests.get()
-            if index is None:
-                return
-            try:
-                raw: bytes | BaseException = self.source.read(index)
-            except BaseException as error:  # noqa: BLE001 - handed to the worker, which raises it
-                raw = error
-            self.delivered.put((index, raw))
-            self.wakeup.set()
-
     def _take_fills(self) -> bool:
         """Offer the samples workers read this epoch to the cache (coordinator, lock held)."""
         if self.fills is None:
             return False
+        if self.resident:
+            return resident.take_fills(self.fills, self.holdings)
         taken = self.fills.take()
         for pos, index, raw in sorted(taken):
             position = pos - self.base
@@ -337,20 +286,3 @@ class Prefetcher:
                 self.decided.discard(index)
                 self.holdings.filled(index, raw, int(self.upcoming[position]), decided)
         return bool(taken)
-
-    def _collect(self) -> bool:
-        """Take the readers' results (coordinator thread, lock held)."""
-        progressed = False
-        while True:
-            try:
-                index, raw = self.delivered.get_nowait()
-            except queue.Empty:
-                return progressed
-            progressed = True
-            if not isinstance(raw, BaseException):
-                self.shared.counters[0, STORAGE_READS] += 1
-                self.shared.counters[0, STORAGE_BYTES] += len(raw)
-                self.read_bytes += len(raw)
-                self.read_count += 1
-            if index in self.inflight:
-                self.results[index] = raw

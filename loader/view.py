@@ -38,6 +38,7 @@ from loader.cache_ram import (
     WAIT_NS,
     SharedState,
 )
+from loader.fill_ring import RingSets
 from loader.rng_state import capture_rng, restore_rng
 from loader.source import ByteSource
 
@@ -113,6 +114,8 @@ class CachedView(Dataset):
         self._parent = os.getpid()  # the main process: workers are its children
         self._exit_hook: int | None = None  # pid that registered the exit snapshot
         self._last_end: int | None = None  # tag of this worker's last finished batch
+        self.fill_ring: int | None = None  # in a worker: its fill ring, set by worker_loop (None: no fills)
+        self.ring_sets = RingSets()  # in the main process: which iterator's workers own which rings
 
     def __getattr__(self, name: str):
         # worker_init_fn and collate functions reach the dataset through get_worker_info().dataset
@@ -258,11 +261,13 @@ class CachedView(Dataset):
     def _fill(self, ticket: Ticket, row: int, raw: bytes) -> None:
         """Hand a planned sample read from storage to the cache, unless the plan moved on meanwhile."""
         fills, header = self.shared.fills, self.shared.fast["header"]
-        if len(raw) > fills.ring_bytes:
+        # the main process has a ring only when it reads (num_workers=0: the only ring)
+        ring = self.fill_ring if row != 1 else (0 if len(fills.ctl) == 1 else None)
+        if ring is None or len(raw) > fills.ring_bytes:
             return
         deadline = None
         while header[MODE] == PLANNED and header[GEN_BASE] <= ticket.pos:
-            if fills.put(row - 1, ticket.pos, ticket.index, raw):
+            if fills.put(ring, ticket.pos, ticket.index, raw):
                 return
             now = time.perf_counter()  # the ring is full: the coordinator takes it every millisecond or so
             if deadline is None:

@@ -51,11 +51,17 @@ def test_arena_never_overlaps_and_coalesces():
             offset = rng.choice(list(live))
             arena.free(offset)
             del live[offset]
-        else:
+        elif rng.random() < 0.5:
             size = rng.randint(0, 3000)
             offset = arena.alloc(size)
             if offset is not None:
                 live[offset] = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        else:  # a run of blocks carved at once, each freed on its own later
+            sizes = [rng.randint(0, 1500) for _ in range(rng.randint(0, 6))]
+            offsets = arena.alloc_run(sizes)
+            if offsets is not None:
+                assert len(offsets) == len(sizes)
+                live.update((o, max(ALIGN, -(-n // ALIGN) * ALIGN)) for o, n in zip(offsets, sizes))
         spans = sorted(live.items())
         assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))
         assert all(o + n <= arena.size for o, n in spans)

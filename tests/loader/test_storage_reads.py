@@ -4,6 +4,8 @@ cache holds the data, and no more than Belady's optimum with a cache of 30%."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch.utils.data import DistributedSampler
 
 from loader import DataLoader
 from loader.batch_reads import FAST_READ_SECONDS, BatchReader
-from tests.loader.conftest import SAMPLE_BYTES
+from tests.loader.conftest import SAMPLE_BYTES, CountingFiles, noisy_decode, same, write_files
 
 
 def epochs_of_reads(dl, dataset, epochs: int) -> list[np.ndarray]:
@@ -62,6 +64,46 @@ def test_cache_holding_the_data_reads_nothing_after_epoch_one(counting, workers,
     assert reads[0].tolist() == [1] * 60
     assert reads[1].sum() == 0 and reads[2].sum() == 0
     assert stats["storage_reads"] == 60 and stats["ram_hits"] == 120 and stats["samples"] == 180
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+class Understated(CountingFiles):
+    """Files of 256 bytes whose nbytes() says 64: the loader's estimate of what fits is wrong."""
+
+    def nbytes(self, index: int) -> int:
+        return SAMPLE_BYTES
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_cache_smaller_than_estimated_keeps_what_fits_and_batches_stay_torchs(tmp_path, workers):
+    n, size = 60, 4 * SAMPLE_BYTES
+    dataset = Understated(write_files(tmp_path / "data", n, size=lambda i: size), decode=noisy_decode)
+    capacity = n * SAMPLE_BYTES  # holds a quarter of the data, but looks like all of it
+    args = dict(batch_size=4, shuffle=True, num_workers=workers, persistent_workers=workers > 0)
+    ours = DataLoader(dataset, generator=torch.Generator().manual_seed(3), cache_ram=capacity, **args)
+    theirs = tud.DataLoader(dataset, generator=torch.Generator().manual_seed(3), **args)
+    seed_all(0)  # decode draws from the main process's RNGs when there are no workers
+    expected = [list(theirs) for _ in range(3)]
+    before = dataset.read_counts()
+    seed_all(0)
+    got, reads, peaks = [], [], []
+    for _ in range(3):
+        got.append(list(ours))
+        now = dataset.read_counts()
+        reads.append(int((now - before).sum()))
+        before = now
+        peaks.append(ours.stats()["cache_ram_peak_bytes"])
+    stats = ours.stats()
+    ours.close()
+    assert same(got, expected), "batches differ from torch's"
+    assert reads[0] == n
+    assert reads[1] < n and stats["ram_hits"] >= n - reads[1]  # what epoch 1 kept was served from RAM
+    assert max(peaks) <= capacity, "the cache went over its budget"
 
 
 def farthest_in_future(stream: list[int], capacity: int, epoch_len: int) -> list[int]:
@@ -146,10 +188,11 @@ class SlowStorage(tud.Dataset):
         return self.decode(self.read(index), index)
 
 
-@pytest.mark.parametrize("latency, in_flight", [(0.02, 4), (0.0, None)])
-def test_a_worker_reads_its_batch_with_reads_in_flight(latency, in_flight):
+@pytest.mark.parametrize("latency, threads, in_flight", [(0.02, 4, 4), (0.02, None, 8), (0.0, 4, None)])
+def test_a_worker_reads_its_batch_with_reads_in_flight(latency, threads, in_flight):
     """Without a cache a worker reads its batch itself, on slow storage several reads at once (the
-    threads given to it); batches equal torch's, on slow and on fast storage."""
+    threads given to it; by default the whole batch of 8 at once); batches equal torch's, on slow
+    and on fast storage."""
 
     def batches(dl):
         torch.manual_seed(3)
@@ -162,7 +205,7 @@ def test_a_worker_reads_its_batch_with_reads_in_flight(latency, in_flight):
     )
     storage = SlowStorage(latency)
     dl = DataLoader(
-        storage, batch_size=8, shuffle=True, num_workers=1, persistent_workers=True, prefetch_threads=4
+        storage, batch_size=8, shuffle=True, num_workers=1, persistent_workers=True, prefetch_threads=threads
     )
     torch.manual_seed(3)
     ours = [list(dl)]

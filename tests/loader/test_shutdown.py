@@ -1,0 +1,97 @@
+"""Clean shutdown, in real processes: an iterator dropped mid-epoch stops its workers at once; a
+program that exits mid-epoch exits (no hang) and leaves no worker behind; a main process killed
+with SIGKILL leaves no orphan worker for long."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loader import DataLoader, FileDataset
+from tests.loader.conftest import write_files
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROGRAM = """
+import sys, time
+from loader import DataLoader, FileDataset
+dataset = FileDataset(sys.argv[1])
+dl = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, cache_ram="1MiB",
+                persistent_workers=sys.argv[2] == "persistent")
+it = iter(dl)
+next(it)
+print(" ".join(str(w.pid) for w in it.workers), flush=True)
+if sys.argv[3] == "wait":
+    time.sleep(60)
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for a reaper that may not exist here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(running(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if running(p)]
+
+
+def test_dropped_iterator_stops_its_workers(tmp_path):
+    dl = DataLoader(FileDataset(write_files(tmp_path, 40)), batch_size=4, num_workers=2, cache_ram="1MiB")
+    it = iter(dl)
+    next(it)
+    pids = [w.pid for w in it.workers]
+    assert all(running(p) for p in pids)
+    del it
+    gc.collect()
+    assert wait_gone(pids, 1.0) == []
+    assert len(list(dl)) == 10  # the loader still works
+    dl.close()
+
+
+@pytest.mark.parametrize("persistent", ["persistent", "not_persistent"])
+def test_program_exiting_mid_epoch_exits_and_leaves_no_worker(tmp_path, persistent):
+    root = write_files(tmp_path, 40)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM, root, persistent, "exit"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and wait_gone(pids, 5.0) == []
+
+
+def test_main_process_killed_leaves_no_orphan_worker(tmp_path):
+    root = write_files(tmp_path, 40)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    main = subprocess.Popen(
+        [sys.executable, "-c", PROGRAM, root, "persistent", "wait"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # its resource tracker reports the segment it unlinks for the dead
+        text=True,
+    )
+    try:
+        pids = [int(p) for p in main.stdout.readline().split()]
+        assert len(pids) == 2 and all(running(p) for p in pids)
+    finally:
+        main.send_signal(signal.SIGKILL)
+        main.wait(timeout=10)
+        main.stdout.close()
+    assert wait_gone(pids, 10.0) == [], "workers outlived their main process"
