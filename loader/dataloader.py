@@ -22,10 +22,11 @@ from typing import TypeVar
 import torch
 import torch.utils.data as tud
 
-from loader.clairvoyant import CacheOptions, Clairvoyant
+from loader.clairvoyant import Clairvoyant
 from loader.elastic import distributed_state, elastic_batches
 from loader.iterator import SingleProcessIterator
 from loader.multiprocess_iterator import MultiProcessIterator
+from loader.options import CacheOptions
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.retry import check_retry_options
 from loader.sizes import parse_size

@@ -35,10 +35,13 @@ def fits(holdings: Holdings, source: ByteSource, horizon: np.ndarray) -> bool:
     if holdings.staged_bytes:
         return False  # bytes outside the cache set are still pinned
     ram = holdings.ram
-    unique = np.unique(horizon)
-    if unique.size == 0:
+    if horizon.size == 0:
         return True
-    tiers = holdings.shared.table[unique, TIER]
+    table = holdings.shared.table
+    used = np.zeros(len(table), dtype=bool)
+    used[horizon] = True  # a mask over the dataset: a tenth of np.unique's time on a shuffled plan
+    unique = np.flatnonzero(used)
+    tiers = table[unique, TIER]
     missing = unique[tiers != RAM]
     if missing.size == 0:
         return True
