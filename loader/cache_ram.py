@@ -20,6 +20,7 @@ without registering, so their exit never unlinks what the main process still use
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -35,6 +36,8 @@ from loader.reclaim import reclaim_shared_memory
 from loader.rng_state import RNG_STATE_BYTES
 
 PREFIX = "prescient_"
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: map a range's pages for writing in one call
+_libc = ctypes.CDLL(None, use_errno=True)
 
 # header fields
 MODE, GEN_BASE, ALIVE = 0, 1, 2
@@ -183,6 +186,10 @@ class SharedState:
             )
         offset, size = sec["data"]
         self.data = self._buffer[offset : offset + size]
+        probe = np.frombuffer(self.data, dtype=np.uint8, count=1) if size else None
+        self._data_address = probe.ctypes.data if probe is not None else 0  # while the segment is mapped
+        del probe
+        self._populate = self._owner and bool(size)
         # Flat int64 memoryviews of the same bytes: scalar reads and writes on the workers'
         # hot path cost a fraction of numpy's.
         self.fast = {
@@ -205,6 +212,20 @@ class SharedState:
 
     def write(self, offset: int, raw: bytes) -> None:
         self.data[offset : offset + len(raw)] = raw
+
+    def populate(self, offset: int, length: int) -> None:
+        """Map the data area's pages in [offset, offset + length) before writing them: one system
+        call for a run of samples costs about half of faulting each page in on first touch.
+        Where the kernel cannot (before Linux 5.14), the pages fault in as they are written."""
+        if not self._populate or length <= 0:
+            return
+        page = mmap.PAGESIZE
+        start = self._data_address + offset
+        aligned = start - start % page
+        if _libc.madvise(
+            ctypes.c_void_p(aligned), ctypes.c_size_t(start + length - aligned), MADV_POPULATE_WRITE
+        ):
+            self._populate = False
 
     def read(self, offset: int, length: int) -> bytes:
         return bytes(self.data[offset : offset + length])

@@ -92,7 +92,6 @@ one (elastic), the rest of the epoch is what no old rank yielded, dealt out to t
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -104,6 +103,7 @@ from torch.utils.data import BatchSampler, IterableDataset
 from loader.cache_disk import DiskTier
 from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
 from loader.fill_ring import ring_count
+from loader.options import PEER_READ_THREADS, READS_IN_FLIGHT, CacheOptions
 from loader.peer_cluster import PeerCluster
 from loader.plan import EpochPlan, plan_epoch
 from loader.prefetch import Prefetcher
@@ -111,30 +111,12 @@ from loader.resume import EpochStart, ResumePoint, capture, restore
 from loader.retry import RetryPolicy
 from loader.source import ByteSource, has_read_decode
 from loader.view import CachedItemsView, CachedView
+from loader.worker_snapshots import worker_snapshots
 
 log = logging.getLogger("loader")
 EPOCH_STRIDE = 1 << 40  # plan positions of epoch e start at e * EPOCH_STRIDE
 RING = 1 << 16  # plan positions that may be published and unconsumed at once
-SNAPSHOT_WAIT_SECONDS = 30.0
-FALLBACK_SECONDS = 0.5  # how long state_dict() waits for a start-of-batch snapshot before using the end
-# of the worker's previous batch
 SHM_SHARE = 0.8  # of /dev/shm's free space the loader may take (torch's workers need some)
-
-
-@dataclass
-class CacheOptions:
-    cache_ram: int = 0  # bytes of samples kept in shared memory across epochs
-    cache_disk: str | None = None  # directory for the local-disk tier
-    cache_disk_bytes: int = 0  # bytes the disk tier may hold
-    cache_items: bool = False  # the dataset's items are deterministic: cache them whole
-    prefetch_bytes: int = 64 << 20  # bytes read ahead and not cached, plus reads in flight
-    prefetch_threads: int = 16  # concurrent storage reads
-    horizon_epochs: int = 2  # epochs the placement looks ahead when the order is seeded
-    peer_exchange: bool = False  # fetch samples other ranks hold (torch.distributed, gloo)
-    peer_window: int = 128  # samples per exchange window
-    peer_timeout: float = 60.0  # seconds a window may wait for the other ranks before storage takes over
-    read_attempts: int = 3  # storage reads tried per sample on an OSError, the first included
-    read_retry_delay: float = 0.05  # seconds before the second try, doubled before each further one
 
 
 @dataclass
@@ -181,6 +163,7 @@ class Clairvoyant:
         self.num_workers = loader.num_workers
         self.persistent = loader.persistent_workers and loader.num_workers > 0
         self.snap_ring = (loader.prefetch_factor or 0) * loader.num_workers + 2 * loader.num_workers
+        self.reads_in_flight = self._reads_in_flight(loader)
         self.resources = _Resources()
         self._finalizer = weakref.finalize(self, self.resources.close)
         self.view: CachedView | None = None
@@ -229,7 +212,7 @@ class Clairvoyant:
                 self.shared,
                 self.prefetcher.disk.dir if self.prefetcher and self.prefetcher.disk else None,
                 max(self.snap_ring, 1),
-                read_threads=-(-self.options.prefetch_threads // max(1, self.num_workers)),
+                read_threads=self.reads_in_flight,
             )
         return self.view
 
@@ -263,10 +246,20 @@ class Clairvoyant:
                 self.source,
                 opts.cache_ram,
                 opts.prefetch_bytes,
-                opts.prefetch_threads,
+                opts.prefetch_threads or PEER_READ_THREADS,
                 disk,
                 peers,
             )
+
+    def _reads_in_flight(self, loader) -> int:
+        """Storage reads each worker keeps in flight while it reads its batch (batch_reads.py). Sized to
+        hide the storage's latency, not to the worker count: a whole batch in one round trip, so a
+        batch takes one read's latency however slow the storage (up to READS_IN_FLIGHT), unless
+        prefetch_threads says how many reads the node may have in flight in all."""
+        if self.options.prefetch_threads is not None:
+            return -(-self.options.prefetch_threads // max(1, self.num_workers))
+        batch = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        return max(1, min(READS_IN_FLIGHT, batch if isinstance(batch, int) else READS_IN_FLIGHT))
 
     def _fit_shared_memory(self) -> None:
         """/dev/shm is often small (64 MiB in a default Docker container) and a write beyond it
@@ -380,53 +373,7 @@ class Clairvoyant:
     # --- resume -------------------------------------------------------------------------------------
     def worker_snapshots(self, in_order: bool) -> dict[int, torch.Tensor]:
         """Each worker's RNG state where a resumed run's worker of the same id must start."""
-        epoch, workers = self.epoch, self.num_workers
-        if workers == 0 or epoch is None or self.shared is None:
-            return {}
-        if not in_order:
-            raise ValueError(
-                "state_dict: an exact resume needs in_order=True (with in_order=False the "
-                "assignment of batches to workers is not reproducible)"
-            )
-        done, total = epoch.yielded, epoch.num_batches or len(epoch.batch_first)
-        snapshots = {}
-        for worker in range(workers):
-            upcoming = [b for b in range(done, min(done + workers, total)) if b % workers == worker]
-            if upcoming:
-                batch = upcoming[0]
-                slot, end = batch % self.snap_ring, False
-            else:
-                earlier = [b for b in range(max(0, done - workers), done) if b % workers == worker]
-                if not earlier or earlier[-1] < epoch.skipped:
-                    continue  # this worker had no batch this epoch
-                batch, slot, end = earlier[-1], self.snap_ring + worker, True
-            # The worker's RNG state when its previous batch ended is the same state: the fallback when
-            # the worker never starts the upcoming batch (non-persistent workers stop as soon as the
-            # training loop breaks out and drops the iterator).
-            previous = batch - workers if not end and batch - workers >= epoch.skipped else None
-            started = time.monotonic()
-            deadline = started + SNAPSHOT_WAIT_SECONDS
-            while True:
-                if batch < len(epoch.batch_first):
-                    payload = self.shared.get_snapshot(slot, epoch.pos0 + epoch.batch_first[batch] + 1)
-                    if (
-                        payload is None
-                        and previous is not None
-                        and time.monotonic() - started > FALLBACK_SECONDS
-                    ):
-                        payload = self.shared.get_snapshot(
-                            self.snap_ring + worker, epoch.pos0 + epoch.batch_first[previous] + 1
-                        )
-                    if payload is not None:
-                        snapshots[worker] = payload
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"state_dict: worker {worker} did not {'finish' if end else 'start'} "
-                        f"batch {batch} within {SNAPSHOT_WAIT_SECONDS:.0f} s"
-                    )
-                time.sleep(0.001)
-        return snapshots
+        return worker_snapshots(self.epoch, self.shared, self.snap_ring, self.num_workers, in_order)
 
     def close(self) -> None:
         self._finalizer()

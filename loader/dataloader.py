@@ -22,10 +22,11 @@ from typing import TypeVar
 import torch
 import torch.utils.data as tud
 
-from loader.clairvoyant import CacheOptions, Clairvoyant
+from loader.clairvoyant import Clairvoyant
 from loader.elastic import distributed_state, elastic_batches
 from loader.iterator import SingleProcessIterator
 from loader.multiprocess_iterator import MultiProcessIterator
+from loader.options import CacheOptions
 from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
 from loader.retry import check_retry_options
 from loader.sizes import parse_size
@@ -89,9 +90,10 @@ class DataLoader(tud.DataLoader[T_co]):
       cache_disk / cache_disk_bytes: a local directory and how many bytes it may hold.
       cache_items: the dataset has no read/decode but its items are deterministic: cache them.
       prefetch_bytes: with a cache, bytes read ahead of the workers and not cached (default 64 MiB).
-      prefetch_threads: concurrent storage reads (default 16), shared out among the workers, each reading
-        its batch with that many reads in flight when storage is slow; with peer_exchange, also the
-        prefetcher's reads of what no peer holds.
+      prefetch_threads: concurrent storage reads in all, shared out among the workers, each reading its
+        batch with that many reads in flight when storage is slow; with peer_exchange, also the
+        prefetcher's reads of what no peer holds. Default: each worker reads a whole batch at once
+        (up to 64 reads in flight), so a batch costs one read's latency; 16 for peer_exchange's reads.
       peer_exchange: under torch.distributed, take samples another rank holds from it (gloo)
         instead of storage; all ranks must build the loader together and iterate whole epochs.
       peer_window: samples per exchange window (default 128).
@@ -131,7 +133,7 @@ class DataLoader(tud.DataLoader[T_co]):
         cache_disk_bytes: int | str | None = None,
         cache_items: bool = False,
         prefetch_bytes: int | str = "64MiB",
-        prefetch_threads: int = 16,
+        prefetch_threads: int | None = None,
         peer_exchange: bool = False,
         peer_window: int = 128,
         peer_timeout: float = 60.0,
@@ -292,8 +294,10 @@ def _options(
         raise ValueError("cache_disk needs a budget: pass cache_disk_bytes (e.g. '100GiB')")
     if not isinstance(cache_items, bool):
         raise TypeError(f"cache_items: expected True or False, got {cache_items!r}")
-    if not isinstance(prefetch_threads, int) or isinstance(prefetch_threads, bool) or prefetch_threads < 1:
-        raise ValueError(f"prefetch_threads: expected an int >= 1, got {prefetch_threads!r}")
+    if prefetch_threads is not None and (
+        not isinstance(prefetch_threads, int) or isinstance(prefetch_threads, bool) or prefetch_threads < 1
+    ):
+        raise ValueError(f"prefetch_threads: expected an int >= 1 or None, got {prefetch_threads!r}")
     staging = parse_size(prefetch_bytes, "prefetch_bytes")
     if staging < 1:
         raise ValueError("prefetch_bytes: must be > 0 (at least the largest sample)")

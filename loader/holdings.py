@@ -13,8 +13,6 @@ Used only by the prefetch coordinator thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from loader.arena import Arena
@@ -26,16 +24,6 @@ HOME_FIRST = 1 << 62  # subtracted from a home sample's next use: ahead of any o
 HORIZON_CAP = 1 << 40  # a home sample not used again by this rank still ranks ahead
 
 
-@dataclass(slots=True)
-class _Held:
-    """A sample's bytes in the shared data area."""
-
-    offset: int
-    size: int
-    pending: int = 0  # published positions not yet consumed
-    next_use: int = NEVER  # plan position of its next use after the last one published
-
-
 class Holdings:
     def __init__(self, shared: SharedState, cache_ram: int, disk: DiskTier | None):
         self.shared, self.disk = shared, disk
@@ -43,10 +31,13 @@ class Holdings:
         self.disk_set = BeladyCache(disk.budget) if disk else None
         self.disk_pending: dict[int, int] = {}
         self.arena = Arena(shared.layout.arena)
-        self.held: dict[int, _Held] = {}
-        self.reserved: dict[
-            int, tuple[int, int]
-        ] = {}  # index -> (offset, size): kept, bytes to come (a fill)
+        # Per sample, plain ints only (see BeladyCache): the bytes in the shared data area,
+        self.held: dict[int, int] = {}  # index -> offset
+        self.held_size: dict[int, int] = {}  # index -> bytes
+        self.pins: dict[int, int] = {}  # index -> published positions not yet consumed (none: 0)
+        self.held_next: dict[int, int] = {}  # index -> next use after the last one published
+        self.reserved: dict[int, int] = {}  # index -> offset: kept, bytes to come (a fill)
+        self.reserved_size: dict[int, int] = {}
         self.staged_bytes = self.staged_peak = 0  # held bytes outside the RAM cache set
         self.home: np.ndarray | None = None  # bool per sample: kept by this rank for its peers
 
@@ -71,8 +62,7 @@ class Holdings:
         self.ram.renumber(key)
         if self.disk_set is not None:
             self.disk_set.renumber(key)
-        for index, held in self.held.items():
-            held.next_use = key(index)
+        self.held_next = {index: key(index) for index in self.held}
 
     # --- a planned use -------------------------------------------------------------------------
     def use(self, index: int, upcoming: int) -> int:
@@ -81,16 +71,16 @@ class Holdings:
         if index in self.reserved:  # kept when it was last used; a worker's bytes are still on their way
             self.ram.touch(index, upcoming)
             return ABSENT
-        held = self.held.get(index)
-        if held is not None:
-            held.pending += 1
-            held.next_use = upcoming
+        if index in self.held:
+            self.pins[index] = self.pins.get(index, 0) + 1
+            self.held_next[index] = upcoming
             if index in self.ram:
                 self.ram.touch(index, upcoming)
             else:
-                victims = self.ram.offer(index, held.size, upcoming)
+                size = self.held_size[index]
+                victims = self.ram.offer(index, size, upcoming)
                 if victims is not None:
-                    self.staged_bytes -= held.size
+                    self.staged_bytes -= size
                     self._evict(victims)
             self.shared.counters[0, RAM_HITS] += 1
             return RAM
@@ -117,7 +107,8 @@ class Holdings:
             self.shared.set_entry(index, ABSENT)  # larger than the whole area: the worker reads it
             return ABSENT
         self.shared.write(offset, raw)
-        self.held[index] = _Held(offset, len(raw), pending=1, next_use=upcoming)
+        self._hold(index, offset, len(raw), upcoming)
+        self.pins[index] = 1
         self.shared.set_entry(index, RAM, offset, len(raw))
         victims = self.ram.offer(index, len(raw), upcoming)
         if victims is None:
@@ -137,20 +128,21 @@ class Holdings:
         if victims is None:
             self.arena.free(offset)
             return True
-        self.reserved[index] = (offset, size)
+        self.reserved[index] = offset
+        self.reserved_size[index] = size
         self._evict(victims)
         return True
 
     def filled(self, index: int, raw: bytes, upcoming: int, decided: bool) -> int:
         """A worker's bytes for a sample it read: into its reserved room; offered now only if no
         decision was made when its use was published (`decided`: reserve() ran for it)."""
-        offset, size = self.reserved.pop(index, (None, 0))
+        offset, size = self.reserved.pop(index, None), self.reserved_size.pop(index, 0)
         if offset is None and decided:
             return self._keep_on_disk(index, raw, upcoming)  # the RAM tier bypassed or already evicted it
         if offset is not None:
             if len(raw) == size and index in self.ram:
                 self.shared.write(offset, raw)
-                self.held[index] = _Held(offset, size, next_use=self.ram.kept[index][1])
+                self._hold(index, offset, size, self.ram.next[index])
                 self.shared.set_entry(index, RAM, offset, size)
                 return RAM
             self.arena.free(offset)
@@ -161,11 +153,12 @@ class Holdings:
 
     def cancel_reservations(self) -> None:
         """Bytes that never came (a full fill ring, an epoch left early): not kept after all."""
-        for index, (offset, _) in self.reserved.items():
+        for index, offset in self.reserved.items():
             self.arena.free(offset)
             if index in self.ram:
                 self.ram.remove(index)
         self.reserved.clear()
+        self.reserved_size.clear()
 
     def keep(self, index: int, raw: bytes, upcoming: int) -> int:
         """A sample a worker read and used (fill_ring.py): keep it if placement says so, in RAM or
@@ -175,7 +168,7 @@ class Holdings:
         victims = self.ram.offer(index, len(raw), upcoming) if offset is not None else None
         if victims is not None:
             self.shared.write(offset, raw)
-            self.held[index] = _Held(offset, len(raw), next_use=upcoming)
+            self._hold(index, offset, len(raw), upcoming)
             self.shared.set_entry(index, RAM, offset, len(raw))
             self._evict(victims)
             return RAM
@@ -192,10 +185,13 @@ class Holdings:
     def release(self, index: int, tier: int) -> None:
         """A published use was consumed: unpin, and free what nothing keeps any more."""
         if tier == RAM:
-            held = self.held[index]
-            held.pending -= 1
-            if held.pending == 0 and index not in self.ram:
-                self._drop(index)
+            left = self.pins[index] - 1
+            if left:
+                self.pins[index] = left
+            else:
+                del self.pins[index]
+                if index not in self.ram:
+                    self._drop(index)
         elif tier == DISK:
             left = self.disk_pending[index] - 1
             if left:
@@ -205,9 +201,9 @@ class Holdings:
 
     def copy_of(self, index: int) -> bytes | None:
         """The bytes of a held sample (for a peer), or None."""
-        held = self.held.get(index)
-        if held is not None:
-            return self.shared.read(held.offset, held.size)
+        offset = self.held.get(index)
+        if offset is not None:
+            return self.shared.read(offset, self.held_size[index])
         if self.on_disk(index):
             return read_file(self.disk.path(index), int(self.shared.table[index, LENGTH]))
         return None
@@ -230,30 +226,31 @@ class Holdings:
     def _evict(self, victims: list[int]) -> None:
         for victim in victims:
             if victim in self.reserved:
-                self.arena.free(self.reserved.pop(victim)[0])
+                self.arena.free(self.reserved.pop(victim))
+                del self.reserved_size[victim]
                 continue
-            held = self.held[victim]
-            self._add_staged(held.size)  # out of the cache set; its bytes stay while pinned
-            if held.pending == 0:
+            self._add_staged(self.held_size[victim])  # out of the cache set; its bytes stay while pinned
+            if victim not in self.pins:
                 self._drop(victim)
 
     def _evict_one(self) -> bool:
         """Room for a sample needed now: evict the farthest-used cached one that is not pinned."""
-        for index, _ in sorted(self.ram.kept.items(), key=lambda kv: -kv[1][1]):
-            if index in self.held and self.held[index].pending == 0:
+        for index in self.ram.farthest_first():
+            if index in self.held and index not in self.pins:
                 self.ram.remove(index)
-                self._add_staged(self.held[index].size)
+                self._add_staged(self.held_size[index])
                 self._drop(index)
                 return True
         return False
 
     def _drop(self, index: int) -> None:
         """Free a sample's shared bytes; keep it on the disk tier if placement says so."""
-        held = self.held.pop(index)
-        self.staged_bytes -= held.size
-        kept = self._to_disk(index, self.shared.read(held.offset, held.size), held.next_use)
-        self.shared.set_entry(index, DISK if kept else ABSENT, 0, held.size if kept else 0)
-        self.arena.free(held.offset)
+        offset, size = self.held.pop(index), self.held_size.pop(index)
+        next_use = self.held_next.pop(index, NEVER)
+        self.staged_bytes -= size
+        kept = self._to_disk(index, self.shared.read(offset, size), next_use)
+        self.shared.set_entry(index, DISK if kept else ABSENT, 0, size if kept else 0)
+        self.arena.free(offset)
 
     def _to_disk(self, index: int, raw: bytes, upcoming: int) -> bool:
         """Keep a sample on the disk tier if placement says so."""
@@ -271,6 +268,18 @@ class Holdings:
             return True
         self.disk_set.remove(index)
         return False
+
+    def _hold(self, index: int, offset: int, size: int, next_use: int) -> None:
+        self.held[index] = offset
+        self.held_size[index] = size
+        self.held_next[index] = next_use
+
+    def hold_all(self, indices: list[int], offsets: list[int], sizes: list[int]) -> None:
+        """Samples kept in free room of a resident epoch (resident.py): unpinned, no next use."""
+        self.held.update(zip(indices, offsets))
+        self.held_size.update(zip(indices, sizes))
+        self.held_next.update(dict.fromkeys(indices, NEVER))
+        self.ram.add_free(indices, sizes)
 
     def _add_staged(self, nbytes: int) -> None:
         self.staged_bytes += nbytes

@@ -33,26 +33,39 @@ def first_use(stream: np.ndarray) -> dict[int, int]:
 
 
 class BeladyCache:
-    """The set of kept samples and their next use; `capacity` and sizes in bytes."""
+    """The set of kept samples and their next use; `capacity` and sizes in bytes.
+
+    Kept per sample as plain ints only (dicts of int to int, heap entries packed into one int):
+    tuples or objects that live as long as the cache would be tracked by Python's garbage
+    collector, and a growing number of them sets off full collections of the whole process
+    (torch's objects included), several microseconds a sample."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.used = 0  # bytes of kept samples
         self.peak = 0  # the most bytes ever kept
-        self.kept: dict[int, tuple[int, int]] = {}  # index -> (size, next use)
-        self._heap: list[tuple[int, int]] = []  # (-next use, index); stale rows skipped lazily
+        self.size: dict[int, int] = {}  # index -> bytes, for each kept sample
+        self.next: dict[int, int] = {}  # index -> next use
+        self._heap: list[int] = []  # _entry(next use, index): farthest first; stale ones skipped lazily
 
     def __contains__(self, index: int) -> bool:
-        return index in self.kept
+        return index in self.size
 
     def __len__(self) -> int:
-        return len(self.kept)
+        return len(self.size)
 
     def touch(self, index: int, next_use_at: int) -> None:
         """A kept sample was used; remember when it is needed next."""
-        size, _ = self.kept[index]
-        self.kept[index] = (size, next_use_at)
-        heapq.heappush(self._heap, (-next_use_at, index))
+        self.next[index] = next_use_at
+        heapq.heappush(self._heap, _entry(next_use_at, index))
+
+    def add_free(self, indices: list[int], sizes: list[int]) -> None:
+        """Keep samples that fit in free room, without next uses (a resident epoch, resident.py:
+        nothing is evicted until renumber() gives every kept sample its next use again)."""
+        self.size.update(zip(indices, sizes))
+        self.next.update(dict.fromkeys(indices, NEVER))
+        self.used += sum(sizes)
+        self.peak = max(self.peak, self.used)
 
     def offer(
         self, index: int, size: int, next_use_at: int, can_evict: Callable[[int], bool] | None = None
@@ -72,42 +85,58 @@ class BeladyCache:
             top = self._farthest()
             if top is None or top[0] <= next_use_at:
                 for row in victims + vetoed:
-                    heapq.heappush(self._heap, (-row[0], row[1]))
+                    heapq.heappush(self._heap, _entry(*row))
                 return None
             heapq.heappop(self._heap)
             if can_evict is not None and not can_evict(top[1]):
                 vetoed.append(top)
                 continue
             victims.append(top)
-            freed += self.kept[top[1]][0]
+            freed += self.size[top[1]]
         for row in vetoed:
-            heapq.heappush(self._heap, (-row[0], row[1]))
+            heapq.heappush(self._heap, _entry(*row))
         for _, victim in victims:
             self.remove(victim)
-        self.kept[index] = (size, next_use_at)
+        self.size[index] = size
+        self.next[index] = next_use_at
         self.used += size
         self.peak = max(self.peak, self.used)
-        heapq.heappush(self._heap, (-next_use_at, index))
+        heapq.heappush(self._heap, _entry(next_use_at, index))
         return [victim for _, victim in victims]
 
     def remove(self, index: int) -> None:
-        size, _ = self.kept.pop(index)
-        self.used -= size
+        self.used -= self.size.pop(index)
+        del self.next[index]
 
     def renumber(self, next_use_of: Callable[[int], int]) -> None:
         """Positions restart with each epoch's plan: recompute every kept sample's next use."""
-        self.kept = {i: (size, next_use_of(i)) for i, (size, _) in self.kept.items()}
-        self._heap = [(-nu, i) for i, (_, nu) in self.kept.items()]
+        self.next = {i: next_use_of(i) for i in self.size}
+        self._heap = [_entry(nu, i) for i, nu in self.next.items()]
         heapq.heapify(self._heap)
+
+    def farthest_first(self) -> list[int]:
+        """The kept samples, the one used farthest ahead first."""
+        return sorted(self.next, key=self.next.__getitem__, reverse=True)
 
     def _farthest(self) -> tuple[int, int] | None:
         while self._heap:
-            neg, index = self._heap[0]
-            row = self.kept.get(index)
-            if row is not None and row[1] == -neg:
-                return -neg, index
+            next_use_at, index = _unpack(self._heap[0])
+            if self.next.get(index) == next_use_at:
+                return next_use_at, index
             heapq.heappop(self._heap)
         return None
+
+
+_INDEX_BITS = 40  # sample indices below 2**40
+
+
+def _entry(next_use_at: int, index: int) -> int:
+    """A heap entry as one int: the largest next use sorts first, then the smallest index."""
+    return (-next_use_at << _INDEX_BITS) + index
+
+
+def _unpack(entry: int) -> tuple[int, int]:
+    return -(entry >> _INDEX_BITS), entry & ((1 << _INDEX_BITS) - 1)
 
 
 def optimal_reads(streams: list[np.ndarray], size_of: Callable[[int], int], capacity: int) -> list[int]:

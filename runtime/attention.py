@@ -88,20 +88,19 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of n queries (the last n positions) over ctx keys."""
+    """Causal attention of n queries (the last n positions) over ctx keys. 4-D inputs with enable_gqa: on
+    CPU that is torch's flash kernel with the key/value heads shared in place (3-D inputs, or K/V repeated
+    per query head, fall back to the math path: 2.6x slower at 512 tokens, measured)."""
     n, ctx = q.shape[0], k.shape[0]
-    heads, kv_heads = q.shape[1], k.shape[1]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if heads != kv_heads:
-        kh = kh.repeat_interleave(heads // kv_heads, dim=0)
-        vh = vh.repeat_interleave(heads // kv_heads, dim=0)
+    gqa = q.shape[1] != k.shape[1]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if n == ctx:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # query i sits at position ctx - n + i and sees keys 0 .. ctx - n + i
         mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
 
 
 def _decode(

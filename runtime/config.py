@@ -40,6 +40,13 @@ class ModelSettings:
     quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
     """auto: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast (bfloat16 on CPU); none:
     dequantize; gguf: always packed; int8 / int4: quantize a float checkpoint on load."""
+    dense_copy_bytes: int | str | None = field(default=None, metadata={"size": True})
+    """Memory for dense copies of packed GGUF projections (a prefill chunk or a large batch multiplies
+    faster by them, from a row count measured at load): projections get one in order, the layers' from
+    the first, then the LM head's, while they fit. 0 turns them off; None: no cap."""
+
+    def __post_init__(self) -> None:
+        self.dense_copy_bytes = parse_size(self.dense_copy_bytes, "dense_copy_bytes")
 
 
 @dataclass

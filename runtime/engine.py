@@ -88,7 +88,14 @@ class Engine:
             torch.set_num_threads(config.parallel.num_threads)
         ckpt = load_checkpoint(config.model.model)
         tokenizer = Tokenizer(ckpt.tokenizer)
-        net = LlamaModel(ckpt.config, ckpt.weights, dtype, torch_device, quantization)
+        net = LlamaModel(
+            ckpt.config,
+            ckpt.weights,
+            dtype,
+            torch_device,
+            quantization,
+            dense_copy_bytes=config.model.dense_copy_bytes,
+        )
         del ckpt
         return cls(net, tokenizer, config)
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime import native_attention, native_layer_ops
 from runtime.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
@@ -22,36 +23,43 @@ from runtime.quantization import (
     linear,
     make_linear,
     measure_dense_rows,
+    measure_native_rows,
     weight_nbytes,
 )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in float32, scale in the model dtype (as the reference implementation does)."""
+    if x.dtype == torch.float32:  # F.rms_norm computes the same float32 function in fewer ops
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
 class RotaryEmbedding:
-    """Half-split RoPE: cos/sin tables in float32 for every position, cast to the model dtype."""
+    """Half-split RoPE: cos/sin tables in float32 for every position, cast to the model dtype.
+
+    rotate_half(x) * sin is computed as roll(x, D/2) * sin_signed, sin_signed = [-sin, sin] by halves (a
+    negation moves no rounding), so a step's rotation is a few whole-tensor ops over q and k together."""
 
     def __init__(self, head_dim: int, max_len: int, theta: float, dtype: torch.dtype, device: torch.device):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.half = head_dim // 2
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
+        self.sin_signed = torch.cat((-self.sin[:, : self.half], self.sin[:, self.half :]), dim=-1)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) rows of these positions, [T, 1, D]: gathered once a step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, half: int) -> torch.Tensor:
+        """x [T, heads, D] rotated: x * cos + rotate_half(x) * sin."""
+        return torch.addcmul(x * cos, x.roll(half, dims=-1), sin_signed)
 
 
 class Layer:
@@ -73,15 +81,19 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         quantization: str = "none",
+        dense_copy_bytes: int | None = None,
     ):
         """quantization: as resolved by runtime.quantization.resolve_quantization ('none', 'gguf', 'int8',
-        'int4')."""
+        'int4'); dense_copy_bytes: the cap on packed projections' dense copies (ModelSettings)."""
         self.config = config
         self.dtype = dtype
         self.device = device
         self.quantization = quantization
         self.dense_rows: int | None = None
         """Packed projections run as dense matmuls from this many rows up (None: always packed)."""
+        self.native_rows: dict[tuple[int, int], int | None] = {}
+        """(out, in features) of packed projections -> the C kernel serves up to this many rows (None:
+        never), as measured at load."""
 
         def source(name: str) -> np.ndarray | GGUFBlocks:
             if name not in weights:
@@ -93,12 +105,28 @@ class LlamaModel:
             w = w.dequantize() if isinstance(w, GGUFBlocks) else w
             return torch.from_numpy(w).to(device=device, dtype=dtype)
 
+        dense_budget = [dense_copy_bytes]  # bytes left for dense copies (None: no cap)
+
         def proj(names: list[str], how: str = quantization):
             parts = [source(n) for n in names]
             fused = GGUFBlocks.stack(parts) if all(isinstance(p, GGUFBlocks) for p in parts) else None
             if fused is None:
                 fused = np.concatenate([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts])
-            return make_linear(fused, how, dtype, device, dense=how == "gguf")
+            dense = how == "gguf"
+            if dense and dense_budget[0] is not None:
+                cost = fused.shape[0] * fused.shape[1] * dtype.itemsize
+                dense = cost <= dense_budget[0]
+                dense_budget[0] -= cost if dense else 0
+            return make_linear(fused, how, dtype, device, dense=dense)
+
+        # the layers first: their dense copies serve every prefill row, the LM head's only sampled rows
+        self.layers = [
+            Layer(
+                lambda s, i=i: tensor(f"model.layers.{i}.{s}"),
+                lambda names, i=i: proj([f"model.layers.{i}.{s}" for s in names]),
+            )
+            for i in range(config.num_layers)
+        ]
 
         embed = source("model.embed_tokens.weight")
         if quantization != "none" and (config.tie_word_embeddings or isinstance(embed, GGUFBlocks)):
@@ -114,15 +142,11 @@ class LlamaModel:
             self.embed = tensor("model.embed_tokens.weight")
             self.lm_head = self.embed if config.tie_word_embeddings else proj(["lm_head.weight"])
         self.norm = tensor("model.norm.weight")
-        self.layers = [
-            Layer(
-                lambda s, i=i: tensor(f"model.layers.{i}.{s}"),
-                lambda names, i=i: proj([f"model.layers.{i}.{s}" for s in names]),
-            )
-            for i in range(config.num_layers)
-        ]
         self._choose_dense_rows()
+        self._choose_native_rows()
         self.rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, dtype, device)
+        self.native_decode = native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0
+        """Steps that only decode, with the C attention kernel, run the layers' element-wise work in C."""
         self.scale = config.head_dim**-0.5
 
     def _packed(self) -> list[Int4Linear]:
@@ -138,12 +162,27 @@ class LlamaModel:
         if not packed:
             return
         probe = self.layers[0].gate_up
-        rows = measure_dense_rows(probe) if isinstance(probe, Int4Linear) else None
+        probe = probe if probe in packed else packed[0]  # the first layer's copy may be over the cap
+        rows = measure_dense_rows(probe)
         for w in packed:
             w.dense_rows = rows
             if rows is None:
                 w.dense = None
         self.dense_rows = rows
+
+    def _choose_native_rows(self) -> None:
+        """Packed projections with a copy for the C kernel use it up to the row count where it measured
+        faster than torch's packed kernel, measured once per shape; where it never did, the copy is
+        dropped."""
+        for w in self._packed():
+            if w.native is None:
+                continue
+            shape = (w.out_features, w.in_features)
+            if shape not in self.native_rows:
+                self.native_rows[shape] = measure_native_rows(w)
+            w.native_rows = self.native_rows[shape]
+            if w.native_rows is None:
+                w.native = None
 
     @property
     def weight_bytes(self) -> int:
@@ -175,22 +214,71 @@ class LlamaModel:
         """Returns the final hidden states [T, hidden] (normalised), one row per input token."""
         c = self.config
         t = input_ids.shape[0]
+        if self.native_decode and not meta.prefills and meta.num_decode == t and meta.native_decode:
+            return self._forward_decode(input_ids, positions, meta, kv)
+        qk_heads = c.num_heads + c.num_kv_heads
+        cos, sin = self.rope.tables(positions)
+        half = self.rope.half
         h = self.embed[input_ids]
+        x = rms_norm(h, self.layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv)
-            q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
-            k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
+            # q and k heads side by side: one rotation for both
+            qk = self.rope.rotate(
+                qkv[:, : c.q_size + c.kv_size].view(t, qk_heads, c.head_dim), cos, sin, half
+            )
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
-            q, k = self.rope(positions, q, k)
             k_cache, v_cache = kv.layer(i)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + linear(attn.reshape(t, c.q_size), layer.o)
+            h += linear(attn.reshape(t, c.q_size), layer.o)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.down)
-        return rms_norm(h, self.norm, c.rms_norm_eps)
+            h += linear(F.silu(gate).mul_(up), layer.down)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = rms_norm(h, following, c.rms_norm_eps)
+        return x
+
+    def _forward_decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+    ) -> torch.Tensor:
+        """forward for a step of one row per decoding sequence, its element-wise work and attention in C
+        (native_layer_ops, native_attention): a few calls per layer instead of ~40 torch ops."""
+        c = self.config
+        t, eps = input_ids.shape[0], c.rms_norm_eps
+        h = self.embed[input_ids].contiguous()
+        x = torch.empty_like(h)
+        q = torch.empty(t, c.num_heads, c.head_dim, dtype=torch.float32, device=self.device)
+        act = torch.empty(t, c.intermediate_size, dtype=self.dtype, device=self.device)
+        positions = positions.contiguous()
+        native_layer_ops.add_rms_norm(h, None, self.layers[0].input_norm, x, eps)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(i)
+            native_layer_ops.rope_write_kv(
+                linear(x, layer.qkv),
+                positions,
+                self.rope.cos,
+                self.rope.sin_signed,
+                q,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+            )
+            attn = native_attention.decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            ).view(t, c.q_size)
+            native_layer_ops.add_rms_norm(h, self._project(attn, layer.o), layer.post_norm, x, eps)
+            native_layer_ops.silu_mul(linear(x, layer.gate_up), act)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            native_layer_ops.add_rms_norm(h, linear(act, layer.down), following, x, eps)
+        return x
+
+    def _project(self, x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
+        """x W^T for float32 x, out in the model dtype: the C matmul takes float32 as it is."""
+        if isinstance(w, Int4Linear) and w.native_rows is not None and x.shape[0] <= w.native_rows:
+            return w.native(x, out_dtype=self.dtype)
+        return linear(x.to(self.dtype), w)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

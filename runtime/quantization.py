@@ -21,6 +21,11 @@ BF16 EPYC). So a GGUF's packed projections may also keep their blocks
 dequantized to a dense copy, used from `dense_rows` rows up; the model measures
 that crossover once at load (measure_dense_rows) and drops the copies where
 dense never wins. The copy costs the dense weights' memory again.
+
+For one row (a single stream's decode) a C kernel with 8-bit activations
+(runtime.native_matmul) multiplies the same blocks with integer dot products;
+it keeps its own copy of the blocks and is used up to `native_rows` rows,
+again only where the model measured it faster at load.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from runtime import native_matmul
+from runtime.native_matmul import NativeMatmul
 
 GROUP = 32
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
@@ -139,6 +147,10 @@ class Int4Linear:
         self.dense: torch.Tensor | None = None
         """The same weights dequantized [out, in], used for inputs of `dense_rows` rows or more."""
         self.dense_rows: int | None = None
+        self.native: NativeMatmul | None = None
+        """The same blocks for the C kernel with 8-bit activations, used for inputs of up to `native_rows`
+        rows."""
+        self.native_rows: int | None = None
         self.out_features = rows // 2 if halves else rows
         self.in_features = k
         self.halves = halves
@@ -153,6 +165,8 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
+        if self.native_rows is not None and x.shape[0] <= self.native_rows:
+            return self.native(x).view(*lead, self.out_features)
         if self.dense_rows is not None and x.shape[0] >= self.dense_rows:
             return F.linear(x, self.dense).view(*lead, self.out_features)
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
@@ -185,7 +199,10 @@ def linear(x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
 
 
 def weight_nbytes(w: torch.Tensor | Int4Linear) -> int:
-    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+    """Bytes a one-row multiplication reads."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return w.native.nbytes if w.native_rows else w.nbytes
 
 
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:
@@ -200,6 +217,12 @@ def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> In
     )
     if dense:
         packed.dense = torch.from_numpy(blocks.dequantize()).to(dtype)
+    if native_matmul.usable(packed.in_features, dtype, torch.device("cpu")):
+        packed.native = (
+            NativeMatmul.from_q8(blocks.codes, blocks.scale)
+            if blocks.kind == "Q8_0"
+            else NativeMatmul.from_int4_fields(codes, scale, zero)
+        )
     return packed
 
 
@@ -229,6 +252,41 @@ def measure_dense_rows(w: Int4Linear, rounds: int = 5) -> int | None:
     return None
 
 
+NATIVE_ROW_CANDIDATES = (1, 2, 4, 8)
+
+
+def measure_native_rows(w: Int4Linear, rounds: int = 9, calls: int = 4) -> int | None:
+    """The most rows (of NATIVE_ROW_CANDIDATES, counting up until it first loses) for which w's C kernel
+    multiplied faster than torch's packed kernel: median CPU seconds of `calls` calls, the two interleaved
+    (CPU time, as the machine may be shared: waiting for a core is nobody's cost); None: not even one."""
+    if w.native is None:
+        return None
+    best = None
+
+    def seconds(fn, x) -> float:
+        start = time.process_time()
+        for _ in range(calls):
+            fn(x)
+        return time.process_time() - start
+
+    for rows in NATIVE_ROW_CANDIDATES:
+        if w.dense_rows is not None and rows >= w.dense_rows:
+            break
+        x = torch.randn(rows, w.in_features).to(w.scales_and_zeros.dtype)
+        w.native_rows = None
+        w(x)
+        w.native(x)
+        packed, native = [], []
+        for _ in range(rounds):
+            packed.append(seconds(w, x))
+            native.append(seconds(w.native, x))
+        if statistics.median(native) >= statistics.median(packed):
+            break
+        best = rows
+    w.native_rows = best
+    return best
+
+
 def quantize_int4(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
     """Asymmetric 4-bit per group of 32: the group's min..max onto codes 0..15."""
     n, k = w.shape
@@ -236,7 +294,10 @@ def quantize_int4(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp_min(1e-8)
     codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(n, k)
-    return Int4Linear(codes, scale, lo + 8 * scale, dtype)
+    packed = Int4Linear(codes, scale, lo + 8 * scale, dtype)
+    if native_matmul.usable(k, dtype, torch.device("cpu")):
+        packed.native = NativeMatmul(codes.to(torch.uint8).numpy(), scale.numpy(), lo.numpy(), 4)
+    return packed
 
 
 def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:

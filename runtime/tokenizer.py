@@ -31,6 +31,12 @@ class Tokenizer:
         self._text_tok = HFTokenizer.from_str(self._tok.to_str())
         self._text_tok.encode_special_tokens = True
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (the engine core sends its tokenizer to the server): the tokenizers library does not
+        keep encode_special_tokens, so without this user text would be read as special tokens again."""
+        self.__dict__.update(state)
+        self._text_tok.encode_special_tokens = True
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens written in the text (e.g. <|im_start|>) become their ids, as in transformers."""
         ids = _encode(self._tok, text)

@@ -2,8 +2,10 @@
 
 Every step first continues the running requests (one token for a decode, the
 next chunk for an unfinished prefill), then admits waiting requests in the
-policy's order while sequences, the token budget and KV blocks allow. Long
-prompts are chunked under the budget, so they never stall the decodes.
+policy's order while sequences, the token budget and KV blocks allow, and
+until the step's new prompt tokens reach prefill_wave_tokens (a burst of
+prompts is admitted in waves). Long prompts are chunked under the budget, so
+they never stall the decodes.
 
 Blocks are allocated lazily, only for the tokens scheduled this step, but a
 request is admitted only if the blocks for its whole prompt are free beyond
@@ -197,7 +199,10 @@ class Scheduler:
             reserved += max(bm.blocks_needed(r.num_tokens) - len(r.block_table), 0)
         max_num_seqs = self.config.max_num_seqs
         seqs = len(running) + sum(len(r.forks) for r in running)  # with forks due when their prompt ends
-        while budget > 0 and seqs < max_num_seqs:
+        # Waves: a burst of prompts gets its first tokens step by step rather than all after one long step.
+        wave = self.config.prefill_wave_tokens or sys.maxsize
+        admitted = 0
+        while budget > 0 and seqs < max_num_seqs and admitted < wave:
             request = self.policy.peek()
             if request is None or seqs + 1 + len(request.forks) > max_num_seqs:
                 break
@@ -229,6 +234,7 @@ class Scheduler:
             seqs += 1 + len(request.forks)
             out.scheduled.append((request, n))
             budget -= n
+            admitted += n
 
     def _fork(self, parent: Request) -> None:
         """Start the parent's sibling sequences on its computed prompt: they share its KV blocks, are

@@ -26,9 +26,10 @@ class ServerConfig:
     """/metrics asks for one of the --api-keys (Prometheus: authorization.credentials)."""
     tenant_metrics: bool = True
     """Export per-tenant series (they name tenants and show their load); --no-tenant-metrics: none."""
-    engine_process: bool = False
-    """Run the engine's step loop as the main thread of a process of its own (runtime/engine_core.py)
-    instead of a thread of the server's process."""
+    engine_process: bool = True
+    """Run the engine's step loop as the main thread of a process of its own (runtime/engine_core.py), so
+    HTTP, JSON and SSE never share a GIL or the CPU thread team with the model; --no-engine-process runs it
+    in a thread of the server's process instead (one process, slower per token)."""
     max_waiting: int = 256
     """Waiting requests beyond this get 429 with Retry-After."""
     max_body_bytes: int = field(default=4 << 20, metadata={"size": True})

@@ -293,7 +293,8 @@ def run() -> dict:
         notes.append(
             f"{SAMPLES} samples x {SAMPLE_BYTES >> 10} KiB, batch {BATCH}, {WORKERS} workers "
             f"(persistent) for both loaders, {STEP_SECONDS * 1e3:.0f} ms compute per step "
-            f"(needs {BATCH / STEP_SECONDS:,.0f} samples/s); loader: 16 prefetch threads, 64 MiB staging."
+            f"(needs {BATCH / STEP_SECONDS:,.0f} samples/s); loader: a batch's reads in flight per worker, "
+            "64 MiB staging."
         )
         notes.append(
             "storage_reads counts reads at the simulated storage; optimal_reads is the plan's "

@@ -7,7 +7,12 @@ Baselines measured in the same run, because this machine is shared and noisy:
 - for the shared-prefix workload, the same server started with --no-prefix-caching;
 - for "server vs offline" (temperature 0.8, 128 tokens, 1 and 32 streams): the offline
   engine on the same prompts and sampling, run right after each HTTP run, and the
-  compute roofline (the faster dtype's matmul FLOP/s over 2 x parameters).
+  compute roofline (the faster dtype's matmul FLOP/s over 2 x parameters), measured
+  once at the start of the run and used for every row;
+- for the TTFT of 32 short prompts at once: the same burst with the scheduler's
+  prefill waves (--prefill-wave-tokens 128) and, for the engine in a thread of the
+  server (--no-engine-process), the same rows again; for one stream through the core,
+  the same row with libgomp's default spin count in the core.
 """
 
 from __future__ import annotations
@@ -60,20 +65,23 @@ def _offline_engine(concurrency: int) -> tuple[dict, str]:
 
 
 SAMPLED_TEMPERATURE, SAMPLED_LEN, SHORT_PROMPT = 0.8, 128, 16
+DEFAULT_GOMP_SPINCOUNT = "300000"
+"""libgomp's own spin count when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set."""
 
 
-def _server_vs_offline(url: str, engine_in: str) -> tuple[list[dict], dict]:
-    """HTTP at 1 and 32 streams against the offline engine on the same prompts and sampling, the TTFT of 32
-    short prompts arriving at once, and the 32-stream rate against the compute roofline."""
-    import torch
-
+def _server_vs_offline(
+    url: str, engine_in: str, ceiling: float, loads: tuple = ((1, 2), (32, 32))
+) -> tuple[list[dict], dict]:
+    """HTTP at 1 and 32 streams (loads: (streams, requests)) against the offline engine on the same prompts
+    and sampling; with both loads, also the TTFT of 32 short prompts arriving at once and the 32-stream rate
+    against the compute roofline (ceiling, tok/s)."""
     from runtime import Engine, SamplingParams
 
     engine = Engine.from_pretrained(dtype="auto", kv_cache_bytes=1 << 30, max_num_seqs=32)
     engine.generate(random_prompts(32, 32, seed=99), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     params = SamplingParams(max_tokens=SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE, ignore_eos=True)
     rows, ratios = [], {}
-    for streams, count in ((1, 2), (32, 32)):
+    for streams, count in loads:
         prompts = random_prompts(count, INPUT_LEN, seed=100 + streams)
         specs = [RequestSpec(p, SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE) for p in prompts]
         results, wall = asyncio.run(run_load(url, MODEL, specs, concurrency=streams))
@@ -95,24 +103,13 @@ def _server_vs_offline(url: str, engine_in: str) -> tuple[list[dict], dict]:
                 "x offline": ratios[streams],
             }
         )
-    short = [
-        RequestSpec(p, SHORT_PROMPT, temperature=SAMPLED_TEMPERATURE)
-        for p in random_prompts(32, SHORT_PROMPT, seed=17)
-    ]
-    results, wall = asyncio.run(run_load(url, MODEL, short, concurrency=32))
-    ttft = summarize(results, wall)
-    rows.append(
-        {
-            "workload": f"server ({engine_in}), 32 short prompts ({SHORT_PROMPT} tokens) at once",
-            "requests": 32,
-            **ttft,
-        }
-    )
-    dtype, config = engine.model.dtype, engine.model.config
+    dtype = engine.model.dtype
     del engine
     gc.collect()
-    flops = max(matmul_flops(torch.float32), matmul_flops(torch.bfloat16))
-    ceiling = flops / (2 * _matmul_parameters(config))
+    if 32 not in ratios:
+        return rows, {"x offline 1": ratios[1]}
+    ttft = _short_burst(url)
+    rows.append({"workload": f"server ({engine_in}), {_BURST}", "requests": 32, **ttft})
     return rows, {
         "x offline 1": ratios[1],
         "x offline 32": ratios[32],
@@ -121,6 +118,32 @@ def _server_vs_offline(url: str, engine_in: str) -> tuple[list[dict], dict]:
         "x roofline 32": rows[1]["output tok/s"] / ceiling,
         "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+_BURST = f"32 short prompts ({SHORT_PROMPT} tokens) at once"
+
+
+def _short_burst(url: str) -> dict:
+    """32 short prompts sent at once: TTFT is their prefill and admission, with little decode after."""
+    short = [
+        RequestSpec(p, SHORT_PROMPT, temperature=SAMPLED_TEMPERATURE)
+        for p in random_prompts(32, SHORT_PROMPT, seed=17)
+    ]
+    results, wall = asyncio.run(run_load(url, MODEL, short, concurrency=32))
+    return summarize(results, wall)
+
+
+def _compute_ceiling() -> float:
+    """Decode tokens/s at the compute roofline: the faster dtype's matmul FLOP/s over 2 x the parameters a
+    token multiplies."""
+    import torch
+
+    from runtime.checkpoint import load_checkpoint
+
+    config = load_checkpoint(None).config
+    gc.collect()
+    flops = max(matmul_flops(torch.float32), matmul_flops(torch.bfloat16))
+    return flops / (2 * _matmul_parameters(config))
 
 
 def _matmul_parameters(config) -> int:
@@ -188,6 +211,7 @@ def _cpu_flags() -> str:
 
 def run() -> dict:
     rows, notes = [], []
+    ceiling = _compute_ceiling()  # once, before any server runs, for every row
     with running_server("--max-num-seqs", "64", dtype="auto", kv_cache="1GiB") as server:
         asyncio.run(
             run_load(server.url, MODEL, [RequestSpec(p, 8) for p in random_prompts(2, 32, 99)], concurrency=2)
@@ -218,15 +242,43 @@ def run() -> dict:
             {"workload": f"Poisson {rate:.2f} req/s", "requests": len(specs), **summarize(results, wall)}
         )
         cached = _shared_prefix(server.url, seed=11)
-        versus_rows, versus = _server_vs_offline(server.url, "engine thread")
+        process_rows, process = _server_vs_offline(server.url, "engine core process", ceiling)
     with running_server("--no-prefix-caching", dtype="auto", kv_cache="1GiB") as server:
         uncached = _shared_prefix(server.url, seed=11)
-    with running_server("--engine-process", "--max-num-seqs", "64", dtype="auto", kv_cache="1GiB") as server:
-        process_rows, process = _server_vs_offline(server.url, "engine core process")
+    waves = "--prefill-wave-tokens"
+    with running_server(waves, "128", "--max-num-seqs", "64", dtype="auto", kv_cache="1GiB") as server:
+        asyncio.run(
+            run_load(server.url, MODEL, [RequestSpec(p, 8) for p in random_prompts(2, 32, 99)], concurrency=2)
+        )  # warm-up
+        waved = _short_burst(server.url)
+    with running_server(
+        "--no-engine-process", "--max-num-seqs", "64", dtype="auto", kv_cache="1GiB"
+    ) as server:
+        versus_rows, versus = _server_vs_offline(server.url, "engine thread", ceiling)
+    # The core's OpenMP threads spin 1,000 times before sleeping (runtime/engine_core_client.py): measured
+    # under load, ~340 sleeps and wakes a token at one stream. The same row with libgomp's default spin,
+    # which the offline engine in this process runs with, says what that costs on this machine.
+    saved_spin = os.environ.get("GOMP_SPINCOUNT")
+    os.environ["GOMP_SPINCOUNT"] = DEFAULT_GOMP_SPINCOUNT
+    try:
+        with running_server(dtype="auto", kv_cache="1GiB") as server:
+            spin_rows, spin = _server_vs_offline(
+                server.url,
+                f"engine core process, GOMP_SPINCOUNT={DEFAULT_GOMP_SPINCOUNT}",
+                ceiling,
+                ((1, 2),),
+            )
+    finally:
+        if saved_spin is None:
+            del os.environ["GOMP_SPINCOUNT"]
+        else:
+            os.environ["GOMP_SPINCOUNT"] = saved_spin
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache on", "requests": 8, **cached})
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache off", "requests": 8, **uncached})
     rows.append(offline)
-    rows += versus_rows + process_rows
+    rows += process_rows
+    rows.append({"workload": f"server (engine core process, {waves} 128), {_BURST}", "requests": 32, **waved})
+    rows += versus_rows + spin_rows
     ratio = uncached["TTFT p50 ms"] / cached["TTFT p50 ms"]
     notes.append(
         f"prompts {INPUT_LEN} random tokens, outputs {OUTPUT_LEN} tokens (ignore_eos), greedy, streamed; "
@@ -239,8 +291,8 @@ def run() -> dict:
     )
     notes.append(
         f"server CPU at concurrency 32: the event-loop thread (HTTP, JSON, SSE) used {loop_cpu:.1f} s of "
-        f"the server's {all_cpu:.1f} CPU s ({loop_cpu / all_cpu:.1%}); the rest is the engine (its own "
-        f"process with --engine-process) and its torch threads. "
+        f"the server's {all_cpu:.1f} CPU s ({loop_cpu / all_cpu:.1%}); the rest is the engine core (its own "
+        f"process, the default) and its torch threads. "
         "This measure of the server's own overhead does not depend on other load."
     )
     notes.append(
@@ -248,15 +300,17 @@ def run() -> dict:
         f"{cached['TTFT p50 ms']:.0f} ms with it: {ratio:.1f}x lower"
     )
     notes.append(
-        f"server vs offline engine, same prompts, temperature {SAMPLED_TEMPERATURE}, "
-        f"{SAMPLED_LEN} tokens: 1 stream {versus['x offline 1']:.2f}x, 32 streams "
-        f"{versus['x offline 32']:.2f}x (target >= 0.9x); 32 streams at {versus['x roofline 32']:.2f} "
-        f"of the compute roofline ({versus['roofline tok/s']:.0f} tok/s: the faster dtype's matmul "
-        f"FLOP/s over 2 x parameters; target >= 0.5); TTFT p50 of 32 short prompts at once "
-        f"{versus['TTFT p50 32 short ms']:.0f} ms (target < 500); the same with --engine-process: "
-        f"{process['x offline 1']:.2f}x, {process['x offline 32']:.2f}x, "
-        f"{process['x roofline 32']:.2f} of the roofline, "
-        f"TTFT p50 {process['TTFT p50 32 short ms']:.0f} ms"
+        f"server vs offline engine, same prompts, temperature {SAMPLED_TEMPERATURE}, {SAMPLED_LEN} tokens, "
+        f"engine core process (the default): 1 stream {process['x offline 1']:.2f}x, 32 streams "
+        f"{process['x offline 32']:.2f}x (target >= 0.9x); 32 streams at {process['x roofline 32']:.2f} of the "
+        f"compute roofline ({ceiling:.0f} tok/s: the faster dtype's matmul FLOP/s over 2 x parameters, "
+        f"measured once for every row; target >= 0.5); TTFT p50 of {_BURST} "
+        f"{process['TTFT p50 32 short ms']:.0f} ms (target < 500), {waved['TTFT p50 ms']:.0f} ms with "
+        f"{waves} 128; the same with the engine in a thread (--no-engine-process): "
+        f"{versus['x offline 1']:.2f}x, {versus['x offline 32']:.2f}x, "
+        f"{versus['x roofline 32']:.2f} of the roofline, TTFT p50 {versus['TTFT p50 32 short ms']:.0f} ms; "
+        f"1 stream through a core with libgomp's default spin (GOMP_SPINCOUNT={DEFAULT_GOMP_SPINCOUNT}) "
+        f"{spin['x offline 1']:.2f}x"
     )
     return {
         "title": "Serving: OpenAI API over loopback (vLLM bench-serve metrics)",
@@ -265,6 +319,8 @@ def run() -> dict:
         "prefix_ttft_ratio": ratio,
         "event_loop_cpu_share_c32": loop_cpu / all_cpu,
         "server_vs_offline_c32": c32["output tok/s"] / offline["output tok/s"],
-        "server_vs_offline": versus,
-        "server_vs_offline_engine_process": process,
+        "server_vs_offline": process,
+        "server_vs_offline_engine_thread": versus,
+        "ttft_p50_32_short_waves_ms": waved["TTFT p50 ms"],
+        "x_offline_1_default_spin": spin["x offline 1"],
     }

@@ -99,6 +99,7 @@ SCRIPT = textwrap.dedent("""
         if step == 3:
             print("iterating", flush=True)
             if ending == "raise":
+                sys.stdin.readline()   # the test has looked at the segment and the disk tier
                 raise ValueError("the training step failed")
             if ending == "sigkill":
                 time.sleep(600)
@@ -139,6 +140,7 @@ def test_released_when_the_process_dies(files, tmp_path, ending):
     disk = str(tmp_path / "disk")
     process = subprocess.Popen(
         [sys.executable, "-c", SCRIPT, files, disk, ending],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -152,7 +154,10 @@ def test_released_when_the_process_dies(files, tmp_path, ending):
         time.sleep(1)  # the workers are now waiting on positions 12 and on
     workers = {p for p in children(pid) if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()}
     assert len(workers) == 2, workers
-    if ending != "raise":
+    if ending == "raise":
+        process.stdin.write("\n")
+        process.stdin.flush()
+    else:
         process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     killed = time.monotonic()

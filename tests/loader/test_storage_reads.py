@@ -188,10 +188,11 @@ class SlowStorage(tud.Dataset):
         return self.decode(self.read(index), index)
 
 
-@pytest.mark.parametrize("latency, in_flight", [(0.02, 4), (0.0, None)])
-def test_a_worker_reads_its_batch_with_reads_in_flight(latency, in_flight):
+@pytest.mark.parametrize("latency, threads, in_flight", [(0.02, 4, 4), (0.02, None, 8), (0.0, 4, None)])
+def test_a_worker_reads_its_batch_with_reads_in_flight(latency, threads, in_flight):
     """Without a cache a worker reads its batch itself, on slow storage several reads at once (the
-    threads given to it); batches equal torch's, on slow and on fast storage."""
+    threads given to it; by default the whole batch of 8 at once); batches equal torch's, on slow
+    and on fast storage."""
 
     def batches(dl):
         torch.manual_seed(3)
@@ -204,7 +205,7 @@ def test_a_worker_reads_its_batch_with_reads_in_flight(latency, in_flight):
     )
     storage = SlowStorage(latency)
     dl = DataLoader(
-        storage, batch_size=8, shuffle=True, num_workers=1, persistent_workers=True, prefetch_threads=4
+        storage, batch_size=8, shuffle=True, num_workers=1, persistent_workers=True, prefetch_threads=threads
     )
     torch.manual_seed(3)
     ours = [list(dl)]

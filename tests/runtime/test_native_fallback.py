@@ -1,4 +1,4 @@
-"""The native decode kernel never stops startup: every way it can fail to build or load ends on the PyTorch
+"""The native kernels never stop startup: every way it can fail to build or load ends on the PyTorch
 path with exactly one warning line. Real processes, a real compiler, a real noexec mount where one can be made."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROBE = textwrap.dedent("""
     import logging, sys
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from runtime import native_attention
-    lib = native_attention.load()
+    from runtime import native_kernels
+    lib = native_kernels.load()
     print("KERNEL", "native" if lib is not None else "pytorch")
-    print("TARGET", native_attention._target())
+    print("TARGET", native_kernels._target())
 """)
 
 

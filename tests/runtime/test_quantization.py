@@ -13,6 +13,7 @@ import torch
 from runtime import Engine
 from runtime.checkpoint import default_model_path
 from runtime.quantization import GGUFBlocks, Int4Linear, pack_gguf
+from server.cli import build_parser
 from tests.bench.perplexity import perplexity
 
 
@@ -92,3 +93,22 @@ def test_a_dense_copy_serves_many_rows_as_the_same_function():
     packed(few)
     with pytest.raises(TypeError):
         packed(many)
+
+
+def test_dense_copies_are_capped_by_the_setting():
+    """dense_copy_bytes: 0 keeps no copy; a cap of one layer's copies keeps the
+    first layer's, not the LM head's; the CLI has the flag."""
+    off = Engine.from_pretrained(dtype="bfloat16", device="cpu", kv_cache_bytes=16 << 20, dense_copy_bytes=0)
+    assert all(w.dense is None for w in off.model._packed()) and off.model.dense_rows is None
+    layer = off.model.layers[0]
+    one_layer = sum(
+        w.out_features * w.in_features * 2 for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    )
+    capped = Engine.from_pretrained(
+        dtype="bfloat16", device="cpu", kv_cache_bytes=16 << 20, dense_copy_bytes=one_layer
+    )
+    first, second = capped.model.layers[0], capped.model.layers[1]
+    if capped.model.dense_rows is not None:  # measured: dense wins from some row count on this CPU
+        assert all(w.dense is not None for w in (first.qkv, first.o, first.gate_up, first.down))
+    assert second.gate_up.dense is None and capped.model.lm_head.dense is None
+    assert "--dense-copy-bytes" in build_parser().format_help()

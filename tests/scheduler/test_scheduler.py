@@ -245,3 +245,32 @@ def test_a_victim_already_planned_this_step_leaves_the_batch_and_returns_its_bud
     assert heavy.status is RequestStatus.PREEMPTED and heavy.block_table == []
     s.update_from_output(plan, {"light": 7})
     check_invariants(s)
+
+
+def test_a_burst_of_short_prompts_is_admitted_in_waves_and_a_long_prompt_keeps_the_whole_budget():
+    s = sched(num_blocks=512, max_num_seqs=32, max_num_batched_tokens=512, prefill_wave_tokens=128)
+    burst = [make_request(f"r{i}", 16, 4, seed=i) for i in range(32)]
+    for req in burst:
+        s.add_request(req)
+    first_token_step = {}
+    for k in range(8):
+        _, sampled, plan = step(s)
+        assert sum(n for _, n in plan.scheduled if n > 1) <= 128  # each wave: 8 prompts of 16 tokens
+        for request_id in sampled:
+            first_token_step.setdefault(request_id, k)
+    # in arrival order, 8 at a time; the earlier waves decode while the later ones prefill
+    assert [first_token_step[r.request_id] for r in burst] == [i // 8 for i in range(32)]
+
+    assert all(r.is_finished for r in burst)
+    long = make_request("long", 1000, 1)
+    s.add_request(long)
+    _, _, plan = step(s)
+    assert plan.scheduled == [(long, 512)]  # one long prompt: chunks of the whole budget, not of a wave
+
+
+def test_without_waves_the_burst_is_admitted_while_the_budget_lasts():
+    s = sched(num_blocks=512, max_num_seqs=32, max_num_batched_tokens=512)  # the default: no waves
+    for i in range(32):
+        s.add_request(make_request(f"r{i}", 16, 4, seed=i))
+    _, sampled, _ = step(s)
+    assert len(sampled) == 32

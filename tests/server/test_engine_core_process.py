@@ -1,5 +1,5 @@
-"""The engine core in its own process: it serves n, best_of, logprobs and echo as the engine thread does; a
-dead core is an error to every client, never a hang; no orphan cores.
+"""The engine core in its own process (the server's default): it serves n, best_of, logprobs and echo as
+the engine thread does; a dead core is an error to every client, never a hang; no orphan cores.
 
 Everything is real: `python -m server` on loopback, its core process, signals.
 """
@@ -74,12 +74,15 @@ def _same_logprobs(a: list, b: list) -> None:
 
 
 def test_n_best_of_logprobs_and_echo_match_the_engine_thread(server):
-    """The same requests to the engine-thread server (the session's) and through a core process: the
-    same choices, the same logprobs; the sequences' forks and logprobs cross the process boundary."""
-    with running_server("--engine-process") as core_server:
+    """The same requests to an engine-thread server (--no-engine-process) and through a core process (the
+    session's server: the default): the same choices, the same logprobs; the sequences' forks and logprobs
+    cross the process boundary."""
+    with running_server("--no-engine-process") as thread_server:
+        assert not _children(thread_server.proc.pid), "--no-engine-process started a process"
+        assert _core_pid(server)  # the default runs a core process
         thread, core = (
             openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            for s in (server, core_server)
+            for s in (thread_server, server)
         )
         asks = [
             dict(prompt="My favourite fruit is", max_tokens=6, temperature=1.0, seed=7, n=3, logprobs=2),

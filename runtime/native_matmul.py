@@ -1,0 +1,88 @@
+"""GGUF blocks multiplied by a small C kernel (csrc/quantized_matmul.c) with 8-bit activations.
+
+torch's int4 kernel computes in floating point: every 4-bit weight is widened to
+a float and multiplied by a float. For a few rows (decode) the kernel here
+quantizes each row of activations to 8 bits per block of 32 (as llama.cpp
+does) and runs the inner products on integers (AVX-512 VNNI where the CPU has
+it), with the block scales applied once per block. 8-bit activations are not
+exact: the model measures on load whether this is faster than torch's kernel
+on this CPU (LlamaModel), and the tests bound the difference and check the
+greedy tokens.
+
+The weights are repacked once at load (the layout is in the C file's header):
+the codes stay 4-bit (Q4_0, Q4_1, 4-bit re-quantized) or 8-bit (Q8_0, int8),
+with a float16 scale and offset per block, w = scale * code + offset.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime.native_kernels import load
+
+GROUP = 32
+
+
+class NativeMatmul:
+    """y = x W^T for one weight matrix prepared for the C kernel; x [M, K] float32 or bfloat16, K % 64 == 0."""
+
+    def __init__(self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int):
+        """codes [N, K] (0..15 for bits=4; 0..255 for bits=8, the stored code + 128); scale, offset
+        [N, K / 32] with w = scale * code + offset per block."""
+        n, k = codes.shape
+        if bits == 4:
+            # the two blocks of each pair share bytes: the first in the low nibbles, the second in the high
+            pairs = codes.reshape(n, k // 64, 2, GROUP).astype(np.uint8)
+            codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+        self.codes = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8))
+        # float16, as the GGUF stores them (Q4_1's offset is its minimum; Q4_0's and Q8_0's are -8d and
+        # -128d, exact in float16 wherever d is)
+        self.scale = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float16))
+        self.offset = torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float16))
+        self.bits = bits
+        self.out_features, self.in_features = n, k
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+    @classmethod
+    def from_int4_fields(cls, codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> NativeMatmul:
+        """From the int4 kernel's fields, w = (code - 8) * scale + zero."""
+        return cls(codes, scale, zero - 8 * scale, 4)
+
+    @classmethod
+    def from_q8(cls, codes: np.ndarray, scale: np.ndarray) -> NativeMatmul:
+        """From Q8_0's signed codes, w = scale * code."""
+        return cls((codes.astype(np.int16) + 128).astype(np.uint8), scale, -128 * scale, 8)
+
+    def __call__(
+        self, x: torch.Tensor, out_dtype: torch.dtype | None = None, portable: bool = False
+    ) -> torch.Tensor:
+        """x [M, K] -> [M, N] in out_dtype (default: x's); portable: the plain C loops, not the vector ones."""
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, self.out_features, dtype=out_dtype or x.dtype)
+        load().quantized_matmul(
+            x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
+            m,
+            self.in_features,
+            self.codes.data_ptr(),
+            self.scale.data_ptr(),
+            self.offset.data_ptr(),
+            self.out_features,
+            self.bits,
+            out.data_ptr(),
+            int(out.dtype == torch.bfloat16),
+            int(portable),
+            torch.get_num_threads(),
+        )
+        return out
+
+
+def usable(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and in_features % 64 == 0
+        and load() is not None
+    )

@@ -1,0 +1,94 @@
+"""The decode step's element-wise work in C (runtime.native_layer_ops) against the PyTorch path's ops, and
+the engine's decode with it against the engine without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import SamplingParams, native_kernels, native_layer_ops
+from runtime.attention import write_kv
+from runtime.model import RotaryEmbedding, rms_norm
+from tests.runtime.conftest import CHATS, chat_ids
+
+pytestmark = pytest.mark.skipif(
+    native_kernels.load() is None, reason="the native kernels cannot be built here"
+)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal to rounding: float32 to 1e-5 of the largest value (sums in another order), bfloat16 to one unit
+    in the last place of each value (one rounding where the PyTorch path has two)."""
+    diff, size = (got.float() - expected.float()).abs(), expected.float().abs()
+    if dtype == torch.float32:
+        assert diff.max() <= 1e-5 * size.max()
+    else:
+        assert (diff <= 2**-7 * size + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype):
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(3, 576, generator=g) * 4).to(dtype)
+    delta = torch.randn(3, 576, generator=g).to(dtype)
+    weight = torch.rand(576, generator=g).to(dtype)
+    expected_h = h + delta
+    expected = rms_norm(expected_h, weight, 1e-5)
+    out = torch.empty_like(h)
+    native_layer_ops.add_rms_norm(h, delta, weight, out, 1e-5)
+    assert torch.equal(h, expected_h)
+    _close(out, expected, dtype)
+    native_layer_ops.add_rms_norm(h, None, weight, out, 1e-5)  # no add: h stays
+    assert torch.equal(h, expected_h)
+    _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_silu_of_gate_times_up(dtype):
+    gate_up = (torch.randn(2, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.empty(2, 1536, dtype=dtype)
+    native_layer_ops.silu_mul(gate_up, out)
+    _close(out, F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_kv_rotates_q_and_k_and_fills_the_slots(dtype):
+    heads, kv_heads, d, t = 9, 3, 64, 3
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    positions = torch.tensor([0, 7, 300])
+    slots = torch.tensor([5, 17, 40])
+    rope = RotaryEmbedding(d, 512, 10000.0, dtype, torch.device("cpu"))
+    cos, sin = rope.tables(positions)
+    qk = rope.rotate(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin, rope.half)
+    k_expected, v_expected = (
+        torch.zeros(4, 16, kv_heads, d, dtype=dtype),
+        torch.zeros(4, 16, kv_heads, d, dtype=dtype),
+    )
+    write_kv(
+        k_expected, v_expected, qk[:, heads:], qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d), slots
+    )
+    q = torch.empty(t, heads, d)
+    k_cache, v_cache = torch.zeros_like(k_expected), torch.zeros_like(v_expected)
+    native_layer_ops.rope_write_kv(qkv, positions, rope.cos, rope.sin_signed, q, k_cache, v_cache, slots)
+    _close(q, qk[:, :heads], dtype)
+    _close(k_cache, k_expected, dtype)
+    assert torch.equal(v_cache, v_expected)
+
+
+def test_engine_decodes_the_same_tokens_with_and_without_it(engine_fp32):
+    """float32: the C path computes the PyTorch path's function to rounding, so greedy tokens agree."""
+    model = engine_fp32.model
+    assert model.native_decode
+    prompts = [chat_ids(engine_fp32.tokenizer, c) for c in CHATS[:3]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    native = [o.token_ids for o in engine_fp32.generate(prompts, params)]
+    model.native_decode = False
+    try:
+        plain = [o.token_ids for o in engine_fp32.generate(prompts, params)]
+    finally:
+        model.native_decode = True
+    assert native == plain

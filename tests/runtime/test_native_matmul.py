@@ -1,0 +1,113 @@
+"""The C kernel for GGUF blocks with 8-bit activations (runtime.native_matmul).
+
+Oracles: numpy over the gguf library's dequantized weights, with the activations
+quantized to 8 bits per block of 32 as the kernel's contract says (so the kernel
+must compute that function to float rounding); the float32 engine's perplexity;
+torch's packed int4 kernel (the path the kernel replaces) for greedy agreement."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from runtime import Engine, model, native_kernels, native_matmul, quantization
+from runtime.checkpoint import default_model_path
+from runtime.quantization import GGUFBlocks, Int4Linear, pack_gguf
+from tests.bench.perplexity import perplexity
+
+pytestmark = pytest.mark.skipif(
+    native_kernels.load() is None, reason="the native kernels cannot be built here"
+)
+
+
+def _tensor(name: str) -> tuple[GGUFBlocks, np.ndarray]:
+    reader = gguf.GGUFReader(default_model_path())
+    tensor = next(t for t in reader.tensors if t.name == name)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    kind = tensor.tensor_type.name
+    reference = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType[kind]).reshape(shape)
+    return GGUFBlocks.parse(kind, tensor.data, shape), reference
+
+
+def _q4_0() -> tuple[GGUFBlocks, np.ndarray]:
+    w = np.random.default_rng(0).standard_normal((96, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0).reshape(w.shape)
+    return GGUFBlocks.parse("Q4_0", raw, w.shape), reference
+
+
+def _activations_as_8_bits(x: torch.Tensor) -> np.ndarray:
+    """x rounded the kernel's way: per block of 32, round(x * (1 / d)) * d with d = max|x| / 127, in float32
+    (as the kernel computes it, so that ties round alike)."""
+    blocks = x.float().numpy().reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), np.float32(0)).astype(np.float32)
+    q = np.round((blocks * inv).astype(np.float32))
+    return (q.astype(np.float64) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("source", ["blk.3.ffn_down.weight", "token_embd.weight", "q4_0"])
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_computes_the_blocks_times_8_bit_activations(source, portable, dtype):
+    """Q4_1 (a layer), Q8_0 (the tied embedding / LM head) and Q4_0, vector and portable loops, float32 and
+    bfloat16 activations: the dequantized weights times the 8-bit-rounded activations, to float rounding."""
+    blocks, reference = _q4_0() if source == "q4_0" else _tensor(source)
+    w = pack_gguf(blocks, dtype)
+    assert w.native is not None
+    x = torch.randn(3, reference.shape[1]).to(dtype)
+    expected = _activations_as_8_bits(x) @ reference.astype(np.float64).T
+    got = w.native(x, out_dtype=torch.float32, portable=portable).double().numpy()
+    scale = np.abs(expected).max()
+    assert np.abs(got - expected).max() <= 2e-5 * scale * reference.shape[1] ** 0.5
+    exact = x.double().numpy() @ reference.astype(np.float64).T  # the 8-bit rounding costs little
+    assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact)
+
+
+def test_one_row_goes_to_the_kernel_only_where_it_measured_faster(monkeypatch):
+    blocks, _ = _tensor("blk.0.attn_output.weight")
+    w = pack_gguf(blocks, torch.bfloat16)
+    calls = []
+    real = w.native.__call__
+    monkeypatch.setattr(w, "native", lambda x, **kw: calls.append(len(x)) or real(x, **kw))
+    w.native_rows = 1
+    w(torch.randn(1, w.in_features).bfloat16())
+    w(torch.randn(2, w.in_features).bfloat16())
+    assert calls == [1]
+    seconds = iter([0.0, 2.0, 2.0, 3.0] * 100)  # packed 2 s, C kernel 1 s: the kernel wins every row count
+    monkeypatch.setattr(quantization.time, "process_time", lambda: next(seconds))
+    w.dense_rows = 8
+    assert quantization.measure_native_rows(w) == 4  # counts up to the dense copy's rows, not past
+    seconds = iter([0.0, 1.0, 1.0, 3.0] * 100)  # packed 1 s, C kernel 2 s
+    assert quantization.measure_native_rows(w) is None
+
+
+def test_without_the_library_the_packed_kernel_stays(monkeypatch):
+    monkeypatch.setattr(native_matmul, "load", lambda: None)
+    blocks, reference = _tensor("blk.0.attn_output.weight")
+    w = pack_gguf(blocks, torch.float32)
+    assert w.native is None
+    x = torch.randn(1, reference.shape[1])
+    assert torch.allclose(w(x), x @ torch.from_numpy(reference).T, atol=1e-4)
+
+
+def test_engine_on_the_kernel_keeps_float32_quality(engine_fp32, monkeypatch):
+    """Every packed projection forced onto the C kernel at any row count: perplexity within 1% of float32,
+    logits bounded, and the same greedy tokens as torch's packed kernel (teacher-forced, a fixed text)."""
+    monkeypatch.setattr(model, "measure_native_rows", lambda w: 1)  # keep every copy, whatever load does
+    engine = Engine.from_pretrained(
+        dtype="bfloat16", device="cpu", kv_cache_bytes=16 << 20, quantization="gguf"
+    )
+    packed = [w for w in engine.model._packed() if isinstance(w, Int4Linear)]
+    ids = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)
+    for w in packed:
+        w.native_rows, w.dense_rows = None, None
+    torch_logits = engine.prompt_logits(ids)
+    for w in packed:
+        w.native_rows = 1 << 30
+    ours, exact = engine.prompt_logits(ids), engine_fp32.prompt_logits(ids)
+    assert abs(perplexity(engine) / perplexity(engine_fp32) - 1) < 0.01
+    assert (ours - exact).abs().max().item() < 2.5  # 8-bit activations, bfloat16 out
+    assert (ours.argmax(-1) == torch_logits.argmax(-1)).float().mean().item() >= 0.95
