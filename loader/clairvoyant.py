@@ -37,20 +37,23 @@ the loader's generator (torch's order, which the plan and resume rely on), then 
 num_workers processes with the chosen multiprocessing context. Task t, the t-th batch of
 indices drawn, goes to the next live worker round robin; at most prefetch_factor x
 num_workers tasks are out; results come back on one queue and are yielded in task order
-(in_order=False: as they arrive). A worker seeds itself from the base seed and its id as
-torch's do, sets get_worker_info(), runs worker_init_fn, and sends each batch or a
-WorkerError (its exception type and traceback, raised again in the main process). A
-persistent worker gets NewEpoch at each epoch and echoes it. The fill rings an iterator's
-workers write are a set it claims at start and gives back when all of them have exited
-(fill_ring.py), so two iterators of one loader alive at once never share a ring.
-torch internals the loader touches, each tested to exist (test_contract.py) so that a torch
-upgrade fails loudly: get_worker_info() reads torch.utils.data._utils.worker._worker_info,
-which a worker sets to a torch.utils.data._utils.worker.WorkerInfo; and torch's DataLoader
-constructor (inherited) sets _IterableDataset_len_called, which the length warning of an
-IterableDataset reads. Not reproduced: torch's SIGCHLD handler (a dead
-worker is found by polling every 0.5 s instead) and its C handlers for SIGSEGV/SIGBUS in
-workers (the worker dies by the signal and is reported as killed by it); DataPipes get no
-sharding of their own.
+(in_order=False: as they arrive). A result's plain CPU tensors do not travel as torch's do
+(a shared-memory file per tensor, its descriptor passed over a socket): the worker copies
+their storages into its ring of the iterator's result segment and the main process copies
+them out as it takes the result, giving the room back (result_rings.py). A worker seeds
+itself from the base seed and its id as torch's do, sets get_worker_info(), runs
+worker_init_fn, and sends each batch or a WorkerError (its exception type and traceback,
+raised again in the main process). A persistent worker gets NewEpoch at each epoch and
+echoes it. The fill rings an iterator's workers write are a set it claims at start and gives
+back when all of them have exited (fill_ring.py), so two iterators of one loader alive at
+once never share a ring. torch internals the loader touches, each tested to exist
+(test_contract.py) so that a torch upgrade fails loudly: get_worker_info() reads
+torch.utils.data._utils.worker._worker_info, which a worker sets to a
+torch.utils.data._utils.worker.WorkerInfo; and torch's DataLoader constructor (inherited)
+sets _IterableDataset_len_called, which the length warning of an IterableDataset reads. Not
+reproduced: torch's SIGCHLD handler (a dead worker is found by polling every 0.5 s instead)
+and its C handlers for SIGSEGV/SIGBUS in workers (the worker dies by the signal and is
+reported as killed by it); DataPipes get no sharding of their own.
 
 Positions are global: epoch e's plan starts at e * EPOCH_STRIDE, so a stale ring entry
 never matches a new epoch. header[GEN_BASE] is the oldest position still valid and

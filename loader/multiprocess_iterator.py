@@ -5,6 +5,8 @@ Task t (the t-th index drawn this epoch) goes to the next live worker round robi
 at worker `rotation` (a resumed run that starts at batch k rotates by k % num_workers, so
 batch b is still fetched by worker b % num_workers, with that worker's RNG stream). At most
 prefetch_factor * num_workers tasks are out at once; each result taken sends the next index.
+A result's tensors come through the iterator's result rings (result_rings.py), rebuilt as the
+result is taken from the queue (by the pin thread, when pinning).
 
 Failures are reported as torch reports them: an exception in a worker is raised again here
 with the worker's traceback (worker_loop.WorkerError); `timeout` > 0 bounds each wait for a
@@ -33,6 +35,7 @@ import torch.multiprocessing
 
 from loader.iterator import LoaderIterator
 from loader.pin_memory import PinThread
+from loader.result_rings import Receiver, ResultRings, Shipped
 from loader.worker_loop import NewEpoch, WorkerDone, WorkerError, worker_loop
 
 STATUS_SECONDS = 0.5  # how often a wait for results checks that the workers live (torch: 5 s, with SIGCHLD)
@@ -62,6 +65,8 @@ class MultiProcessIterator(LoaderIterator):
         self.done_event = context.Event()
         self.index_queues, self.workers = [], []
         self.shut = False
+        self.result_rings = ResultRings.for_iterator(self.num_workers)  # batches' tensors (result_rings.py)
+        self.receiver = Receiver(self.result_rings) if self.result_rings is not None else None
         # the fill rings this iterator's workers write (fill_ring.py): (RingSets, the set), or None
         ring_set = ring_sets.claim() if ring_sets is not None else None
         self.fill_rings = (ring_sets, ring_set) if ring_set is not None else None
@@ -86,6 +91,7 @@ class MultiProcessIterator(LoaderIterator):
                         worker_id,
                         self.num_workers,
                         rings[worker_id],
+                        self.result_rings,
                     ),
                     daemon=True,
                 )
@@ -108,7 +114,7 @@ class MultiProcessIterator(LoaderIterator):
             raise
         self.pinner = None
         if self.pin_device is not None:
-            self.pinner = PinThread(self.results, torch.accelerator.current_device_index())
+            self.pinner = PinThread(self.results, torch.accelerator.current_device_index(), self.receiver)
             if self.persistent:
                 _persistent.add(self)
         self.data = self.pinner.out if self.pinner is not None else self.results
@@ -203,9 +209,13 @@ class MultiProcessIterator(LoaderIterator):
         while True:
             wait = STATUS_SECONDS if deadline is None else min(STATUS_SECONDS, deadline - time.monotonic())
             try:
-                return self.data.get(timeout=max(wait, 0.001))
+                task, data = self.data.get(timeout=max(wait, 0.001))
             except queue.Empty:
                 pass
+            else:
+                if type(data) is Shipped:
+                    data = self.receiver.unpack(data)
+                return task, data
             self._check_workers()
             if self.pinner is not None and not self.pinner.thread.is_alive():
                 raise RuntimeError("Pin memory thread exited unexpectedly")
@@ -263,6 +273,8 @@ class MultiProcessIterator(LoaderIterator):
             if self.fill_rings is not None and stopped:  # no worker of ours can write the rings now
                 self.fill_rings[0].release(self.fill_rings[1])
                 self.fill_rings = None
+            if getattr(self, "result_rings", None) is not None:
+                self.result_rings.close()
 
     def __del__(self) -> None:
         self.shutdown()

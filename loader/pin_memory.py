@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from loader.result_rings import Shipped
 from loader.worker_loop import WorkerError
 
 POLL_SECONDS = 1.0  # how often the pin thread looks at its stop flag while it waits
@@ -84,8 +85,9 @@ def pin(data):
 class PinThread:
     """Takes (task, batch) from the workers' result queue, pins the batch, puts it on `out`."""
 
-    def __init__(self, source, device_index: int):
+    def __init__(self, source, device_index: int, receiver=None):
         self.source, self.out = source, queue.Queue()
+        self.receiver = receiver  # rebuilds batches sent through the result rings (result_rings.py)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(device_index,), daemon=True)
         self.thread.start()
@@ -98,6 +100,11 @@ class PinThread:
                 task, data = self.source.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 continue
+            if type(data) is Shipped:
+                try:
+                    data = self.receiver.unpack(data)
+                except Exception:
+                    data = WorkerError(f"in pin memory thread for device {device_index}")
             if not self.done.is_set() and not isinstance(data, WorkerError):
                 try:
                     data = pin(data)

@@ -26,6 +26,7 @@ import torch
 import torch.utils.data._utils.worker as torch_worker
 
 from loader.fetcher import make_fetcher
+from loader.result_rings import ResultRings, Sender, worker_collate
 from loader.view import CachedView
 
 WATCH_SECONDS = 1.0  # how often an idle worker checks that its main process still lives
@@ -101,8 +102,10 @@ def worker_loop(
     worker_id: int,
     num_workers: int,
     fill_ring: int | None,
+    result_rings: ResultRings | None = None,
 ) -> None:
-    """Entry point of a worker process (`fill_ring`: this worker's ring in the cache, fill_ring.py)."""
+    """Entry point of a worker process (`fill_ring`: this worker's ring in the cache, fill_ring.py;
+    `result_rings`: where its batches' tensors go to the main process, result_rings.py)."""
     try:
         torch.set_num_threads(1)
         seed = seed_worker(base_seed, worker_id)
@@ -111,6 +114,9 @@ def worker_loop(
             dataset.fill_ring, users = fill_ring, dataset.dataset
         set_worker_info(id=worker_id, num_workers=num_workers, seed=seed, dataset=users)
         where = f"in DataLoader worker process {worker_id}"
+        sender = Sender(result_rings, worker_id) if result_rings is not None else None
+        if sender is not None:
+            collate_fn = worker_collate(collate_fn)
         init_error = fetcher = None
         try:
             if init_fn is not None:
@@ -147,6 +153,11 @@ def worker_loop(
                         data = WorkerError(where)
                 except Exception:
                     data = WorkerError(where)
+            if sender is not None and not isinstance(data, (WorkerError, WorkerDone)):
+                try:
+                    data = sender.pack(data)
+                except Exception:
+                    data = WorkerError(where)  # torch's queue feeder would print this and lose the batch
             result_queue.put((task, data))
             del data, index, message  # a batch must not outlive its hand-over in this process
     except KeyboardInterrupt:
