@@ -1,4 +1,5 @@
-"""Decode attention on CPU (float32 or bfloat16 KV) in a small C kernel (csrc/paged_decode_attention.c).
+"""Decode attention on CPU (float32 or bfloat16 KV) in a small C kernel (csrc/paged_decode_attention.c); a
+prefill chunk runs through it too, each row a decode over its causal prefix (attention.py).
 
 Pure PyTorch has to gather each sequence's KV blocks into a contiguous copy
 before its matmuls; for decode that copy costs more than the attention math.

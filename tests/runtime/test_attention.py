@@ -78,7 +78,14 @@ def test_decode_matches_dense(native, dtype, lengths, monkeypatch):
         torch.testing.assert_close(out[i : i + 1].float(), expected, atol=tol, rtol=tol)
 
 
-def test_prefill_chunks_after_cached_prefix_match_dense():
+@pytest.mark.parametrize("native", [True, False])  # the C kernel row by row; torch's flash kernel
+def test_prefill_chunks_after_cached_prefix_match_dense(native, monkeypatch):
+    if native:
+        assert native_attention.load() is not None, (
+            "the C kernel must build on this machine (gcc is required)"
+        )
+    else:
+        monkeypatch.setattr(native_attention, "usable", lambda *a: False)
     lengths, new = [30, 50, 7], [30, 12, 3]  # a whole prompt, and chunks after 38 and 4 cached tokens
     k_cache, v_cache, seqs, qs = build(lengths, new, seed=1)
     chunks, row = [], 0
@@ -94,3 +101,36 @@ def test_prefill_chunks_after_cached_prefix_match_dense():
         torch.testing.assert_close(
             out[chunk.start : chunk.end], dense(qi, k, v, D**-0.5), atol=1e-5, rtol=1e-5
         )
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, d",
+    [
+        (9, 3, 64),
+        (8, 1, 128),
+        (4, 4, 64),
+        (4, 2, 32),
+        (12, 1, 64),
+    ],  # the last two: the kernel's generic loops
+)
+def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads, d):
+    """The C kernel's grouped fast path (head_dim 64 or 128, up to 8 query heads a KV head) and its generic
+    loops (other shapes) against the PyTorch decode path, bfloat16 KV, 70 sequences of 1-300 tokens."""
+    if native_attention.load() is None:
+        pytest.skip("the native kernels cannot be built here")
+    from runtime.attention import _decode
+
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(1, 300, (70,), generator=g)
+    width = (int(lens.max()) + BS - 1) // BS
+    blocks = 70 * width
+    k_cache = torch.randn(blocks, BS, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(blocks, BS, kv_heads, d, generator=g).bfloat16()
+    tables = torch.randperm(blocks, generator=g).view(70, width)
+    q = torch.randn(70, heads, d, generator=g)
+    bias = torch.zeros(70, width * BS).masked_fill(
+        torch.arange(width * BS) >= lens.unsqueeze(1), float("-inf")
+    )
+    expected = _decode(q.bfloat16(), k_cache, v_cache, tables, bias.view(70, 1, 1, -1), d**-0.5)
+    got = native_attention.decode_attention(q.bfloat16(), k_cache, v_cache, tables, lens, d**-0.5)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
