@@ -150,9 +150,9 @@ def _open(path: Path) -> ctypes.CDLL:
     matmul.restype = None
     vectorized.argtypes = []
     vectorized.restype = cint
-    norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, cint]
-    silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
-    rope.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint]
+    norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, cint, cint]
+    silu_mul.argtypes = [ptr, ptr, i64, i64, cint, cint]
+    rope.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint, cint, cint]
     for fn in (norm, silu_mul, rope):
         fn.restype = None
     return lib

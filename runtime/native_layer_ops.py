@@ -1,10 +1,11 @@
-"""The element-wise work of a decode step's layer in C (csrc/decode_layer_ops.c): residual add + RMSNorm,
-SiLU-and-multiply, RoPE + the KV cache write, each one call instead of several torch ops.
+"""The element-wise work of a layer in C (csrc/decode_layer_ops.c): residual add + RMSNorm, SiLU-and-multiply,
+RoPE + the KV cache write, each one call instead of several torch ops, for any number of rows.
 
 At a few rows a torch op costs more in dispatch than in arithmetic (a layer of
-the PyTorch path is ~40 of them). The model uses these for steps that only
-decode, where the C attention kernel runs too; they compute the PyTorch path's
-function, rounding to the model dtype where it does (the tests compare both).
+the PyTorch path is ~40 of them); at many rows one vectorized pass over the
+data, shared out over torch's thread count, beats several. They compute the
+PyTorch path's function, rounding to the model dtype where it does (the tests
+compare both).
 """
 
 from __future__ import annotations
@@ -36,13 +37,16 @@ def add_rms_norm(
         h.shape[1],
         eps,
         _bf16(h),
+        torch.get_num_threads(),
     )
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     """gate_up [T, 2I] (gate, then up) -> out [T, I] = silu(gate) * up."""
     gate_up = gate_up.contiguous()
-    load().silu_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], _bf16(out))
+    load().silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], _bf16(out), torch.get_num_threads()
+    )
 
 
 def rope_write_kv(
@@ -55,8 +59,9 @@ def rope_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """qkv [T, (H + 2 KVH) D] -> rotated queries into q_out [T, H, D] (float32), rotated keys and the values
-    into their slots of the caches [blocks, block_size, KVH, D]. cos, sin_signed: RotaryEmbedding's tables."""
+    """qkv [T, (H + 2 KVH) D] -> rotated queries into q_out [T, H, D] (float32 or qkv's dtype), rotated keys
+    and the values into their slots of the caches [blocks, block_size, KVH, D]. cos, sin_signed:
+    RotaryEmbedding's tables."""
     qkv = qkv.contiguous()
     t, heads, d = q_out.shape
     load().rope_write_kv(
@@ -73,4 +78,6 @@ def rope_write_kv(
         k_cache.shape[2],
         d,
         _bf16(qkv),
+        int(q_out.dtype == torch.float32),
+        torch.get_num_threads(),
     )

@@ -4,7 +4,9 @@ prefill: one 512-token prompt, tokens/s of the prompt.
 decode: N concurrent sequences generating together; total generated tokens/s over steps that only decode.
 Ceilings: decode = min(N x memory bandwidth / weight bytes, matmul FLOP/s / (2 x parameters)): a
 step reads every weight once and spends 2 FLOP per parameter per sequence;
-prefill = matmul FLOP/s / (2 x parameters per token).
+prefill = matmul FLOP/s / (2 x parameters per token). The matmul FLOP/s is measured once per dtype at the start
+of the run (the fastest of several rounds, tests/bench/roofline.py) and used for every row of that dtype, so
+configurations of one dtype are ratios against the same ceiling.
 Configurations: float32 dequantized, bfloat16 dequantized, and bfloat16 on the GGUF's own packed blocks
 (the default on a CPU where bfloat16 measures fastest). llama.cpp (xllamacpp's prebuilt wheel, the optional
 `bench` extra) runs the same GGUF with the same threads when installed, before and after the engine's
@@ -153,8 +155,9 @@ def run() -> dict:
             "pip install -e '.[bench]'"
         )
     fp32_ppl = None
+    ceilings = {dtype: matmul_flops(getattr(torch, dtype)) for dtype in dict.fromkeys(d for d, _ in CONFIGS)}
     for dtype, quantization in CONFIGS:
-        flops = matmul_flops(getattr(torch, dtype))
+        flops = ceilings[dtype]
         engine = Engine.from_pretrained(
             dtype=dtype,
             device="cpu",

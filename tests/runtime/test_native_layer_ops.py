@@ -28,11 +28,15 @@ def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> Non
         assert (diff <= 2**-7 * size + 1e-6).all()
 
 
+ROWS = [3, 130]  # a decode step's few rows; a prefill's many (shared out over threads), 130: not a multiple
+
+
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype):
+def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype, rows):
     g = torch.Generator().manual_seed(0)
-    h = (torch.randn(3, 576, generator=g) * 4).to(dtype)
-    delta = torch.randn(3, 576, generator=g).to(dtype)
+    h = (torch.randn(rows, 576, generator=g) * 4).to(dtype)
+    delta = torch.randn(rows, 576, generator=g).to(dtype)
     weight = torch.rand(576, generator=g).to(dtype)
     expected_h = h + delta
     expected = rms_norm(expected_h, weight, 1e-5)
@@ -45,28 +49,32 @@ def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype):
     _close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_is_silu_of_gate_times_up(dtype):
-    gate_up = (torch.randn(2, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+def test_silu_mul_is_silu_of_gate_times_up(dtype, rows):
+    gate_up = (torch.randn(rows, 2 * 1540, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 0.0])  # exp's clamps: silu -> 0, x
     gate, up = gate_up.chunk(2, dim=-1)
-    out = torch.empty(2, 1536, dtype=dtype)
+    out = torch.empty(rows, 1540, dtype=dtype)
     native_layer_ops.silu_mul(gate_up, out)
     _close(out, F.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("d", [64, 24])  # 24: halves narrower than the vector width, the scalar loop
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_write_kv_rotates_q_and_k_and_fills_the_slots(dtype):
-    heads, kv_heads, d, t = 9, 3, 64, 3
+def test_rope_write_kv_rotates_q_and_k_and_fills_the_slots(dtype, rows, d):
+    heads, kv_heads, t = 9, 3, rows
     g = torch.Generator().manual_seed(2)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
-    positions = torch.tensor([0, 7, 300])
-    slots = torch.tensor([5, 17, 40])
+    positions = torch.randperm(512, generator=g)[:t]
+    slots = torch.randperm(4 * 16 if t <= 64 else 16 * 16, generator=g)[:t]
     rope = RotaryEmbedding(d, 512, 10000.0, dtype, torch.device("cpu"))
     cos, sin = rope.tables(positions)
     qk = rope.rotate(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin, rope.half)
     k_expected, v_expected = (
-        torch.zeros(4, 16, kv_heads, d, dtype=dtype),
-        torch.zeros(4, 16, kv_heads, d, dtype=dtype),
+        torch.zeros(16, 16, kv_heads, d, dtype=dtype),
+        torch.zeros(16, 16, kv_heads, d, dtype=dtype),
     )
     write_kv(
         k_expected, v_expected, qk[:, heads:], qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d), slots
@@ -77,6 +85,11 @@ def test_rope_write_kv_rotates_q_and_k_and_fills_the_slots(dtype):
     _close(q, qk[:, :heads], dtype)
     _close(k_cache, k_expected, dtype)
     assert torch.equal(v_cache, v_expected)
+    q_model = torch.empty(t, heads, d, dtype=dtype)  # queries in the model dtype, as prefill attention takes
+    native_layer_ops.rope_write_kv(
+        qkv, positions, rope.cos, rope.sin_signed, q_model, k_cache, v_cache, slots
+    )
+    _close(q_model, qk[:, :heads], dtype)
 
 
 def test_engine_decodes_the_same_tokens_with_and_without_it(engine_fp32):
