@@ -19,8 +19,9 @@ with get_worker_info() unset, so that it stacks into ordinary memory (the only t
 reads the worker info for); a collate_fn of the caller's sees the worker info as with torch.
 
 Per ring: freed [1] int64 (bytes the main process has given back, a cursor over all laps),
-then RING_BYTES of data. The worker keeps its write cursor in its own memory; a record never
-wraps (the cursor skips to the next lap). Results of one worker reach the main process in
+then RING_BYTES of data, of which the worker uses a part sized to its results (Sender). The
+worker keeps its write cursor in its own memory; a storage never wraps (the cursor skips to
+the next lap). Results of one worker reach the main process in
 the order it sent them, so the main process frees by setting the cursor a result carries.
 """
 
@@ -43,7 +44,9 @@ from torch.utils.data import default_collate
 from loader.cache_ram import PREFIX, shm_free_bytes
 from loader.reclaim import reclaim_shared_memory
 
-RING_BYTES = 16 << 20  # per worker
+RING_BYTES = 16 << 20  # per worker, at most
+LAP_RESULTS = 8  # copies of a worker's first tensor its ring holds (at least MIN_RING_BYTES)
+_MIB = 1 << 20
 SHM_SHARE = 1 / 16  # of /dev/shm's free space the rings of one iterator may take
 MIN_RING_BYTES = 1 << 20
 ALIGN = 64
@@ -62,8 +65,9 @@ class ResultRings:
             name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=total)
             fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
-            try:
-                os.posix_fallocate(fd, 0, total)  # reserved now: a write can never SIGBUS
+            try:  # the main process writes only the freed cursors: their pages are reserved now
+                for ring in range(workers):
+                    os.posix_fallocate(fd, ring * (_HEAD + ring_bytes), _HEAD)
             except OSError:
                 self._shm.close()
                 self._shm.unlink()
@@ -145,35 +149,60 @@ class Shipped:
 
 
 class Sender:
-    """Worker side: pickles results, copying plain CPU tensors' storages into the worker's ring."""
+    """Worker side: pickles results, copying plain CPU tensors' storages into the worker's ring.
+
+    A worker cycles through as much of its ring as LAP_RESULTS copies of its first result need
+    (at least MIN_RING_BYTES), so that the copies stay in the processor's caches, and reserves
+    those pages as it first writes them: a page /dev/shm has no room for makes that tensor go as
+    torch sends it, never a SIGBUS."""
 
     def __init__(self, rings: ResultRings, ring: int):
         self.rings, self.ring = rings, ring
-        self.base, self.size = rings.start(ring), rings.ring_bytes
+        self.base = rings.start(ring)
+        self.size: int | None = None  # bytes of the ring this worker cycles through, once chosen
+        self.reserved = 0  # bytes of it reserved in /dev/shm
+        self.fd: int | None = None
         self.freed_word = rings.freed_word(ring)
         self.written = 0  # cursor over all laps
 
     def pack(self, data) -> Shipped:
+        if self.size is None:
+            first = LAP_RESULTS * _tensor_bytes(data)
+            self.size = min(self.rings.ring_bytes, max(MIN_RING_BYTES, -(-first // _MIB) * _MIB))
         buffer = io.BytesIO()
         _Pickler(buffer, self).dump(data)
         return Shipped(self.ring, buffer.getvalue(), self.written)
 
     def alloc(self, n: int) -> int | None:
-        """Where n bytes go in the ring (a cursor), or None without room."""
+        """Where n bytes go (an offset in the ring), or None without room."""
         size, cursor = self.size, self.written
         if cursor % size + n > size:
             cursor += size - cursor % size  # to the start of the next lap
         if cursor + n - int(self.rings.words[self.freed_word]) > size:
             return None
+        start = cursor % size
+        if start + n > self.reserved and not self._reserve(start + n):
+            return None
         self.written = cursor + -(-n // ALIGN) * ALIGN
-        return cursor
+        return start
+
+    def _reserve(self, end: int) -> bool:
+        end = min(self.size, -(-end // _MIB) * _MIB)
+        try:
+            if self.fd is None:
+                self.fd = os.open(f"/dev/shm/{self.rings.name}", os.O_RDWR)
+            os.posix_fallocate(self.fd, self.base + self.reserved, end - self.reserved)
+        except OSError:
+            return False  # /dev/shm is full: this tensor goes as torch sends it
+        self.reserved = end
+        return True
 
 
 class _Pickler(ForkingPickler):
     def __init__(self, file, sender: Sender):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.sender = sender
-        self.placed: dict[int, int] = {}  # storage data_ptr -> cursor, within this result
+        self.placed: dict[int, int] = {}  # storage data_ptr -> offset in the ring, within this result
 
     def persistent_id(self, obj):
         if type(obj) is not torch.Tensor or not _plain(obj):
@@ -181,19 +210,30 @@ class _Pickler(ForkingPickler):
         storage = obj.untyped_storage()
         n = storage.nbytes()
         key = storage.data_ptr()
-        cursor = self.placed.get(key) if n else None
-        if cursor is None:
+        start = self.placed.get(key) if n else None
+        if start is None:
             sender = self.sender
-            cursor = sender.alloc(n)
-            if cursor is None:
+            start = sender.alloc(n)
+            if start is None:
                 return None  # no room: torch's own transfer
             if n:
-                ctypes.memmove(
-                    sender.rings.address + sender.base + cursor % sender.size, storage.data_ptr(), n
-                )
-                self.placed[key] = cursor
+                ctypes.memmove(sender.rings.address + sender.base + start, storage.data_ptr(), n)
+                self.placed[key] = start
         dtype = str(obj.dtype).removeprefix("torch.")
-        return ("prescient.tensor", cursor, n, dtype, tuple(obj.size()), obj.stride(), obj.storage_offset())
+        return ("prescient.tensor", start, n, dtype, tuple(obj.size()), obj.stride(), obj.storage_offset())
+
+
+def _tensor_bytes(data, depth: int = 0) -> int:
+    """Bytes of the plain tensors in a result, looking into lists, tuples and dicts."""
+    if isinstance(data, torch.Tensor):
+        return data.untyped_storage().nbytes() if type(data) is torch.Tensor and _plain(data) else 0
+    if depth > 4:
+        return 0
+    if isinstance(data, dict):
+        data = data.values()
+    elif not isinstance(data, (list, tuple)):
+        return 0
+    return sum(_tensor_bytes(item, depth + 1) for item in data)
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -229,18 +269,17 @@ class _Unpickler(pickle.Unpickler):
         self.storages: dict[int, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid):
-        tag, cursor, n, dtype, size, stride, offset = pid
+        tag, start, n, dtype, size, stride, offset = pid
         if tag != "prescient.tensor":
             raise pickle.UnpicklingError(f"unknown reference {tag!r} in a worker's result")
-        storage = self.storages.get(cursor) if n else None
+        storage = self.storages.get(start) if n else None
         if storage is None:
             # a plain memmove: a tensor copy here would wake torch's intra-op threads, which on a
             # machine the workers keep busy costs ten times the copy
             storage = torch.UntypedStorage(n)
-            start = self.base + cursor % self.rings.ring_bytes
-            ctypes.memmove(storage.data_ptr(), self.rings.address + start, n)
+            ctypes.memmove(storage.data_ptr(), self.rings.address + self.base + start, n)
             if n:
-                self.storages[cursor] = storage
+                self.storages[start] = storage
         return torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, size, stride)
 
 
