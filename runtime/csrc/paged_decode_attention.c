@@ -16,7 +16,8 @@
  * today) and the generic kernels here (D % 16 == 0, H / KVH <= MAX_GROUP). The generic ones run dot
  * products 8 cached positions at a time so that 8 independent accumulators hide the FMA latency; the
  * weighted sum of V keeps a 16-wide slice of every group's output in registers while it walks the
- * positions.
+ * positions. A prefill chunk takes its own kernel where the shape allows (paged_prefill_attention_*, the
+ * last section), which shares each cached element among many query rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -348,3 +349,130 @@ void paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const u
     (fast_path(H, KVH, D) ? fast_bf16 : generic_bf16)(q, k_pool, v_pool, block_tables, context_lens, out, B, H,
                                                       KVH, D, block_size, max_blocks, scale, num_threads);
 }
+
+/* --- Prefill: a chunk's causal attention, query rows and heads across the vector lanes. ---
+ *
+ * A chunk of n new rows over a sequence of ctx cached positions (the chunk's own K/V included, its
+ * queries at positions ctx - n .. ctx - 1). A task is LANES / G consecutive rows x one KV head: their
+ * R x G query vectors sit in the lanes of one vector (transposed once per task), so each cached
+ * element multiplies all of them at once (a broadcast and one FMA) and no dot product needs a horizontal
+ * sum. Each KV head's K and V are first widened into float32 scratch in position order, once a call. Scores are kept
+ * per position as a vector over the lanes; the softmax runs lane-wise; the weighted sum of V walks the
+ * positions with 16 output dimensions' lane vectors in registers. The rows of a task differ only in
+ * their last few visible positions, which are masked lane by lane. */
+
+#define PF_TILE 4
+
+static inline __attribute__((always_inline)) void prefill_task(
+    int64_t D, int64_t L, const float *kf, const float *vf, const vf16 *qt, vf16 *s, const vf16 *mask_from,
+    int64_t first_masked, vf16 *acc_out) {
+    /* scores s[t] = sum_d qt[d] * kf[t][d] */
+    int64_t t = 0;
+    for (; t + PF_TILE <= L; t += PF_TILE) {
+        vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        const float *k0 = kf + t * D;
+        for (int64_t d = 0; d < D; d++) {
+            const vf16 qd = qt[d];
+            a0 += qd * k0[d];
+            a1 += qd * k0[D + d];
+            a2 += qd * k0[2 * D + d];
+            a3 += qd * k0[3 * D + d];
+        }
+        s[t] = a0, s[t + 1] = a1, s[t + 2] = a2, s[t + 3] = a3;
+    }
+    for (; t < L; t++) {
+        vf16 a = {0};
+        for (int64_t d = 0; d < D; d++) a += qt[d] * kf[t * D + d];
+        s[t] = a;
+    }
+    /* causal mask: position t >= first_masked is hidden from the lanes whose mask_from[t - first_masked]
+     * is all ones (their rows end before it) */
+    for (t = first_masked; t < L; t++)
+        s[t] = (vf16)(((vi16)mask_from[t - first_masked] & (vi16)((vf16){0} - INFINITY)) |
+                      (~(vi16)mask_from[t - first_masked] & (vi16)s[t]));
+    vf16 m = (vf16){0} - INFINITY;
+    for (t = 0; t < L; t++) m = (vf16)(((vi16)(s[t] > m) & (vi16)s[t]) | (~(vi16)(s[t] > m) & (vi16)m));
+    vf16 sum = {0};
+    for (t = 0; t < L; t++) {
+        s[t] = vexp_nonpositive(s[t] - m);
+        sum += s[t];
+    }
+    const vf16 inv = 1.f / sum;
+    /* out[d] (a lane vector) = sum_t s[t] * vf[t][d], 16 dimensions at a time */
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        vf16 o[16];
+        for (int j = 0; j < 16; j++) o[j] = (vf16){0};
+        for (t = 0; t < L; t++) {
+            const vf16 p = s[t];
+            const float *v = vf + t * D + d0;
+            for (int j = 0; j < 16; j++) o[j] += p * v[j];
+        }
+        for (int j = 0; j < 16; j++) acc_out[d0 + j] = o[j] * inv;
+    }
+}
+
+#define DEFINE_PREFILL(NAME, ELEM, LOAD16)                                                                      \
+void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *table, int64_t ctx,            \
+          int64_t n, float *out, int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,            \
+          int num_threads) {                                                                                    \
+    const int64_t G = H / KVH, R = VW / G, row = KVH * D;                                                       \
+    const int64_t nblk = (n + R - 1) / R, tasks = nblk * KVH;                                                   \
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(ctx + 1));                                     \
+    for (int64_t blk = 0, t = 0; t < ctx; blk++) {                                                              \
+        const int64_t base = table[blk] * block_size * row;                                                     \
+        for (int64_t j = 0; j < block_size && t < ctx; j++, t++) rows[t] = base + j * row;                      \
+    }                                                                                                           \
+    /* every KV head's K and V, widened to float32 in position order: [KVH, ctx, D] each, built once */      \
+    float *kf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KVH * ctx * D + 64));                      \
+    float *vfb = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KVH * ctx * D + 64));                     \
+    _Pragma("omp parallel num_threads(tasks < num_threads ? (int)tasks : num_threads)")                        \
+    {                                                                                                           \
+        _Pragma("omp for schedule(static)")                                                                     \
+        for (int64_t t = 0; t < ctx; t++)                                                                       \
+            for (int64_t h = 0; h < KVH; h++)                                                                   \
+                for (int64_t c = 0; c < D; c += VW) {                                                           \
+                    *(vf16 *)(kf + (h * ctx + t) * D + c) = LOAD16(k_pool + rows[t] + h * D + c);               \
+                    *(vf16 *)(vfb + (h * ctx + t) * D + c) = LOAD16(v_pool + rows[t] + h * D + c);              \
+                }                                                                                               \
+        vf16 *qt = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)D);                                         \
+        vf16 *s = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)(ctx + 1));                                  \
+        vf16 *acc = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)D);                                        \
+        vf16 mask_from[VW];                                                                                     \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                 \
+        for (int64_t task = tasks - 1; task >= 0; task--) { /* the longest rows first */                       \
+            const int64_t blk = task / KVH, h = task % KVH, r0 = blk * R;                                       \
+            const int64_t nr = n - r0 < R ? n - r0 : R;                                                         \
+            const int64_t L = ctx - n + r0 + nr;                /* visible to the task's last row */           \
+            const int64_t first_masked = L - nr + 1;             /* the first row sees up to here */           \
+            for (int64_t d = 0; d < D; d++) {                                                                   \
+                vf16 col = {0};                                                                                 \
+                for (int64_t r = 0; r < nr; r++)                                                                \
+                    for (int64_t g = 0; g < G; g++) col[r * G + g] = q[((r0 + r) * H + h * G + g) * D + d] * scale; \
+                qt[d] = col;                                                                                    \
+            }                                                                                                   \
+            for (int64_t t = first_masked; t < L; t++) {          /* hidden from rows ending before t */       \
+                vi16 m = {0};                                                                                   \
+                for (int64_t r = 0; r < nr; r++)                                                                \
+                    if (ctx - n + r0 + r + 1 <= t)                                                              \
+                        for (int64_t g = 0; g < G; g++) m[r * G + g] = -1;                                      \
+                mask_from[t - first_masked] = (vf16)m;                                                          \
+            }                                                                                                   \
+            prefill_task(D, L, kf + h * ctx * D, vfb + h * ctx * D, qt, s, mask_from, first_masked, \
+                                     acc);                                                                      \
+            for (int64_t r = 0; r < nr; r++)                                                                    \
+                for (int64_t g = 0; g < G; g++) {                                                               \
+                    float *o = out + ((r0 + r) * H + h * G + g) * D;                                            \
+                    for (int64_t d = 0; d < D; d++) o[d] = acc[d][r * G + g];                                   \
+                }                                                                                               \
+        }                                                                                                       \
+        free(qt);                                                                                               \
+        free(s);                                                                                                \
+        free(acc);                                                                                              \
+    }                                                                                                           \
+    free(kf);                                                                                                   \
+    free(vfb);                                                                                                  \
+    free(rows);                                                                                                 \
+}
+
+DEFINE_PREFILL(paged_prefill_attention_f32, float, load16_f32)
+DEFINE_PREFILL(paged_prefill_attention_bf16, uint16_t, load16_bf16)

@@ -134,3 +134,29 @@ def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads
     expected = _decode(q.bfloat16(), k_cache, v_cache, tables, bias.view(70, 1, 1, -1), d**-0.5)
     got = native_attention.decode_attention(q.bfloat16(), k_cache, v_cache, tables, lens, d**-0.5)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, d, n, ctx",
+    [(9, 3, 64, 37, 37), (9, 3, 64, 12, 50), (4, 4, 64, 21, 40), (16, 1, 128, 5, 70), (8, 4, 64, 1, 9)],
+)
+def test_native_prefill_matches_dense_across_head_shapes(heads, kv_heads, d, n, ctx):
+    """The C prefill kernel (query rows x heads across the vector lanes, the last rows' positions masked
+    lane by lane) against dense causal attention: whole prompts and chunks after a cached prefix, chunk
+    lengths that do not fill the last task, bfloat16 KV."""
+    if native_attention.load() is None:
+        pytest.skip("the native kernels cannot be built here")
+    g = torch.Generator().manual_seed(4)
+    blocks = (ctx + BS - 1) // BS
+    k_cache = torch.randn(blocks + 3, BS, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(blocks + 3, BS, kv_heads, d, generator=g).bfloat16()
+    table = torch.randperm(blocks + 3, generator=g)[:blocks]
+    q = torch.randn(n, heads, d, generator=g).bfloat16()
+    assert native_attention.prefill_usable(q, k_cache)
+    got = native_attention.prefill_attention(q, k_cache, v_cache, table, ctx, d**-0.5)
+    k = k_cache[table].flatten(0, 1)[:ctx].float().repeat_interleave(heads // kv_heads, dim=1)
+    v = v_cache[table].flatten(0, 1)[:ctx].float().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("nhd,chd->hnc", q.float(), k) * d**-0.5
+    hidden = torch.arange(ctx).unsqueeze(0) > torch.arange(ctx - n, ctx).unsqueeze(1)
+    expected = torch.einsum("hnc,chd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
