@@ -23,6 +23,7 @@ from runtime.quantization import (
     linear,
     make_linear,
     measure_dense_rows,
+    measure_gemm_rows,
     measure_native_rows,
     weight_nbytes,
 )
@@ -94,6 +95,8 @@ class LlamaModel:
         self.native_rows: dict[tuple[int, int], int | None] = {}
         """(out, in features) of packed projections -> the C kernel serves up to this many rows (None:
         never), as measured at load."""
+        self.gemm_rows: dict[tuple[int, int], int | None] = {}
+        """(out, in features) -> the C kernel's many-row loops serve from this many rows up (None: never)."""
 
         def source(name: str) -> np.ndarray | GGUFBlocks:
             if name not in weights:
@@ -172,16 +175,23 @@ class LlamaModel:
 
     def _choose_native_rows(self) -> None:
         """Packed projections with a copy for the C kernel use it up to the row count where it measured
-        faster than torch's packed kernel, measured once per shape; where it never did, the copy is
-        dropped."""
+        faster than torch's packed kernel, and its many-row loops from the row count where they measured
+        faster than the dense copy or the packed kernel, each measured once per shape; a copy (the tiled
+        one, the dense one, the kernel's own) that no row count uses is dropped."""
         for w in self._packed():
             if w.native is None:
                 continue
             shape = (w.out_features, w.in_features)
             if shape not in self.native_rows:
                 self.native_rows[shape] = measure_native_rows(w)
-            w.native_rows = self.native_rows[shape]
-            if w.native_rows is None:
+                w.native_rows = self.native_rows[shape]
+                self.gemm_rows[shape] = measure_gemm_rows(w)
+            w.native_rows, w.gemm_rows = self.native_rows[shape], self.gemm_rows[shape]
+            if w.gemm_rows is None:
+                w.native.tiles = None
+            elif w.dense_rows is None or w.gemm_rows <= w.dense_rows:
+                w.dense, w.dense_rows = None, None  # the many-row loops win wherever the copy would
+            if w.native_rows is None and w.gemm_rows is None:
                 w.native = None
 
     @property

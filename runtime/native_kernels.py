@@ -140,7 +140,7 @@ def _open(path: Path) -> ctypes.CDLL:
     try:
         attention = (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16)
         prefill = (lib.paged_prefill_attention_f32, lib.paged_prefill_attention_bf16)
-        matmul, vectorized = lib.quantized_matmul, lib.quantized_matmul_vectorized
+        matmul, gemm, vectorized = lib.quantized_matmul, lib.quantized_gemm, lib.quantized_matmul_vectorized
         norm, silu_mul, rope = lib.add_rms_norm, lib.silu_mul, lib.rope_write_kv
     except AttributeError as exc:  # some other library under our name
         raise OSError(f"{path} lacks the kernels' symbols") from exc
@@ -152,6 +152,8 @@ def _open(path: Path) -> ctypes.CDLL:
         fn.restype = None
     matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint]
     matmul.restype = None
+    gemm.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint]
+    gemm.restype = None
     vectorized.argtypes = []
     vectorized.restype = cint
     norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, cint, cint]

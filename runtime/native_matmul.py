@@ -22,6 +22,8 @@ import torch
 from runtime.native_kernels import load
 
 GROUP = 32
+TILE_COLUMNS = 16
+"""Output columns per vector of the many-row kernel's layout; it takes N % (2 * TILE_COLUMNS) == 0."""
 
 
 class NativeMatmul:
@@ -31,6 +33,12 @@ class NativeMatmul:
         """codes [N, K] (0..15 for bits=4; 0..255 for bits=8, the stored code + 128); scale, offset
         [N, K / 32] with w = scale * code + offset per block."""
         n, k = codes.shape
+        self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """The same blocks laid out for the many-row kernel (quantized_gemm): made where the library has
+        its vector loops and N % 32 == 0; the model drops them where they did not measure faster."""
+        self.bits = bits
+        if n % (2 * TILE_COLUMNS) == 0 and load().quantized_matmul_vectorized():
+            self.with_tiles(codes, scale, offset)
         if bits == 4:
             # the two blocks of each pair share bytes: the first in the low nibbles, the second in the high
             pairs = codes.reshape(n, k // 64, 2, GROUP).astype(np.uint8)
@@ -40,9 +48,53 @@ class NativeMatmul:
         # -128d, exact in float16 wherever d is)
         self.scale = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float16))
         self.offset = torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float16))
-        self.bits = bits
         self.out_features, self.in_features = n, k
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+    def with_tiles(self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> NativeMatmul:
+        """Add the layout of the many-row kernel (csrc/quantized_matmul.c, quantized_gemm) for the fields
+        __init__ takes: per 16 output columns and block of 32 inputs, vectors of 4 codes per column. Costs
+        the codes' bytes again."""
+        n, k = codes.shape
+        g, nb = n // TILE_COLUMNS, k // GROUP
+        if self.bits == 4:  # vector v: low nibbles inputs 8v..8v+3, high nibbles 8v+4..8v+7 of the block
+            c = codes.reshape(g, TILE_COLUMNS, nb, 4, 2, 4).astype(np.uint8)
+            tiles = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
+        else:  # vector v: inputs 4v..4v+3 of the block
+            tiles = codes.reshape(g, TILE_COLUMNS, nb, 8, 4).astype(np.uint8).transpose(0, 2, 3, 1, 4)
+
+        def per_tile(a: np.ndarray) -> torch.Tensor:
+            a = a.astype(np.float32).reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1)
+            return torch.from_numpy(np.ascontiguousarray(a))
+
+        self.tiles = (torch.from_numpy(np.ascontiguousarray(tiles)), per_tile(scale), per_tile(offset))
+        return self
+
+    def gemm(
+        self, x: torch.Tensor, out_dtype: torch.dtype | None = None, portable: bool = False
+    ) -> torch.Tensor:
+        """The function __call__ computes, by the many-row kernel on the tiled copy (with_tiles first)."""
+        assert self.tiles is not None, "with_tiles() first"
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, self.out_features, dtype=out_dtype or x.dtype)
+        tiles, scale, offset = self.tiles
+        load().quantized_gemm(
+            x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
+            m,
+            self.in_features,
+            tiles.data_ptr(),
+            scale.data_ptr(),
+            offset.data_ptr(),
+            self.out_features,
+            self.bits,
+            out.data_ptr(),
+            int(out.dtype == torch.bfloat16),
+            int(portable),
+            torch.get_num_threads(),
+        )
+        return out
 
     @classmethod
     def from_int4_fields(cls, codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> NativeMatmul:

@@ -151,6 +151,8 @@ class Int4Linear:
         """The same blocks for the C kernel with 8-bit activations, used for inputs of up to `native_rows`
         rows."""
         self.native_rows: int | None = None
+        self.gemm_rows: int | None = None
+        """From this many rows up, the C kernel's many-row loops (native.gemm) where they measured faster."""
         self.out_features = rows // 2 if halves else rows
         self.in_features = k
         self.halves = halves
@@ -167,6 +169,8 @@ class Int4Linear:
         x = x.reshape(-1, self.in_features)
         if self.native_rows is not None and x.shape[0] <= self.native_rows:
             return self.native(x).view(*lead, self.out_features)
+        if self.gemm_rows is not None and x.shape[0] >= self.gemm_rows:
+            return self.native.gemm(x).view(*lead, self.out_features)
         if self.dense_rows is not None and x.shape[0] >= self.dense_rows:
             return F.linear(x, self.dense).view(*lead, self.out_features)
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
@@ -285,6 +289,38 @@ def measure_native_rows(w: Int4Linear, rounds: int = 9, calls: int = 4) -> int |
         best = rows
     w.native_rows = best
     return best
+
+
+GEMM_ROW_CANDIDATES = (2, 4, 8, 16, 32, 64)
+
+
+def measure_gemm_rows(w: Int4Linear, rounds: int = 5, calls: int = 2) -> int | None:
+    """The fewest rows (of GEMM_ROW_CANDIDATES above w.native_rows, counting up until it first wins) from
+    which the C kernel's many-row loops multiplied faster than what w does otherwise at that row count (the
+    dense copy or torch's packed kernel), and still did at the largest candidate: median CPU seconds of
+    `calls` calls, the two interleaved; None: never."""
+    if w.native is None or w.native.tiles is None:
+        return None
+    w.gemm_rows = None
+
+    def wins(rows: int) -> bool:
+        x = torch.randn(rows, w.in_features).to(w.scales_and_zeros.dtype)
+        w(x)
+        w.native.gemm(x)
+        other, ours = [], []
+        for _ in range(rounds):
+            for fn, into in ((w, other), (w.native.gemm, ours)):
+                start = time.process_time()
+                for _ in range(calls):
+                    fn(x)
+                into.append(time.process_time() - start)
+        return statistics.median(ours) < statistics.median(other)
+
+    above = w.native_rows or 0
+    first = next((r for r in GEMM_ROW_CANDIDATES if r > above and wins(r)), None)
+    if first is None or (first < GEMM_ROW_CANDIDATES[-1] and not wins(GEMM_ROW_CANDIDATES[-1])):
+        return None
+    return first
 
 
 def quantize_int4(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:

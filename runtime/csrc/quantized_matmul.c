@@ -65,7 +65,7 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* One row of activations into int8 blocks: xq [K], dx [K/32], sx [K/32] = dx * sum(xq). */
-static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx) {
+static void quantize_row_portable(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx) {
     float buf[QBLOCK];
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         float amax = 0.f;
@@ -86,6 +86,35 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *xq, float
         sx[b] = d * (float)sum;
     }
 }
+
+#if QMM_VNNI
+/* The same, 32 at a time: the same float operations, so the same codes. */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t k = b * QBLOCK + h * 16;
+            v[h] = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16))
+                          : _mm512_loadu_ps((const float *)x + k);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        int sum = 0;
+        for (int h = 0; h < 2; h++) {
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], vinv)); /* round to nearest even */
+            _mm_storeu_si128((__m128i *)(xq + b * QBLOCK + h * 16), _mm512_cvtepi32_epi8(q));
+            sum += _mm512_reduce_add_epi32(q);
+        }
+        dx[b] = d;
+        sx[b] = d * (float)sum;
+    }
+}
+#else
+#define quantize_row quantize_row_portable
+#endif
 
 /* One weight row against one activation row: sum over blocks of
  * d * dx * (codes . xq) + offset * (dx * sum xq), in portable C. */
@@ -182,6 +211,165 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
             }
         }
         free(ds);
+    }
+    free(xq);
+    free(dx);
+    free(sx);
+}
+
+/* Many rows: the same function on weights re-laid for a register tile (prepared at load, native_matmul.py):
+ *   tiles [N/16][K/32][V][64] bytes, V = 4 (4-bit) or 8 (8-bit): each 64-byte vector holds 4 codes for each of
+ *         16 output columns (column 16g + j in bytes 4j..4j+3). 4-bit: vector v's low nibbles are inputs
+ *         32b + 8v + 0..3 and its high nibbles 32b + 8v + 4..7; 8-bit: vector v is inputs 32b + 4v + 0..3.
+ *   tscale, toffset [N/16][K/32][16] float32: d and o of each column's block.
+ * One VNNI instruction multiplies 4 inputs of one activation row (broadcast) into 16 columns, so a tile of
+ * GEMM_ROWS rows x 32 columns keeps 8 integer accumulators per block and reuses each loaded weight vector
+ * across the rows; the block scales are applied once per block and tile row. Requires N % 32 == 0. */
+#define GEMM_ROWS 4
+#define GEMM_CHUNK 64
+
+static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t n, int64_t k) {
+    const int64_t g = n / 16, j = n % 16, b = k / QBLOCK, i = k % QBLOCK;
+    if (bits == 4) {
+        const uint8_t byte = tiles[((g * nb + b) * 4 + i / 8) * 64 + j * 4 + (i % 4)];
+        return (i % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+    }
+    return tiles[((g * nb + b) * 8 + i / 4) * 64 + j * 4 + (i % 4)];
+}
+
+#if QMM_VNNI
+/* Always inlined with a constant `rows`, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *tiles, const float *tscale, const float *toffset, int64_t nb,
+                           int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, int64_t K,
+                           int64_t m0, int rows, float *acc_out /* [GEMM_ROWS][32] */) {
+    const int vecs = bits == 4 ? 4 : 8, step = bits == 4 ? 8 : 4;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[GEMM_ROWS][2];
+    for (int r = 0; r < GEMM_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *c0 = tiles + (g * nb + b) * vecs * 64, *c1 = tiles + ((g + 1) * nb + b) * vecs * 64;
+        __m512i ia[GEMM_ROWS][2];
+        for (int r = 0; r < GEMM_ROWS; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
+        for (int v = 0; v < vecs; v++) {
+            const __m512i raw0 = _mm512_loadu_si512((const void *)(c0 + v * 64));
+            const __m512i raw1 = _mm512_loadu_si512((const void *)(c1 + v * 64));
+            if (bits == 4) {
+                const __m512i a0 = _mm512_and_si512(raw0, low4), a1 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4);
+                const __m512i b0 = _mm512_and_si512(raw1, low4), b1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4);
+                for (int r = 0; r < rows; r++) {
+                    int32_t x4[2];
+                    memcpy(x4, xq + (m0 + r) * K + b * QBLOCK + v * step, sizeof x4);
+                    const __m512i x0 = _mm512_set1_epi32(x4[0]), x1 = _mm512_set1_epi32(x4[1]);
+                    ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], a0, x0);
+                    ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], b0, x0);
+                    ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], a1, x1);
+                    ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], b1, x1);
+                }
+            } else {
+                for (int r = 0; r < rows; r++) {
+                    int32_t x4;
+                    memcpy(&x4, xq + (m0 + r) * K + b * QBLOCK + v * step, sizeof x4);
+                    const __m512i x0 = _mm512_set1_epi32(x4);
+                    ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], raw0, x0);
+                    ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], raw1, x0);
+                }
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(tscale + (g * nb + b) * 16), d1 = _mm512_loadu_ps(tscale + ((g + 1) * nb + b) * 16);
+        const __m512 o0 = _mm512_loadu_ps(toffset + (g * nb + b) * 16), o1 = _mm512_loadu_ps(toffset + ((g + 1) * nb + b) * 16);
+        for (int r = 0; r < rows; r++) {
+            const __m512 sdx = _mm512_set1_ps(dx[(m0 + r) * nb + b]), ssx = _mm512_set1_ps(sx[(m0 + r) * nb + b]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][0]), _mm512_mul_ps(d0, sdx), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][1]), _mm512_mul_ps(d1, sdx), acc[r][1]);
+            acc[r][0] = _mm512_fmadd_ps(o0, ssx, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(o1, ssx, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(acc_out + r * 32, acc[r][0]);
+        _mm512_storeu_ps(acc_out + r * 32 + 16, acc[r][1]);
+    }
+}
+#endif
+
+static void gemm_tile_portable(const uint8_t *tiles, const float *tscale, const float *toffset, int64_t nb,
+                               int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx,
+                               int64_t K, int64_t m0, int rows, float *acc_out) {
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 32; j++) {
+            const int64_t n = g * 16 + j, col = n % 16, gg = n / 16;
+            float total = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t isum = 0;
+                for (int i = 0; i < QBLOCK; i++)
+                    isum += tiled_code(tiles, nb, bits, n, b * QBLOCK + i) * xq[(m0 + r) * K + b * QBLOCK + i];
+                total += tscale[(gg * nb + b) * 16 + col] * dx[(m0 + r) * nb + b] * (float)isum +
+                         toffset[(gg * nb + b) * 16 + col] * sx[(m0 + r) * nb + b];
+            }
+            acc_out[r * 32 + j] = total;
+        }
+}
+
+/* 32 floats to out[at..at+32), as float32 or rounded to bfloat16 (nearest even, NaN kept). */
+static inline void store_row32(const float *src, void *out, int64_t at, int out_bf16) {
+    if (!out_bf16) {
+        memcpy((float *)out + at, src, 32 * sizeof(float));
+        return;
+    }
+#if QMM_VNNI
+    for (int h = 0; h < 2; h++) {
+        const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src + h * 16));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_loadu_ps(src + h * 16), _mm512_loadu_ps(src + h * 16), _CMP_UNORD_Q);
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + h * 16), _mm512_cvtepi32_epi16(r));
+    }
+#else
+    for (int j = 0; j < 32; j++) ((uint16_t *)out)[at + j] = f32_to_bf16(src[j]);
+#endif
+}
+
+void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const float *tscale,
+                    const float *toffset, int64_t N, int bits, void *out, int out_bf16, int portable,
+                    int num_threads) {
+    const int64_t nb = K / QBLOCK;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    const size_t elem = x_bf16 ? 2 : 4;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t m = 0; m < M; m++)
+            quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb);
+        float tile[GEMM_ROWS * 32];
+        for (int64_t mc = 0; mc < M; mc += GEMM_CHUNK) {
+            const int64_t mend = mc + GEMM_CHUNK < M ? mc + GEMM_CHUNK : M;
+            _Pragma("omp for schedule(static)")
+            for (int64_t g = 0; g < N / 16; g += 2) {
+                for (int64_t m0 = mc; m0 < mend; m0 += GEMM_ROWS) {
+                    const int rows = (int)(mend - m0 < GEMM_ROWS ? mend - m0 : GEMM_ROWS);
+#if QMM_VNNI
+                    if (!portable) {
+#define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, g, xq, dx, sx, K, m0, R, tile)
+                        if (bits == 4 && rows == GEMM_ROWS)
+                            GEMM_TILE(4, GEMM_ROWS);
+                        else if (rows == GEMM_ROWS)
+                            GEMM_TILE(8, GEMM_ROWS);
+                        else if (bits == 4)
+                            GEMM_TILE(4, rows);
+                        else
+                            GEMM_TILE(8, rows);
+#undef GEMM_TILE
+                    } else
+#endif
+                        gemm_tile_portable(tiles, tscale, toffset, nb, bits, g, xq, dx, sx, K, m0, rows, tile);
+                    for (int r = 0; r < rows; r++)
+                        store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
+                }
+            }
+        }
     }
     free(xq);
     free(dx);

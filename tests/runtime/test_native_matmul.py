@@ -66,6 +66,54 @@ def test_kernel_computes_the_blocks_times_8_bit_activations(source, portable, dt
     assert np.linalg.norm(got - exact) <= 0.02 * np.linalg.norm(exact)
 
 
+@pytest.mark.parametrize(
+    "source", ["blk.3.ffn_down.weight", "blk.0.ffn_up.weight", "token_embd.weight", "q4_0"]
+)
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_row_loops_compute_the_same_function(source, portable, dtype):
+    """The many-row loops (the tiled copy, 4 rows x 32 columns a tile, 64 rows a chunk) against the same
+    oracle, at row counts that leave partial tiles and span chunks."""
+    if not native_kernels.load().quantized_matmul_vectorized() and not portable:
+        pytest.skip("this CPU's build has no vector loops")
+    blocks, reference = _q4_0() if source == "q4_0" else _tensor(source)
+    w = pack_gguf(blocks, dtype).native
+    if w.tiles is None:  # made only where the vector loops are; the portable ones read the same layout
+        codes, scale, zero = (
+            (blocks.codes, blocks.scale, None) if blocks.kind == "Q8_0" else blocks.int4_fields()
+        )
+        if blocks.kind == "Q8_0":
+            w.with_tiles((codes.astype(np.int16) + 128).astype(np.uint8), scale, -128 * scale)
+        else:
+            w.with_tiles(codes, scale, zero - 8 * scale)
+    for rows in (1, 7, 70):
+        x = torch.randn(rows, reference.shape[1]).to(dtype)
+        expected = _activations_as_8_bits(x) @ reference.astype(np.float64).T
+        got = w.gemm(x, out_dtype=torch.float32, portable=portable).double().numpy()
+        assert np.abs(got - expected).max() <= 2e-5 * np.abs(expected).max() * reference.shape[1] ** 0.5
+        if dtype == torch.bfloat16:  # bfloat16 out: the float32 result rounded to nearest
+            assert torch.equal(w.gemm(x, portable=portable), torch.from_numpy(got).float().bfloat16())
+
+
+def test_many_rows_go_to_the_loops_only_from_where_they_measured_faster(monkeypatch):
+    blocks, _ = _tensor("blk.0.attn_output.weight")
+    w = pack_gguf(blocks, torch.bfloat16)
+    if w.native.tiles is None:
+        pytest.skip("this CPU's build has no vector loops")
+    calls = []
+    real = w.native.gemm
+    monkeypatch.setattr(w.native, "gemm", lambda x, **kw: calls.append(len(x)) or real(x, **kw))
+    w.native_rows, w.gemm_rows = 1, 4
+    for rows in (1, 2, 4, 9):
+        w(torch.randn(rows, w.in_features).bfloat16())
+    assert calls == [4, 9]
+    seconds = iter([0.0, 2.0, 2.0, 3.0] * 1000)  # the other path 2 s, the loops 1 s: they win everywhere
+    monkeypatch.setattr(quantization.time, "process_time", lambda: next(seconds))
+    assert quantization.measure_gemm_rows(w) == 2  # the first candidate above the one-row kernel's
+    seconds = iter([0.0, 1.0, 1.0, 3.0] * 1000)  # the other path 1 s, the loops 2 s
+    assert quantization.measure_gemm_rows(w) is None
+
+
 def test_one_row_goes_to_the_kernel_only_where_it_measured_faster(monkeypatch):
     blocks, _ = _tensor("blk.0.attn_output.weight")
     w = pack_gguf(blocks, torch.bfloat16)
@@ -97,6 +145,7 @@ def test_engine_on_the_kernel_keeps_float32_quality(engine_fp32, monkeypatch):
     """Every packed projection forced onto the C kernel at any row count: perplexity within 1% of float32,
     logits bounded, and the same greedy tokens as torch's packed kernel (teacher-forced, a fixed text)."""
     monkeypatch.setattr(model, "measure_native_rows", lambda w: 1)  # keep every copy, whatever load does
+    monkeypatch.setattr(model, "measure_gemm_rows", lambda w: 2)
     engine = Engine.from_pretrained(
         dtype="bfloat16", device="cpu", kv_cache_bytes=16 << 20, quantization="gguf"
     )
@@ -105,9 +154,11 @@ def test_engine_on_the_kernel_keeps_float32_quality(engine_fp32, monkeypatch):
     for w in packed:
         w.native_rows, w.dense_rows = None, None
     torch_logits = engine.prompt_logits(ids)
-    for w in packed:
-        w.native_rows = 1 << 30
-    ours, exact = engine.prompt_logits(ids), engine_fp32.prompt_logits(ids)
-    assert abs(perplexity(engine) / perplexity(engine_fp32) - 1) < 0.01
-    assert (ours - exact).abs().max().item() < 2.5  # 8-bit activations, bfloat16 out
-    assert (ours.argmax(-1) == torch_logits.argmax(-1)).float().mean().item() >= 0.95
+    exact, reference_perplexity = engine_fp32.prompt_logits(ids), perplexity(engine_fp32)
+    for one_row, many_rows in ((1 << 30, None), (None, 1)):  # the one-row kernel, then the many-row loops
+        for w in packed:
+            w.native_rows, w.gemm_rows = one_row, many_rows if w.native.tiles is not None else None
+        ours = engine.prompt_logits(ids)
+        assert abs(perplexity(engine) / reference_perplexity - 1) < 0.01
+        assert (ours - exact).abs().max().item() < 2.5  # 8-bit activations, bfloat16 out
+        assert (ours.argmax(-1) == torch_logits.argmax(-1)).float().mean().item() >= 0.95

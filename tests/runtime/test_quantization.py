@@ -59,7 +59,8 @@ def test_default_runs_the_gguf_blocks_packed_at_float32_quality(engine_fp32, fp3
     assert abs(perplexity(engine) / fp32_perplexity - 1) < 0.01
     ids = engine_fp32.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
     ours, exact = engine.prompt_logits(ids), engine_fp32.prompt_logits(ids)
-    assert (ours - exact).abs().max().item() < 1.5  # bfloat16 activations and scales
+    # bfloat16 activations and scales; 8-bit activations wherever the C kernel measured faster at load
+    assert (ours - exact).abs().max().item() < 2.5
     assert (ours.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
 
 
@@ -109,6 +110,7 @@ def test_dense_copies_are_capped_by_the_setting():
     )
     first, second = capped.model.layers[0], capped.model.layers[1]
     if capped.model.dense_rows is not None:  # measured: dense wins from some row count on this CPU
-        assert all(w.dense is not None for w in (first.qkv, first.o, first.gate_up, first.down))
+        for w in (first.qkv, first.o, first.gate_up, first.down):  # unless the C kernel's many-row loops won
+            assert w.dense is not None or w.gemm_rows is not None
     assert second.gate_up.dense is None and capped.model.lm_head.dense is None
     assert "--dense-copy-bytes" in build_parser().format_help()
