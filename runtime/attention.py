@@ -4,8 +4,9 @@ A step's tokens are flattened into one batch: first one token for each
 decoding sequence, then the prefill chunks. Decode attention is batched as a
 grouped matmul over the gathered blocks (much faster on CPU than
 scaled_dot_product_attention for one query token); prefill chunks run one
-sequence at a time through scaled_dot_product_attention. On CPU (float32 or bfloat16) a
-small C kernel (native_attention) does the decode part in place.
+sequence at a time through scaled_dot_product_attention. On CPU (float32 or
+bfloat16) small C kernels (native_attention) do both in place instead: all
+decoding sequences in one call, and each prefill chunk in one call.
 """
 
 from __future__ import annotations
@@ -56,14 +57,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, heads, D]; k, v: [T, kv_heads, D] for the new tokens (already in the cache).
-    Returns [T, heads, D]."""
+    """q: [T, heads, D]; k, v: [T, kv_heads, D] for the new tokens (already in the cache; None: read them
+    back from it). Returns [T, heads, D]."""
     out = torch.empty_like(q)
+    native = meta.native_decode
+    if native is None:
+        native = native_attention.usable(q, k_cache)
     if meta.num_decode:
         b = meta.num_decode
-        native = meta.native_decode
-        if native is None:
-            native = native_attention.usable(q, k_cache)
         if native:
             out[:b] = native_attention.decode_attention(
                 q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
@@ -73,13 +74,32 @@ def paged_attention(
     for chunk in meta.prefills:
         qs = q[chunk.start : chunk.end]
         n = chunk.end - chunk.start
-        if n == chunk.context_len:  # nothing before this chunk: use the new K/V directly
+        if native:
+            out[chunk.start : chunk.end] = _prefill_native(qs, k_cache, v_cache, chunk, scale)
+            continue
+        if n == chunk.context_len and k is not None:  # nothing before this chunk: use the new K/V directly
             ks, vs = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:
             ks = _gather(k_cache, chunk.block_table, chunk.context_len)
             vs = _gather(v_cache, chunk.block_table, chunk.context_len)
         out[chunk.start : chunk.end] = _prefill(qs, ks, vs, scale)
     return out
+
+
+def _prefill_native(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
+) -> torch.Tensor:
+    """A chunk's causal attention in C, read from the pool in place: the prefill kernel (its rows and heads
+    across the vector lanes) where it takes the shape, else the decode kernel with query row i a decode over
+    the first context_len - n + i + 1 positions. 512 tokens, bfloat16, 9 query / 3 KV heads, 1 thread:
+    prefill kernel 4.9 ms, decode kernel row by row 8.1-8.4, torch's flash kernel 8.6-10.4 (medians, under
+    load)."""
+    n, ctx = q.shape[0], chunk.context_len
+    if native_attention.prefill_usable(q, k_cache):
+        return native_attention.prefill_attention(q, k_cache, v_cache, chunk.block_table, ctx, scale)
+    lens = torch.arange(ctx - n + 1, ctx + 1, device=q.device)
+    tables = chunk.block_table.view(1, -1).expand(n, -1).contiguous()
+    return native_attention.decode_attention(q, k_cache, v_cache, tables, lens, scale)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

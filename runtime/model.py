@@ -146,7 +146,7 @@ class LlamaModel:
         self._choose_native_rows()
         self.rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, dtype, device)
         self.native_decode = native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0
-        """Steps that only decode, with the C attention kernel, run the layers' element-wise work in C."""
+        """Every step runs the layers' element-wise work in C (steps that only decode, their attention too)."""
         self.scale = config.head_dim**-0.5
 
     def _packed(self) -> list[Int4Linear]:
@@ -212,10 +212,10 @@ class LlamaModel:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normalised), one row per input token."""
+        if self.native_decode:
+            return self._forward_native(input_ids, positions, meta, kv)
         c = self.config
         t = input_ids.shape[0]
-        if self.native_decode and not meta.prefills and meta.num_decode == t and meta.native_decode:
-            return self._forward_decode(input_ids, positions, meta, kv)
         qk_heads = c.num_heads + c.num_kv_heads
         cos, sin = self.rope.tables(positions)
         half = self.rope.half
@@ -240,16 +240,19 @@ class LlamaModel:
             x = rms_norm(h, following, c.rms_norm_eps)
         return x
 
-    def _forward_decode(
+    def _forward_native(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
     ) -> torch.Tensor:
-        """forward for a step of one row per decoding sequence, its element-wise work and attention in C
-        (native_layer_ops, native_attention): a few calls per layer instead of ~40 torch ops."""
+        """forward with each layer's element-wise work in C (native_layer_ops): a few calls per layer
+        instead of ~40 torch ops at a few rows, one vectorized pass instead of several at many. Steps that
+        only decode take the C attention kernel straight from float32 queries; others paged_attention."""
         c = self.config
         t, eps = input_ids.shape[0], c.rms_norm_eps
+        decode_only = not meta.prefills and meta.num_decode == t and meta.native_decode
         h = self.embed[input_ids].contiguous()
         x = torch.empty_like(h)
-        q = torch.empty(t, c.num_heads, c.head_dim, dtype=torch.float32, device=self.device)
+        q_dtype = torch.float32 if decode_only else self.dtype
+        q = torch.empty(t, c.num_heads, c.head_dim, dtype=q_dtype, device=self.device)
         act = torch.empty(t, c.intermediate_size, dtype=self.dtype, device=self.device)
         positions = positions.contiguous()
         native_layer_ops.add_rms_norm(h, None, self.layers[0].input_norm, x, eps)
@@ -265,10 +268,15 @@ class LlamaModel:
                 v_cache,
                 meta.slot_mapping,
             )
-            attn = native_attention.decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
-            ).view(t, c.q_size)
-            native_layer_ops.add_rms_norm(h, self._project(attn, layer.o), layer.post_norm, x, eps)
+            if decode_only:
+                attn = native_attention.decode_attention(
+                    q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                ).view(t, c.q_size)
+                o = self._project(attn, layer.o)
+            else:  # the new keys and values are read back from the cache
+                attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
+                o = linear(attn.view(t, c.q_size), layer.o)
+            native_layer_ops.add_rms_norm(h, o, layer.post_norm, x, eps)
             native_layer_ops.silu_mul(linear(x, layer.gate_up), act)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             native_layer_ops.add_rms_norm(h, linear(act, layer.down), following, x, eps)

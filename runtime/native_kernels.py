@@ -139,12 +139,16 @@ def _open(path: Path) -> ctypes.CDLL:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     try:
         attention = (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16)
+        prefill = (lib.paged_prefill_attention_f32, lib.paged_prefill_attention_bf16)
         matmul, vectorized = lib.quantized_matmul, lib.quantized_matmul_vectorized
         norm, silu_mul, rope = lib.add_rms_norm, lib.silu_mul, lib.rope_write_kv
     except AttributeError as exc:  # some other library under our name
         raise OSError(f"{path} lacks the kernels' symbols") from exc
     for fn in attention:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, cint]
+        fn.restype = None
+    for fn in prefill:
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, ctypes.c_float, cint]
         fn.restype = None
     matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint]
     matmul.restype = None

@@ -1,9 +1,9 @@
-/* Decode attention straight from the paged KV pool (CPU; K/V in float32 or bfloat16).
+/* Attention of one query token per row straight from the paged KV pool (CPU; K/V in float32 or bfloat16):
+ * a decode step's sequences, or a prefill chunk's rows (row i over its first ctx - n + i + 1 positions).
  *
- * One query token per sequence. For each (sequence, kv head) the kernel walks
- * the sequence's block table, so no K/V is gathered or copied: each cached
- * vector is read from the pool in place and shared by the query heads of its
- * group (GQA). Math is float32 throughout; bfloat16 K/V are widened on load.
+ * For each (row, kv head) the kernel walks the row's block table, so no K/V is gathered or copied: each
+ * cached vector is read from the pool in place and shared by the query heads of its group (GQA). Math is
+ * float32 throughout; bfloat16 K/V are widened on load.
  *
  * Layouts (all contiguous):
  *   q             [B, H, D] float32
@@ -11,11 +11,13 @@
  *   block_tables  [B, max_blocks] (int64), context_lens [B] (int64)
  *   out           [B, H, D] float32
  *
- * Written with GCC vector extensions (8 floats), which the compiler maps to
- * AVX2/AVX-512 or NEON. Dot products run 8 cached positions at a time so
- * that 8 independent accumulators hide the FMA latency; the weighted sum of V
- * keeps a 16-wide slice of every group's output in registers while it walks
- * the positions. Requires D % 16 == 0 and H / KVH <= MAX_GROUP.
+ * Two implementations, both with GCC vector extensions (mapped to AVX2/AVX-512 or NEON): the fast path at
+ * the end of the file (head_dim 64 or 128, up to 8 query heads a KV head: every model this engine serves
+ * today) and the generic kernels here (D % 16 == 0, H / KVH <= MAX_GROUP). The generic ones run dot
+ * products 8 cached positions at a time so that 8 independent accumulators hide the FMA latency; the
+ * weighted sum of V keeps a 16-wide slice of every group's output in registers while it walks the
+ * positions. A prefill chunk takes its own kernel where the shape allows (paged_prefill_attention_*, the
+ * last section), which shares each cached element among many query rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -63,7 +65,7 @@ static inline float exp_nonpositive(float x) {
 }
 
 #define DEFINE_KERNEL(NAME, ELEM, LOAD)                                                                        \
-void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *block_tables,                \
+static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *block_tables,                \
           const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,              \
           int64_t block_size, int64_t max_blocks, float scale, int num_threads) {                              \
     const int64_t G = H / KVH, C = D / 8, row = KVH * D;                                                       \
@@ -147,5 +149,330 @@ void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t 
     }                                                                                                          \
 }
 
-DEFINE_KERNEL(paged_decode_attention_f32, float, load_f32)
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, load_bf16)
+DEFINE_KERNEL(generic_f32, float, load_f32)
+DEFINE_KERNEL(generic_bf16, uint16_t, load_bf16)
+
+/* --- The fast path: 16 floats at a time, a task per (sequence, kv head), its G query heads together. ---
+ *
+ * Scores: each cached key is loaded (and widened) once for the whole group and multiplied into G
+ * accumulators; QK_TILE positions at a time, so G x QK_TILE independent sums hide the FMA latency. The
+ * weighted sum of V keeps all G outputs (G x D floats) in registers while it walks the positions. G and
+ * D / 16 are compile-time constants in each instance (always_inline + a switch), so the accumulators are
+ * registers. Taken where D / 16 is 4 or 8 and G <= 8; other shapes run the kernels above. */
+
+#define VW 16
+#define QK_TILE 4
+typedef float vf16 __attribute__((vector_size(4 * VW), aligned(4)));
+typedef uint16_t vh16 __attribute__((vector_size(2 * VW), aligned(2)));
+typedef uint32_t vu16 __attribute__((vector_size(4 * VW)));
+typedef int32_t vi16 __attribute__((vector_size(4 * VW)));
+
+static inline vf16 load16_f32(const float *p) { return *(const vf16 *)p; }
+static inline vf16 load16_bf16(const uint16_t *p) {
+    return (vf16)(__builtin_convertvector(*(const vh16 *)p, vu16) << 16);
+}
+
+static inline float hsum16(vf16 v) {
+    float s = 0.f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+
+/* the sums of a0..a3's lanes in lanes 0, 4, 8, 12: a transposing tree, ~3 shuffles and adds per sum */
+static inline vf16 hsum16_x4(vf16 a0, vf16 a1, vf16 a2, vf16 a3) {
+    const vf16 b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vf16 b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vf16 c = __builtin_shufflevector(b01, b23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                   __builtin_shufflevector(b01, b23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vf16 d = c + __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return d + __builtin_shufflevector(d, d, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+}
+
+/* exp(x) for x <= 0, 16 at a time (the scalar exp_nonpositive's polynomial) */
+static inline vf16 vexp_nonpositive(vf16 x) {
+    vi16 under = x < -87.f;
+    x = (vf16)(((vi16)x & ~under) | ((vi16)((vf16){0} - 87.f) & under));
+    const vf16 t = x * 1.44269504088896341f;
+    vi16 n = __builtin_convertvector(t, vi16);
+    n += (vi16)(__builtin_convertvector(n, vf16) > t);
+    const vf16 f = (t - __builtin_convertvector(n, vf16)) * 0.69314718055994531f;
+    vf16 p = (vf16){0} + 1.f / 5040.f;
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    return (vf16)((vi16)(p * (vf16)((n + 127) << 23)) & ~under);
+}
+
+#define DEFINE_GROUP_TASK(NAME, ELEM, LOAD16)                                                                   \
+static inline __attribute__((always_inline)) void NAME(                                                         \
+    const int G, const int C, const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *rows,       \
+    int64_t ctx, int64_t h, float *scores, float *out, float scale) {                                           \
+    /* q, out: the group's G heads [G, D]; rows[t]: offset of position t's row in the pools */                   \
+    vf16 qv[G][C];                                                                                              \
+    for (int g = 0; g < G; g++)                                                                                 \
+        for (int c = 0; c < C; c++) qv[g][c] = load16_f32(q + g * C * VW + c * VW) * scale;                    \
+    float maxs[G];                                                                                              \
+    for (int g = 0; g < G; g++) maxs[g] = -INFINITY;                                                           \
+    int64_t t0 = 0;                                                                                             \
+    for (; t0 + QK_TILE <= ctx; t0 += QK_TILE) {                                                                \
+        vf16 a[G][QK_TILE];                                                                                     \
+        for (int g = 0; g < G; g++)                                                                             \
+            for (int j = 0; j < QK_TILE; j++) a[g][j] = (vf16){0};                                              \
+        for (int j = 0; j < QK_TILE; j++) {                                                                     \
+            const ELEM *k = k_pool + rows[t0 + j] + h * C * VW;                                                 \
+            for (int c = 0; c < C; c++) {                                                                       \
+                const vf16 kc = LOAD16(k + c * VW);                                                             \
+                for (int g = 0; g < G; g++) a[g][j] += qv[g][c] * kc;                                           \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int g = 0; g < G; g++) {                                                                           \
+            const vf16 s = hsum16_x4(a[g][0], a[g][1], a[g][2], a[g][3]);                                       \
+            for (int j = 0; j < QK_TILE; j++) {                                                                 \
+                scores[g * ctx + t0 + j] = s[4 * j];                                                            \
+                maxs[g] = s[4 * j] > maxs[g] ? s[4 * j] : maxs[g];                                              \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (; t0 < ctx; t0++) {                                                                                    \
+        const ELEM *k = k_pool + rows[t0] + h * C * VW;                                                         \
+        vf16 a[G];                                                                                              \
+        for (int g = 0; g < G; g++) a[g] = (vf16){0};                                                           \
+        for (int c = 0; c < C; c++) {                                                                           \
+            const vf16 kc = LOAD16(k + c * VW);                                                                 \
+            for (int g = 0; g < G; g++) a[g] += qv[g][c] * kc;                                                  \
+        }                                                                                                       \
+        for (int g = 0; g < G; g++) {                                                                           \
+            const float s = hsum16(a[g]);                                                                       \
+            scores[g * ctx + t0] = s;                                                                           \
+            maxs[g] = s > maxs[g] ? s : maxs[g];                                                                \
+        }                                                                                                       \
+    }                                                                                                           \
+    float inv[G];                                                                                               \
+    for (int g = 0; g < G; g++) {                                                                               \
+        float *s = scores + g * ctx;                                                                            \
+        vf16 sum = {0};                                                                                         \
+        int64_t t = 0;                                                                                          \
+        for (; t + VW <= ctx; t += VW) {                                                                        \
+            const vf16 e = vexp_nonpositive(load16_f32(s + t) - maxs[g]);                                      \
+            *(vf16 *)(s + t) = e;                                                                               \
+            sum += e;                                                                                           \
+        }                                                                                                       \
+        float total = hsum16(sum);                                                                              \
+        for (; t < ctx; t++) { s[t] = exp_nonpositive(s[t] - maxs[g]); total += s[t]; }                         \
+        inv[g] = 1.f / total;                                                                                   \
+    }                                                                                                           \
+    vf16 acc[G][C];                                                                                             \
+    for (int g = 0; g < G; g++)                                                                                 \
+        for (int c = 0; c < C; c++) acc[g][c] = (vf16){0};                                                      \
+    for (int64_t t = 0; t < ctx; t++) {                                                                         \
+        const ELEM *v = v_pool + rows[t] + h * C * VW;                                                          \
+        for (int c = 0; c < C; c++) {                                                                           \
+            const vf16 vc = LOAD16(v + c * VW);                                                                 \
+            for (int g = 0; g < G; g++) acc[g][c] += scores[g * ctx + t] * vc;                                  \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int g = 0; g < G; g++)                                                                                 \
+        for (int c = 0; c < C; c++) *(vf16 *)(out + g * C * VW + c * VW) = acc[g][c] * inv[g];                 \
+}
+
+DEFINE_GROUP_TASK(group_task_f32, float, load16_f32)
+DEFINE_GROUP_TASK(group_task_bf16, uint16_t, load16_bf16)
+
+#define GROUP_CASES(TASK, C)                                                                                    \
+    switch (G) {                                                                                                \
+    case 1: TASK(1, C, ARGS); break;                                                                            \
+    case 2: TASK(2, C, ARGS); break;                                                                            \
+    case 3: TASK(3, C, ARGS); break;                                                                            \
+    case 4: TASK(4, C, ARGS); break;                                                                            \
+    case 5: TASK(5, C, ARGS); break;                                                                            \
+    case 6: TASK(6, C, ARGS); break;                                                                            \
+    case 7: TASK(7, C, ARGS); break;                                                                            \
+    default: TASK(8, C, ARGS); break;                                                                           \
+    }
+
+#define DEFINE_FAST_KERNEL(NAME, ELEM, TASK)                                                                    \
+static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *block_tables,           \
+                 const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,         \
+                 int64_t block_size, int64_t max_blocks, float scale, int num_threads) {                        \
+    const int64_t G = H / KVH, row = KVH * D;                                                                   \
+    int64_t max_ctx = 0;                                                                                        \
+    for (int64_t b = 0; b < B; b++) if (context_lens[b] > max_ctx) max_ctx = context_lens[b];                  \
+    const int64_t tasks = B * KVH;                                                                              \
+    _Pragma("omp parallel num_threads(tasks < num_threads ? (int)tasks : num_threads)")                        \
+    {                                                                                                           \
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_ctx + VW));                            \
+        int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(max_ctx + 1));                            \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                 \
+        for (int64_t task = 0; task < tasks; task++) {                                                          \
+            const int64_t b = task / KVH, h = task % KVH, ctx = context_lens[b];                                \
+            const int64_t *table = block_tables + b * max_blocks;                                               \
+            for (int64_t blk = 0, t = 0; t < ctx; blk++) {                                                      \
+                const int64_t base = table[blk] * block_size * row;                                             \
+                for (int64_t j = 0; j < block_size && t < ctx; j++, t++) rows[t] = base + j * row;              \
+            }                                                                                                   \
+            const float *qg = q + (b * H + h * G) * D;                                                          \
+            float *og = out + (b * H + h * G) * D;                                                              \
+            if (ctx == 0) { memset(og, 0, sizeof(float) * (size_t)(G * D)); continue; }                         \
+            if (D == 4 * VW) { GROUP_CASES(TASK, 4) } else { GROUP_CASES(TASK, 8) }                             \
+        }                                                                                                       \
+        free(scores);                                                                                           \
+        free(rows);                                                                                             \
+    }                                                                                                           \
+}
+#define ARGS qg, k_pool, v_pool, rows, ctx, h, scores, og, scale
+DEFINE_FAST_KERNEL(fast_f32, float, group_task_f32)
+DEFINE_FAST_KERNEL(fast_bf16, uint16_t, group_task_bf16)
+#undef ARGS
+
+static int fast_path(int64_t H, int64_t KVH, int64_t D) {
+    return (D == 4 * VW || D == 8 * VW) && H % KVH == 0 && H / KVH <= 8;
+}
+
+void paged_decode_attention_f32(const float *q, const float *k_pool, const float *v_pool,
+                                const int64_t *block_tables, const int64_t *context_lens, float *out, int64_t B,
+                                int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t max_blocks,
+                                float scale, int num_threads) {
+    (fast_path(H, KVH, D) ? fast_f32 : generic_f32)(q, k_pool, v_pool, block_tables, context_lens, out, B, H,
+                                                    KVH, D, block_size, max_blocks, scale, num_threads);
+}
+
+void paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool,
+                                 const int64_t *block_tables, const int64_t *context_lens, float *out,
+                                 int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                                 int64_t max_blocks, float scale, int num_threads) {
+    (fast_path(H, KVH, D) ? fast_bf16 : generic_bf16)(q, k_pool, v_pool, block_tables, context_lens, out, B, H,
+                                                      KVH, D, block_size, max_blocks, scale, num_threads);
+}
+
+/* --- Prefill: a chunk's causal attention, query rows and heads across the vector lanes. ---
+ *
+ * A chunk of n new rows over a sequence of ctx cached positions (the chunk's own K/V included, its
+ * queries at positions ctx - n .. ctx - 1). A task is LANES / G consecutive rows x one KV head: their
+ * R x G query vectors sit in the lanes of one vector (transposed once per task), so each cached
+ * element multiplies all of them at once (a broadcast and one FMA) and no dot product needs a horizontal
+ * sum. Each KV head's K and V are first widened into float32 scratch in position order, once a call. Scores are kept
+ * per position as a vector over the lanes; the softmax runs lane-wise; the weighted sum of V walks the
+ * positions with 16 output dimensions' lane vectors in registers. The rows of a task differ only in
+ * their last few visible positions, which are masked lane by lane. */
+
+#define PF_TILE 4
+
+static inline __attribute__((always_inline)) void prefill_task(
+    int64_t D, int64_t L, const float *kf, const float *vf, const vf16 *qt, vf16 *s, const vf16 *mask_from,
+    int64_t first_masked, vf16 *acc_out) {
+    /* scores s[t] = sum_d qt[d] * kf[t][d] */
+    int64_t t = 0;
+    for (; t + PF_TILE <= L; t += PF_TILE) {
+        vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        const float *k0 = kf + t * D;
+        for (int64_t d = 0; d < D; d++) {
+            const vf16 qd = qt[d];
+            a0 += qd * k0[d];
+            a1 += qd * k0[D + d];
+            a2 += qd * k0[2 * D + d];
+            a3 += qd * k0[3 * D + d];
+        }
+        s[t] = a0, s[t + 1] = a1, s[t + 2] = a2, s[t + 3] = a3;
+    }
+    for (; t < L; t++) {
+        vf16 a = {0};
+        for (int64_t d = 0; d < D; d++) a += qt[d] * kf[t * D + d];
+        s[t] = a;
+    }
+    /* causal mask: position t >= first_masked is hidden from the lanes whose mask_from[t - first_masked]
+     * is all ones (their rows end before it) */
+    for (t = first_masked; t < L; t++)
+        s[t] = (vf16)(((vi16)mask_from[t - first_masked] & (vi16)((vf16){0} - INFINITY)) |
+                      (~(vi16)mask_from[t - first_masked] & (vi16)s[t]));
+    vf16 m = (vf16){0} - INFINITY;
+    for (t = 0; t < L; t++) m = (vf16)(((vi16)(s[t] > m) & (vi16)s[t]) | (~(vi16)(s[t] > m) & (vi16)m));
+    vf16 sum = {0};
+    for (t = 0; t < L; t++) {
+        s[t] = vexp_nonpositive(s[t] - m);
+        sum += s[t];
+    }
+    const vf16 inv = 1.f / sum;
+    /* out[d] (a lane vector) = sum_t s[t] * vf[t][d], 16 dimensions at a time */
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        vf16 o[16];
+        for (int j = 0; j < 16; j++) o[j] = (vf16){0};
+        for (t = 0; t < L; t++) {
+            const vf16 p = s[t];
+            const float *v = vf + t * D + d0;
+            for (int j = 0; j < 16; j++) o[j] += p * v[j];
+        }
+        for (int j = 0; j < 16; j++) acc_out[d0 + j] = o[j] * inv;
+    }
+}
+
+#define DEFINE_PREFILL(NAME, ELEM, LOAD16)                                                                      \
+void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *table, int64_t ctx,            \
+          int64_t n, float *out, int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,            \
+          int num_threads) {                                                                                    \
+    const int64_t G = H / KVH, R = VW / G, row = KVH * D;                                                       \
+    const int64_t nblk = (n + R - 1) / R, tasks = nblk * KVH;                                                   \
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(ctx + 1));                                     \
+    for (int64_t blk = 0, t = 0; t < ctx; blk++) {                                                              \
+        const int64_t base = table[blk] * block_size * row;                                                     \
+        for (int64_t j = 0; j < block_size && t < ctx; j++, t++) rows[t] = base + j * row;                      \
+    }                                                                                                           \
+    /* every KV head's K and V, widened to float32 in position order: [KVH, ctx, D] each, built once */      \
+    float *kf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KVH * ctx * D + 64));                      \
+    float *vfb = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KVH * ctx * D + 64));                     \
+    _Pragma("omp parallel num_threads(tasks < num_threads ? (int)tasks : num_threads)")                        \
+    {                                                                                                           \
+        _Pragma("omp for schedule(static)")                                                                     \
+        for (int64_t t = 0; t < ctx; t++)                                                                       \
+            for (int64_t h = 0; h < KVH; h++)                                                                   \
+                for (int64_t c = 0; c < D; c += VW) {                                                           \
+                    *(vf16 *)(kf + (h * ctx + t) * D + c) = LOAD16(k_pool + rows[t] + h * D + c);               \
+                    *(vf16 *)(vfb + (h * ctx + t) * D + c) = LOAD16(v_pool + rows[t] + h * D + c);              \
+                }                                                                                               \
+        vf16 *qt = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)D);                                         \
+        vf16 *s = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)(ctx + 1));                                  \
+        vf16 *acc = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)D);                                        \
+        vf16 mask_from[VW];                                                                                     \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                 \
+        for (int64_t task = tasks - 1; task >= 0; task--) { /* the longest rows first */                       \
+            const int64_t blk = task / KVH, h = task % KVH, r0 = blk * R;                                       \
+            const int64_t nr = n - r0 < R ? n - r0 : R;                                                         \
+            const int64_t L = ctx - n + r0 + nr;                /* visible to the task's last row */           \
+            const int64_t first_masked = L - nr + 1;             /* the first row sees up to here */           \
+            for (int64_t d = 0; d < D; d++) {                                                                   \
+                vf16 col = {0};                                                                                 \
+                for (int64_t r = 0; r < nr; r++)                                                                \
+                    for (int64_t g = 0; g < G; g++) col[r * G + g] = q[((r0 + r) * H + h * G + g) * D + d] * scale; \
+                qt[d] = col;                                                                                    \
+            }                                                                                                   \
+            for (int64_t t = first_masked; t < L; t++) {          /* hidden from rows ending before t */       \
+                vi16 m = {0};                                                                                   \
+                for (int64_t r = 0; r < nr; r++)                                                                \
+                    if (ctx - n + r0 + r + 1 <= t)                                                              \
+                        for (int64_t g = 0; g < G; g++) m[r * G + g] = -1;                                      \
+                mask_from[t - first_masked] = (vf16)m;                                                          \
+            }                                                                                                   \
+            prefill_task(D, L, kf + h * ctx * D, vfb + h * ctx * D, qt, s, mask_from, first_masked, \
+                                     acc);                                                                      \
+            for (int64_t r = 0; r < nr; r++)                                                                    \
+                for (int64_t g = 0; g < G; g++) {                                                               \
+                    float *o = out + ((r0 + r) * H + h * G + g) * D;                                            \
+                    for (int64_t d = 0; d < D; d++) o[d] = acc[d][r * G + g];                                   \
+                }                                                                                               \
+        }                                                                                                       \
+        free(qt);                                                                                               \
+        free(s);                                                                                                \
+        free(acc);                                                                                              \
+    }                                                                                                           \
+    free(kf);                                                                                                   \
+    free(vfb);                                                                                                  \
+    free(rows);                                                                                                 \
+}
+
+DEFINE_PREFILL(paged_prefill_attention_f32, float, load16_f32)
+DEFINE_PREFILL(paged_prefill_attention_bf16, uint16_t, load16_bf16)

@@ -78,7 +78,14 @@ def test_decode_matches_dense(native, dtype, lengths, monkeypatch):
         torch.testing.assert_close(out[i : i + 1].float(), expected, atol=tol, rtol=tol)
 
 
-def test_prefill_chunks_after_cached_prefix_match_dense():
+@pytest.mark.parametrize("native", [True, False])  # the C kernel row by row; torch's flash kernel
+def test_prefill_chunks_after_cached_prefix_match_dense(native, monkeypatch):
+    if native:
+        assert native_attention.load() is not None, (
+            "the C kernel must build on this machine (gcc is required)"
+        )
+    else:
+        monkeypatch.setattr(native_attention, "usable", lambda *a: False)
     lengths, new = [30, 50, 7], [30, 12, 3]  # a whole prompt, and chunks after 38 and 4 cached tokens
     k_cache, v_cache, seqs, qs = build(lengths, new, seed=1)
     chunks, row = [], 0
@@ -94,3 +101,62 @@ def test_prefill_chunks_after_cached_prefix_match_dense():
         torch.testing.assert_close(
             out[chunk.start : chunk.end], dense(qi, k, v, D**-0.5), atol=1e-5, rtol=1e-5
         )
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, d",
+    [
+        (9, 3, 64),
+        (8, 1, 128),
+        (4, 4, 64),
+        (4, 2, 32),
+        (12, 1, 64),
+    ],  # the last two: the kernel's generic loops
+)
+def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads, d):
+    """The C kernel's grouped fast path (head_dim 64 or 128, up to 8 query heads a KV head) and its generic
+    loops (other shapes) against the PyTorch decode path, bfloat16 KV, 70 sequences of 1-300 tokens."""
+    if native_attention.load() is None:
+        pytest.skip("the native kernels cannot be built here")
+    from runtime.attention import _decode
+
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(1, 300, (70,), generator=g)
+    width = (int(lens.max()) + BS - 1) // BS
+    blocks = 70 * width
+    k_cache = torch.randn(blocks, BS, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(blocks, BS, kv_heads, d, generator=g).bfloat16()
+    tables = torch.randperm(blocks, generator=g).view(70, width)
+    q = torch.randn(70, heads, d, generator=g)
+    bias = torch.zeros(70, width * BS).masked_fill(
+        torch.arange(width * BS) >= lens.unsqueeze(1), float("-inf")
+    )
+    expected = _decode(q.bfloat16(), k_cache, v_cache, tables, bias.view(70, 1, 1, -1), d**-0.5)
+    got = native_attention.decode_attention(q.bfloat16(), k_cache, v_cache, tables, lens, d**-0.5)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, d, n, ctx",
+    [(9, 3, 64, 37, 37), (9, 3, 64, 12, 50), (4, 4, 64, 21, 40), (16, 1, 128, 5, 70), (8, 4, 64, 1, 9)],
+)
+def test_native_prefill_matches_dense_across_head_shapes(heads, kv_heads, d, n, ctx):
+    """The C prefill kernel (query rows x heads across the vector lanes, the last rows' positions masked
+    lane by lane) against dense causal attention: whole prompts and chunks after a cached prefix, chunk
+    lengths that do not fill the last task, bfloat16 KV."""
+    if native_attention.load() is None:
+        pytest.skip("the native kernels cannot be built here")
+    g = torch.Generator().manual_seed(4)
+    blocks = (ctx + BS - 1) // BS
+    k_cache = torch.randn(blocks + 3, BS, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(blocks + 3, BS, kv_heads, d, generator=g).bfloat16()
+    table = torch.randperm(blocks + 3, generator=g)[:blocks]
+    q = torch.randn(n, heads, d, generator=g).bfloat16()
+    assert native_attention.prefill_usable(q, k_cache)
+    got = native_attention.prefill_attention(q, k_cache, v_cache, table, ctx, d**-0.5)
+    k = k_cache[table].flatten(0, 1)[:ctx].float().repeat_interleave(heads // kv_heads, dim=1)
+    v = v_cache[table].flatten(0, 1)[:ctx].float().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("nhd,chd->hnc", q.float(), k) * d**-0.5
+    hidden = torch.arange(ctx).unsqueeze(0) > torch.arange(ctx - n, ctx).unsqueeze(1)
+    expected = torch.einsum("hnc,chd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
