@@ -51,9 +51,10 @@ once never share a ring. torch internals the loader touches, each tested to exis
 torch.utils.data._utils.worker._worker_info, which a worker sets to a
 torch.utils.data._utils.worker.WorkerInfo; and torch's DataLoader constructor (inherited)
 sets _IterableDataset_len_called, which the length warning of an IterableDataset reads. Not
-reproduced: torch's SIGCHLD handler (a dead worker is found by polling every 0.5 s instead)
-and its C handlers for SIGSEGV/SIGBUS in workers (the worker dies by the signal and is
-reported as killed by it); DataPipes get no sharding of their own.
+reproduced: torch's SIGCHLD handler (a thread waits on the workers' process sentinels
+instead and wakes a waiting next() at once, worker_watch.py) and its C handlers for
+SIGSEGV/SIGBUS in workers (the worker dies by the signal and is reported as killed by it);
+DataPipes get no sharding of their own.
 
 Positions are global: epoch e's plan starts at e * EPOCH_STRIDE, so a stale ring entry
 never matches a new epoch. header[GEN_BASE] is the oldest position still valid and
@@ -95,6 +96,7 @@ one (elastic), the rest of the epoch is what no old rank yielded, dealt out to t
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -170,6 +172,7 @@ class Clairvoyant:
         self.resources = _Resources()
         self._finalizer = weakref.finalize(self, self.resources.close)
         self.view: CachedView | None = None
+        self.start_lock = threading.Lock()
         self.epoch: EpochState | None = None
         self.epochs_begun = 0
         self.resume: ResumePoint | None = None
@@ -206,6 +209,10 @@ class Clairvoyant:
         """What torch's iterator (and so its workers) use as the dataset."""
         if not self.map_style:
             return dataset
+        with self.start_lock:  # iterators may be made in two threads at once (num_workers=0)
+            return self._view(dataset)
+
+    def _view(self, dataset):
         if self.view is None:
             self._start(dataset)
             kind = CachedItemsView if callable(getattr(dataset, "__getitems__", None)) else CachedView

@@ -6,17 +6,19 @@ at worker `rotation` (a resumed run that starts at batch k rotates by k % num_wo
 batch b is still fetched by worker b % num_workers, with that worker's RNG stream). At most
 prefetch_factor * num_workers tasks are out at once; each result taken sends the next index.
 A result's tensors come through the iterator's result rings (result_rings.py), rebuilt as the
-result is taken from the queue (by the pin thread, when pinning).
+result is taken from the queue (by the pin thread, when pinning). A worker that dies wakes a
+waiting next() at once (worker_watch.py), as torch's SIGCHLD handler does.
 
 Failures are reported as torch reports them: an exception in a worker is raised again here
 with the worker's traceback (worker_loop.WorkerError); `timeout` > 0 bounds each wait for a
-result; a worker that dies (a signal, os._exit) is noticed at the next result asked for (or
-within STATUS_SECONDS of waiting) and raised as RuntimeError("DataLoader worker (pid(s) ...)
-exited unexpectedly"), from the cause torch's SIGCHLD handler would give ("... is killed by
-signal: Killed. "). Shutdown (end of epoch for non-persistent workers, the iterator dropped,
-close(), interpreter exit): the done event is set, each worker gets None and is joined, one
-still alive after STATUS_SECONDS is terminated; workers are daemonic, and each also exits by
-itself when its parent process is gone.
+result; a worker that dies (a signal, os._exit) is noticed at the next result asked for, or
+at once while next() waits (worker_watch.py; STATUS_SECONDS polls as a second line), and
+raised as RuntimeError("DataLoader worker (pid(s) ...) exited unexpectedly"), from the cause
+torch's SIGCHLD handler would give ("... is killed by signal: Killed. "). Shutdown (end of
+epoch for non-persistent workers, the iterator dropped, close(), interpreter exit): the done
+event is set, each worker gets None and is joined, one still alive after STATUS_SECONDS is
+terminated; workers are daemonic, and each also exits by itself when its parent process is
+gone.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from loader.iterator import LoaderIterator
 from loader.pin_memory import PinThread
 from loader.result_rings import Receiver, ResultRings, Shipped
 from loader.worker_loop import NewEpoch, WorkerDone, WorkerError, worker_loop
+from loader.worker_watch import WorkerExited, WorkerWatch
 
 STATUS_SECONDS = 0.5  # how often a wait for results checks that the workers live (torch: 5 s, with SIGCHLD)
 _exiting = False  # set at interpreter exit: multiprocessing then terminates daemonic workers itself
@@ -112,6 +115,11 @@ class MultiProcessIterator(LoaderIterator):
         except BaseException:
             self.shutdown()
             raise
+        # a dying worker wakes a waiting next(): the watch puts a marker on the results queue from this
+        # process, whose feeder thread must then not be waited for at exit (the workers, started
+        # already, keep theirs)
+        self.results.cancel_join_thread()
+        self.watch = WorkerWatch(self.workers, self.results)
         self.pinner = None
         if self.pin_device is not None:
             self.pinner = PinThread(self.results, torch.accelerator.current_device_index(), self.receiver)
@@ -213,6 +221,9 @@ class MultiProcessIterator(LoaderIterator):
             except queue.Empty:
                 pass
             else:
+                if type(data) is WorkerExited:
+                    self._check_workers()  # raises for a worker that died; a clean exit waits on
+                    continue
                 if type(data) is Shipped:
                     data = self.receiver.unpack(data)
                 return task, data
@@ -249,6 +260,8 @@ class MultiProcessIterator(LoaderIterator):
             return
         self.shut = True
         try:
+            if getattr(self, "watch", None) is not None:
+                self.watch.stop()  # before the workers are told to stop: their exit is no news
             if getattr(self, "pinner", None) is not None:
                 self.pinner.stop()
                 self.results.cancel_join_thread()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing.util
 import os
+import threading
 import time
 
 import torch
@@ -46,6 +47,7 @@ from loader.source import ByteSource
 FIRST, LAST, PLANNED_READ, NEAR_END = 1, 2, 4, 8
 POLL_SECONDS = 0.0002  # how often a worker looks for a position it waits on
 FILL_WAIT_SECONDS = 0.2  # how long a worker waits for room in its fill ring before it skips the fill
+_MAIN_RING = threading.Lock()  # the main process's fill ring (num_workers=0), written from any thread
 PARENT_CHECK_SECONDS = 0.5  # after this long waiting, a worker also checks that the main process lives
 
 
@@ -267,7 +269,12 @@ class CachedView(Dataset):
             return
         deadline = None
         while header[MODE] == PLANNED and header[GEN_BASE] <= ticket.pos:
-            if fills.put(ring, ticket.pos, ticket.index, raw):
+            if row == 1:  # one writer per ring: iterators of a num_workers=0 loader may run in two threads
+                with _MAIN_RING:
+                    put = fills.put(ring, ticket.pos, ticket.index, raw)
+            else:
+                put = fills.put(ring, ticket.pos, ticket.index, raw)
+            if put:
                 return
             now = time.perf_counter()  # the ring is full: the coordinator takes it every millisecond or so
             if deadline is None:

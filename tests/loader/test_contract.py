@@ -4,6 +4,7 @@ collate_fn and default_convert, in_order=False."""
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from loader import DataLoader
+from loader import DataLoader, FileDataset
 from tests.loader.conftest import same
 
 
@@ -190,3 +191,34 @@ def test_pin_keeps_containers_as_torchs_pin_memory_does():
     ours, theirs = pin(batch), torchs_pin(batch)
     assert ours == theirs and ours["x"].pinned and ours["list"][1][0].pinned
     assert type(ours["pair"]) is Pair and type(ours["ordered"]) is OrderedDict
+
+
+def slow_bytes(raw: bytes) -> torch.Tensor:
+    time.sleep(0.001)  # the other thread runs meanwhile
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def test_single_process_iterators_in_two_threads_yield_torchs_batches(files):
+    """num_workers=0: two threads each iterate the same loader (with a cache their reads fill from
+    the main process's ring at once); each gets torch's batches, and so does a later epoch, which
+    reads what they cached. The decode draws no random numbers (the threads share the RNGs)."""
+    dataset = FileDataset(files, decode=slow_bytes)
+    expected = list(tud.DataLoader(dataset, batch_size=8))
+    loader = DataLoader(dataset, batch_size=8, cache_ram="1MiB")
+    results, errors = {}, []
+
+    def run(name):
+        try:
+            results[name] = [list(loader) for _ in range(3)]
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and len(results) == 2
+    assert all(same(epoch, expected) for epochs in results.values() for epoch in epochs)
+    assert same(list(loader), expected)
+    loader.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.utils.data as tud
 
@@ -78,3 +79,12 @@ def test_default_collate_outside_a_worker_keeps_no_worker_info():
 
     assert worker_collate(views_collate) is views_collate  # the caller's collate is untouched
     assert worker_collate(tud.default_collate) is not tud.default_collate
+
+
+def test_a_batch_that_cannot_be_pickled_is_an_error_not_a_hang():
+    """torch's queue feeder prints the pickling error in the worker and the batch never comes
+    (the main process waits for it forever, or until `timeout`); here the worker pickles the
+    batch itself and the error is raised in the main process with the worker's traceback."""
+    loader = DataLoader(range(8), batch_size=4, num_workers=1, collate_fn=lambda batch: lambda: batch)
+    with pytest.raises(Exception, match="in DataLoader worker process 0"):
+        next(iter(loader))

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 import warnings
 
@@ -281,3 +282,31 @@ def test_installed_torch_is_in_the_range_pyproject_declares():
         return int(major), int(minor)
 
     assert release(low) <= release(torch.__version__) < release(high)
+
+
+class Sleepy(tud.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        time.sleep(3)
+        return index
+
+
+def test_a_worker_that_dies_wakes_a_waiting_next_at_once(monkeypatch):
+    """torch's SIGCHLD handler raises the moment a worker dies; with its status poll made 30 s
+    long, the loader must still raise within seconds while next() waits (worker_watch.py)."""
+    from loader import multiprocess_iterator
+
+    monkeypatch.setattr(multiprocess_iterator, "STATUS_SECONDS", 30.0)
+    for cls in (tud.DataLoader, DataLoader):
+        it = iter(cls(Sleepy(), batch_size=2, num_workers=2))
+        pid = _pids(it)[0]
+        started = time.monotonic()
+        killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(s\) {pid}\) exited unexpectedly"):
+            next(it)
+        killer.join()
+        assert time.monotonic() - started < 2.5, cls  # before the first batch (3 s) could even come
+        del it
