@@ -7,6 +7,8 @@ torch's packed int4 kernel (the path the kernel replaces) for greedy agreement."
 
 from __future__ import annotations
 
+from functools import cache
+
 import gguf
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@cache  # parsing and the oracle's dequantize cost seconds for the embedding
 def _tensor(name: str) -> tuple[GGUFBlocks, np.ndarray]:
     reader = gguf.GGUFReader(default_model_path())
     tensor = next(t for t in reader.tensors if t.name == name)
@@ -31,6 +34,7 @@ def _tensor(name: str) -> tuple[GGUFBlocks, np.ndarray]:
     return GGUFBlocks.parse(kind, tensor.data, shape), reference
 
 
+@cache
 def _q4_0() -> tuple[GGUFBlocks, np.ndarray]:
     w = np.random.default_rng(0).standard_normal((96, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
