@@ -47,8 +47,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers, a test file each (its module-scoped server or engine stays shared within the file).
 test: $(STAMP) prometheus $(CRD_SCHEMAS) lint
-	$(PY) -m pytest -q --durations=20 tests --ignore=tests/bench
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests --ignore=tests/bench
 
 # xllamacpp (the `bench` extra) is llama.cpp as a prebuilt wheel; where none installs, the engine bench
 # says so and skips its llama.cpp column.
