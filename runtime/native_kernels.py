@@ -24,8 +24,9 @@ from pathlib import Path
 log = logging.getLogger("prescient.runtime")
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode_attention.c", "quantized_matmul.c", "decode_layer_ops.c")
+    for name in ("paged_decode_attention.c", "quantized_matmul.c", "decode_layer_ops.c", "nucleus_sampling.c")
 ]
+HEADERS = [Path(__file__).parent / "csrc" / "vector_exp.h"]
 
 
 def _cache_dir() -> Path:
@@ -72,7 +73,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def _target() -> Path:
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     key = hashlib.sha256(sources + _cpu_key().encode()).hexdigest()[:16]
     return _cache_dir() / f"prescient-kernels-{key}.so"
 
@@ -142,6 +143,7 @@ def _open(path: Path) -> ctypes.CDLL:
         prefill = (lib.paged_prefill_attention_f32, lib.paged_prefill_attention_bf16)
         matmul, gemm, vectorized = lib.quantized_matmul, lib.quantized_gemm, lib.quantized_matmul_vectorized
         norm, silu_mul, rope = lib.add_rms_norm, lib.silu_mul, lib.rope_write_kv
+        nucleus = lib.nucleus_sample
     except AttributeError as exc:  # some other library under our name
         raise OSError(f"{path} lacks the kernels' symbols") from exc
     for fn in attention:
@@ -159,6 +161,7 @@ def _open(path: Path) -> ctypes.CDLL:
     norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, cint, cint]
     silu_mul.argtypes = [ptr, ptr, i64, i64, cint, cint]
     rope.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint, cint, cint]
-    for fn in (norm, silu_mul, rope):
+    nucleus.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint]
+    for fn in (norm, silu_mul, rope, nucleus):
         fn.restype = None
     return lib

@@ -14,12 +14,16 @@ so a batch needs about two rounds of a few passes over the vocabulary.
 Every draw is an inverse CDF with one uniform number per row: a request with a
 seed takes its numbers from its own generator, so its tokens do not depend on
 what else is in the batch; the rest share one draw from the global generator.
+Rows without top-k run the same rule in one C call where the kernels can be had
+(native_sampling.py): a few passes per row with the row in cache, instead of a
+pass over the whole batch per torch op.
 """
 
 from __future__ import annotations
 
 import torch
 
+from runtime import native_sampling
 from scheduler import SamplingParams
 
 MAX_ROUNDS = 64
@@ -47,36 +51,58 @@ def sample(
     if rows:
         sub = logits[rows] if len(rows) < len(params) else logits
         gens = [generators[i] for i in rows]
-        temperature = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype, device=sub.device)
-        sub = sub / temperature.unsqueeze(1)
         vocab = sub.shape[-1]
         top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
         top_p = [params[i].top_p for i in rows]
+        temperature = [params[i].temperature for i in rows]
         cut = [j for j in range(len(rows)) if top_k[j] < vocab]
-        nucleus = [j for j in range(len(rows)) if top_k[j] == vocab and top_p[j] < 1.0]
-        free = [j for j in range(len(rows)) if top_k[j] == vocab and top_p[j] >= 1.0]
+        uncut = [j for j in range(len(rows)) if top_k[j] == vocab]
         drawn = torch.empty(len(rows), dtype=torch.int64, device=sub.device)
-        for group, draw in ((free, _sample_free), (nucleus, _sample_nucleus), (cut, _sample_cut)):
+        if uncut and native_sampling.usable(sub):
+            part = sub[uncut] if len(uncut) < len(rows) else sub
+            picked = native_sampling.nucleus_sample(
+                part,
+                [temperature[j] for j in uncut],
+                [top_p[j] for j in uncut],
+                _uniforms([gens[j] for j in uncut], sub.device, torch.float64),
+            )
+            groups = ((cut, _sample_cut),)
+            _place(drawn, uncut, picked, len(rows))
+        else:
+            free = [j for j in uncut if top_p[j] >= 1.0]
+            nucleus = [j for j in uncut if top_p[j] < 1.0]
+            groups = ((free, _sample_free), (nucleus, _sample_nucleus), (cut, _sample_cut))
+        for group, draw in groups:
             if not group:
                 continue
             part = sub[group] if len(group) < len(rows) else sub
+            scale = torch.tensor([temperature[j] for j in group], dtype=sub.dtype, device=sub.device)
             picked = draw(
-                part, [top_k[j] for j in group], [top_p[j] for j in group], [gens[j] for j in group]
+                part / scale.unsqueeze(1),
+                [top_k[j] for j in group],
+                [top_p[j] for j in group],
+                [gens[j] for j in group],
             )
-            if len(group) < len(rows):
-                drawn[group] = picked
-            else:
-                drawn = picked
+            _place(drawn, group, picked, len(rows))
         tokens[rows] = drawn
     return tokens.tolist()
 
 
-def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+def _place(drawn: torch.Tensor, group: list[int], picked: torch.Tensor, rows: int) -> None:
+    if len(group) < rows:
+        drawn[group] = picked
+    else:
+        drawn.copy_(picked)
+
+
+def _uniforms(
+    generators: list[torch.Generator | None], device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """One U[0, 1) number per row: seeded rows from their own generator, the rest in one draw."""
-    u = torch.rand(len(generators), device=device)
+    u = torch.rand(len(generators), device=device, dtype=dtype)
     for j, g in enumerate(generators):
         if g is not None:
-            u[j] = torch.rand(1, generator=g, device=device)[0]
+            u[j] = torch.rand(1, generator=g, device=device, dtype=dtype)[0]
     return u
 
 

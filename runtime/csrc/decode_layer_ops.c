@@ -11,12 +11,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#define W 16
+#include "vector_exp.h"
+
 #define PARALLEL_MIN_ELEMS 65536 /* below this a call runs on the caller's thread alone */
 
-typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
-typedef uint32_t vu __attribute__((vector_size(4 * W), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2)));
 
 static inline float load_elem(const void *p, int64_t i, int bf16) {
@@ -75,33 +73,6 @@ static inline void vstore(void *p, int64_t i, vf f, int bf16) {
     }
     vu bits = (vu)vround_bf16(f) >> 16;
     *(vh *)((uint16_t *)p + i) = __builtin_convertvector(bits, vh);
-}
-
-static inline float hsum(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < W; i++) s += v[i];
-    return s;
-}
-
-/* exp(x), x clamped to [-87, 88]: 2^n e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by its Taylor
- * polynomial to degree 7; relative error ~1e-7 (the float32 path's tests allow 1e-5). */
-static inline vf vexp(vf x) {
-    const vf lo = (vf){0} - 87.f, hi = (vf){0} + 88.f;
-    const vi under = x < lo, over = x > hi;
-    x = (vf)((under & (vi)lo) | (over & (vi)hi) | (~(under | over) & (vi)x));
-    const vf shifter = (vf){0} + 12582912.f; /* 1.5 x 2^23: adding it rounds to an integer */
-    const vf r = x * 1.44269504088896341f + shifter;
-    const vi n = (vi)r - (vi)shifter;
-    const vf f = x - (r - shifter) * 0.69314718055994531f;
-    vf p = (vf){0} + 1.f / 5040.f;
-    p = p * f + 1.f / 720.f;
-    p = p * f + 1.f / 120.f;
-    p = p * f + 1.f / 24.f;
-    p = p * f + 1.f / 6.f;
-    p = p * f + 0.5f;
-    p = p * f + 1.f;
-    p = p * f + 1.f;
-    return p * (vf)((n + 127) << 23);
 }
 
 static inline int threads_for(int64_t elems, int num_threads) {

@@ -5,9 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import SamplingParams
+from runtime import SamplingParams, native_sampling
+from runtime.native_kernels import load
 from runtime.sampler import sample
 from tests.runtime.conftest import chat_ids
+
+
+@pytest.fixture(params=["native", "pytorch"])
+def sampling_path(request, monkeypatch):
+    """Each distribution test runs on both paths: the C kernel (rows without top-k) and PyTorch's ops."""
+    if request.param == "native":
+        if load() is None:
+            pytest.fail("the native kernels did not build here: the native sampling path is untested")
+    else:
+        monkeypatch.setattr(native_sampling, "usable", lambda logits: False)
+    return request.param
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine_fp32):
@@ -25,7 +37,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine_fp32):
     assert other_seed != alone
 
 
-def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy():
+def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy(sampling_path):
     logits = torch.randn(4, 1000)
     greedy = logits.argmax(-1).tolist()
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
@@ -33,7 +45,7 @@ def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy():
     assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 4, gens) == greedy
 
 
-def test_top_k_draws_only_from_the_k_most_likely():
+def test_top_k_draws_only_from_the_k_most_likely(sampling_path):
     logits = torch.randn(1, 500)
     allowed = set(logits[0].topk(5).indices.tolist())
     gen = torch.Generator().manual_seed(0)
@@ -41,7 +53,7 @@ def test_top_k_draws_only_from_the_k_most_likely():
     assert seen <= allowed and len(seen) > 1
 
 
-def test_top_p_draws_only_from_the_nucleus():
+def test_top_p_draws_only_from_the_nucleus(sampling_path):
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()
     gen = torch.Generator().manual_seed(0)
@@ -63,7 +75,7 @@ def _nucleus_by_sort(logits: torch.Tensor, temperature: float, top_p: float, top
     return out / out.sum()
 
 
-def test_top_p_and_top_k_rows_follow_their_nucleus_in_a_mixed_batch():
+def test_top_p_and_top_k_rows_follow_their_nucleus_in_a_mixed_batch(sampling_path):
     torch.manual_seed(3)
     logits = torch.randn(5, 40) * torch.tensor([[0.5], [2.0], [1.0], [3.0], [0.3]])
     params = [
@@ -84,7 +96,54 @@ def test_top_p_and_top_k_rows_follow_their_nucleus_in_a_mixed_batch():
         assert torch.allclose(freq, expected, atol=0.03), (row, freq, expected)
 
 
-def test_temperature_sampling_follows_the_distribution():
+def test_a_large_vocabulary_follows_its_nucleus(sampling_path):
+    """A vocabulary of the model's size with a long tail, a few masked (-inf) tokens and rows at several
+    temperatures and top-p: each row's draws stay in its nucleus and follow it (total variation)."""
+    torch.manual_seed(11)
+    vocab = 49152
+    logits = torch.randn(4, vocab) * 2.5
+    logits[:, 7] = 9.0  # one likely token, then a tail
+    logits[:, 100:110] = float("-inf")
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_p=0.6),
+        SamplingParams(temperature=1.2, top_p=0.95),
+    ]
+    copies = 600
+    draws = torch.tensor(sample(logits.repeat(copies, 1), params * copies, [None] * 4 * copies)).view(
+        copies, 4
+    )
+    assert not ((draws >= 100) & (draws < 110)).any()
+    for row, p in enumerate(params):
+        expected = _nucleus_by_sort(logits[row], p.temperature, p.top_p)
+        assert set(draws[:, row].tolist()) <= set(expected.nonzero().flatten().tolist()), row
+        # the likely token's share, and the tail's, as the distribution says
+        assert abs((draws[:, row] == 7).float().mean() - expected[7]) < 0.06, (row, expected[7])
+
+
+def test_native_rows_without_finite_logits_and_seeded_draws():
+    if load() is None:
+        pytest.fail("the native kernels did not build here")
+    logits = torch.full((3, 300), float("-inf"))
+    logits[1, 42] = 1.0  # one finite logit: always that one
+    logits[2] = torch.randn(300)
+    uniforms = torch.tensor([0.5, 0.999, 0.25], dtype=torch.float64)
+    out = native_sampling.nucleus_sample(logits, [1.0, 0.7, 0.9], [0.9, 0.9, 0.8], uniforms).tolist()
+    assert out[0] == 0 and out[1] == 42  # no finite logit: the first largest, as argmax takes
+    # a row's token depends only on its logits, parameters and uniform: the same in any batch
+    batch = torch.randn(8, 300)
+    batch[5] = logits[2]
+    single = native_sampling.nucleus_sample(logits[2:3], [0.9], [0.8], uniforms[2:3])
+    batch_u = torch.rand(8, dtype=torch.float64)
+    batch_u[5] = 0.25
+    again = native_sampling.nucleus_sample(
+        batch, [1.0] * 5 + [0.9] + [1.0] * 2, [1.0] * 5 + [0.8] + [1.0] * 2, batch_u
+    )
+    assert again[5] == single[0] == out[2]
+
+
+def test_temperature_sampling_follows_the_distribution(sampling_path):
     probs = torch.tensor([0.6, 0.3, 0.1])
     gen = torch.Generator().manual_seed(7)
     draws = [
