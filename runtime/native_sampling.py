@@ -2,9 +2,12 @@
 
 The PyTorch path (sampler.py) spends several full passes over a [rows, vocab]
 tensor per op: divide, softmax, cumsum, searchsorted, compare-and-sum, and a
-masked fill for each rejection round. The kernel does the same rejection
-sampling in a few vectorized passes per row, with the row in cache, and its
-randomness is one uniform per row (later rounds continue from it), so a seeded
+masked fill for each rejection round. The kernel does the same top-p rejection
+in a few vectorized passes per row, with the row in cache. Each draw is an
+exponential race (every token's Exp(1) noise from a hash of its index and a key),
+which moves only when two tokens' scores tie to within a change in the logits;
+an inverse CDF in index order moves across a run of unlikely tokens whenever the
+logits move by float noise. The keys come from one uniform per row, so a seeded
 request's tokens still depend only on its own generator. Where the library
 cannot be had, sampler.py keeps the PyTorch path.
 """

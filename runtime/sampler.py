@@ -14,9 +14,12 @@ so a batch needs about two rounds of a few passes over the vocabulary.
 Every draw is an inverse CDF with one uniform number per row: a request with a
 seed takes its numbers from its own generator, so its tokens do not depend on
 what else is in the batch; the rest share one draw from the global generator.
-Rows without top-k run the same rule in one C call where the kernels can be had
-(native_sampling.py): a few passes per row with the row in cache, instead of a
-pass over the whole batch per torch op.
+Rows without top-k run the same nucleus rule in one C call where the kernels can
+be had (native_sampling.py): a few passes per row with the row in cache, instead
+of a pass over the whole batch per torch op. There each draw is an exponential
+race keyed by the row's uniform rather than an inverse CDF, so logits that differ
+by float noise (another batch, a recomputation after preemption) still draw the
+same token; the PyTorch path here is the fallback where no C compiler is found.
 """
 
 from __future__ import annotations

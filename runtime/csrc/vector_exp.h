@@ -1,5 +1,5 @@
 /* What the C kernels share for 16 floats at a time (GCC vector extensions: AVX-512, two AVX2 halves, or NEON):
- * the vector types, a horizontal sum and exp. */
+ * the vector types, a horizontal sum, exp and log. */
 #ifndef PRESCIENT_VECTOR_EXP_H
 #define PRESCIENT_VECTOR_EXP_H
 
@@ -36,6 +36,32 @@ static inline vf vexp(vf x) {
     p = p * f + 1.f;
     p = p * f + 1.f;
     return p * (vf)((n + 127) << 23);
+}
+
+/* log(x) for finite x > 0, 16 at a time: x = m 2^e with m in [sqrt(1/2), sqrt(2)), log(m) by Cephes' logf
+ * polynomial; relative error ~1e-7. */
+static inline vf vlog(vf x) {
+    const vu bits = (vu)x;
+    vi e = (vi)((bits >> 23) & 0xffu) - 126;
+    vf m = (vf)((bits & 0x807fffffu) | 0x3f000000u); /* in [0.5, 1) */
+    const vi small = m < 0.707106781186547524f;
+    e -= small & 1;
+    m = (vf)(((vi)(m + m) & small) | ((vi)m & ~small)) - 1.f;
+    const vf z = m * m;
+    vf y = (vf){0} + 7.0376836292e-2f;
+    y = y * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z;
+    const vf ef = __builtin_convertvector(e, vf);
+    y += ef * -2.12194440e-4f;
+    y += z * -0.5f;
+    return m + y + ef * 0.693359375f;
 }
 
 #endif

@@ -143,6 +143,25 @@ def test_native_rows_without_finite_logits_and_seeded_draws():
     assert again[5] == single[0] == out[2]
 
 
+def test_native_draws_barely_move_when_the_logits_barely_move():
+    """The same uniform on logits that differ by float noise (another batch, a recomputation after
+    preemption) draws the same token almost always: an inverse CDF in index order would move across the run of
+    unlikely tokens where its target lands (a seeded request then changes its output under load)."""
+    if load() is None:
+        pytest.fail("the native kernels did not build here")
+    torch.manual_seed(5)
+    vocab, n = 49152, 400
+    logits = torch.randn(1, vocab) * 2.0
+    logits[0, :20] += 8.0  # a few likely tokens and a long, diffuse tail (~a third of the mass)
+    noisy = logits + torch.randn(1, vocab) * 1e-4  # an inverse CDF in index order keeps ~95% here
+    uniforms = torch.rand(n, dtype=torch.float64)
+    a = native_sampling.nucleus_sample(logits.expand(n, vocab), [1.0] * n, [1.0] * n, uniforms)
+    b = native_sampling.nucleus_sample(noisy.expand(n, vocab), [1.0] * n, [1.0] * n, uniforms)
+    tail = (a >= 20).float().mean().item()
+    assert 0.1 < tail < 0.6, tail  # the draws do reach the tail, where an inverse CDF is fragile
+    assert (a == b).float().mean().item() >= 0.995
+
+
 def test_temperature_sampling_follows_the_distribution(sampling_path):
     probs = torch.tensor([0.6, 0.3, 0.1])
     gen = torch.Generator().manual_seed(7)
