@@ -85,10 +85,11 @@ def _server_vs_offline(
     params = SamplingParams(max_tokens=SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE, ignore_eos=True)
     rows, ratios = [], {}
     for streams, count in loads:
-        prompts = random_prompts(count, INPUT_LEN, seed=100 + streams)
-        specs = [RequestSpec(p, SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE) for p in prompts]
         rounds = []  # HTTP, then the offline engine right after, ROUNDS times: the load on this machine drifts
-        for _ in range(ROUNDS):
+        for round_ in range(ROUNDS):
+            # new prompts each round: repeated ones would be served from the prefix cache
+            prompts = random_prompts(count, INPUT_LEN, seed=100 + streams + 1000 * round_)
+            specs = [RequestSpec(p, SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE) for p in prompts]
             results, wall = asyncio.run(run_load(url, MODEL, specs, concurrency=streams))
             http = summarize(results, wall)
             start = time.perf_counter()
