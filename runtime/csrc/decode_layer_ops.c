@@ -13,8 +13,6 @@
 
 #include "vector_exp.h"
 
-#define PARALLEL_MIN_ELEMS 65536 /* below this a call runs on the caller's thread alone */
-
 typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2)));
 
 static inline float load_elem(const void *p, int64_t i, int bf16) {
@@ -73,10 +71,6 @@ static inline void vstore(void *p, int64_t i, vf f, int bf16) {
     }
     vu bits = (vu)vround_bf16(f) >> 16;
     *(vh *)((uint16_t *)p + i) = __builtin_convertvector(bits, vh);
-}
-
-static inline int threads_for(int64_t elems, int num_threads) {
-    return elems >= PARALLEL_MIN_ELEMS && num_threads > 1 ? num_threads : 1;
 }
 
 /* h [T, D] += delta (rounded to the dtype), when delta is not NULL; then

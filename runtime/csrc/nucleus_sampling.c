@@ -1,11 +1,11 @@
 /* Temperature and top-p sampling of whole rows of logits, a few vectorized passes over each row, no sort.
  *
  * Row r: e_i = exp((x_i - max) / T), Z = sum e. A draw is an exponential race (race() below): token i with
- * probability e_i / Z, robust to tiny changes in the logits. Top-p by rejection (runtime/sampler.py's module docstring): the draw j is
- * kept when the mass of tokens strictly more likely than j is below top_p x Z; otherwise every token no more
- * likely than j is outside the nucleus as well, so those are zeroed and the row draws again among the rest,
- * whose mass is exactly the mass above j. Accepted draws follow the nucleus's renormalised distribution, and
- * each round accepts with probability >= top_p.
+ * probability e_i / Z, robust to tiny changes in the logits. Top-p by rejection (runtime/sampler.py's module
+ * docstring): the draw j is kept when the mass of tokens strictly more likely than j is below top_p x Z;
+ * otherwise every token no more likely than j is outside the nucleus as well, so those are zeroed and the
+ * row draws again among the rest, whose mass is exactly the mass above j. Accepted draws follow the nucleus's
+ * renormalised distribution, and each round accepts with probability >= top_p.
  *
  * Randomness: each round's race is keyed by splitmix64 from the caller's uniform for the row (drawn from the
  * request's own generator when it is seeded), so a row's token depends only on its logits, its parameters
@@ -22,7 +22,6 @@
 #include "vector_exp.h"
 
 #define MAX_ROUNDS 64
-#define PARALLEL_MIN_ELEMS 65536 /* below this a call runs on the caller's thread alone */
 
 static inline uint64_t splitmix64(uint64_t *state) {
     uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
@@ -151,7 +150,7 @@ static int64_t sample_row(const float *x, int64_t V, float temperature, float to
  * (0, 1]); uniforms: one U[0, 1) per row; out: R token ids. */
 void nucleus_sample(const float *logits, int64_t R, int64_t V, int64_t stride, const float *temperature,
                     const float *top_p, const double *uniforms, float *work, int64_t *out, int num_threads) {
-    const int threads = R > 1 && R * V >= PARALLEL_MIN_ELEMS && num_threads > 1 ? num_threads : 1;
+    const int threads = R > 1 ? threads_for(R * V, num_threads) : 1;
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
     for (int64_t r = 0; r < R; r++)
         out[r] = sample_row(logits + r * stride, V, temperature[r], top_p[r], uniforms[r], work + r * V);

@@ -1,11 +1,16 @@
 /* What the C kernels share for 16 floats at a time (GCC vector extensions: AVX-512, two AVX2 halves, or NEON):
- * the vector types, a horizontal sum, exp and log. */
+ * the vector types, a horizontal sum, exp and log; and how many OpenMP threads a call is worth. */
 #ifndef PRESCIENT_VECTOR_EXP_H
 #define PRESCIENT_VECTOR_EXP_H
 
 #include <stdint.h>
 
 #define W 16
+#define PARALLEL_MIN_ELEMS 65536 /* below this a call runs on the caller's thread alone */
+
+static inline int threads_for(int64_t elems, int num_threads) {
+    return elems >= PARALLEL_MIN_ELEMS && num_threads > 1 ? num_threads : 1;
+}
 
 typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
