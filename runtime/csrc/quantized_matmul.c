@@ -241,13 +241,21 @@ static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t
 /* Always inlined with a constant `rows`, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *tiles, const float *tscale, const float *toffset, int64_t nb,
                            int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, int64_t K,
-                           int64_t m0, int rows, float *acc_out /* [GEMM_ROWS][32] */) {
+                           int64_t m0, int rows, float *acc_out /* [GEMM_ROWS][32] */, int64_t pf_g,
+                           int pf_every, int pf_phase) {
+    /* pf_g >= 0: also prefetch (into L2) the blocks b % pf_every == pf_phase of column pair pf_g */
     const int vecs = bits == 4 ? 4 : 8, step = bits == 4 ? 8 : 4;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[GEMM_ROWS][2];
     for (int r = 0; r < GEMM_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *c0 = tiles + (g * nb + b) * vecs * 64, *c1 = tiles + ((g + 1) * nb + b) * vecs * 64;
+        if (pf_g >= 0 && b % pf_every == pf_phase)
+            for (int64_t gg = pf_g; gg < pf_g + 2; gg++) {
+                for (int v = 0; v < vecs; v++) _mm_prefetch((const char *)(tiles + (gg * nb + b) * vecs * 64 + v * 64), _MM_HINT_T1);
+                _mm_prefetch((const char *)(tscale + (gg * nb + b) * 16), _MM_HINT_T1);
+                _mm_prefetch((const char *)(toffset + (gg * nb + b) * 16), _MM_HINT_T1);
+            }
         __m512i ia[GEMM_ROWS][2];
         for (int r = 0; r < GEMM_ROWS; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
         for (int v = 0; v < vecs; v++) {
@@ -348,11 +356,16 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
             const int64_t mend = mc + GEMM_CHUNK < M ? mc + GEMM_CHUNK : M;
             _Pragma("omp for schedule(static)")
             for (int64_t g = 0; g < N / 16; g += 2) {
+                /* the next column pair's weights come from memory while this one's are reused from cache by
+                 * every row group: each group prefetches its share of the blocks */
+                const int groups = (int)((mend - mc + GEMM_ROWS - 1) / GEMM_ROWS);
+                const int64_t pf_g = g + 2 < N / 16 ? g + 2 : -1;
                 for (int64_t m0 = mc; m0 < mend; m0 += GEMM_ROWS) {
                     const int rows = (int)(mend - m0 < GEMM_ROWS ? mend - m0 : GEMM_ROWS);
+                    const int pf_every = groups, pf_phase = (int)((m0 - mc) / GEMM_ROWS);
 #if QMM_VNNI
                     if (!portable) {
-#define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, g, xq, dx, sx, K, m0, R, tile)
+#define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, g, xq, dx, sx, K, m0, R, tile, pf_g, pf_every, pf_phase)
                         if (bits == 4 && rows == GEMM_ROWS)
                             GEMM_TILE(4, GEMM_ROWS);
                         else if (rows == GEMM_ROWS)
