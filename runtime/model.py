@@ -23,8 +23,7 @@ from runtime.quantization import (
     linear,
     make_linear,
     measure_dense_rows,
-    measure_gemm_rows,
-    measure_native_rows,
+    measure_row_paths,
     weight_nbytes,
 )
 
@@ -174,18 +173,16 @@ class LlamaModel:
         self.dense_rows = rows
 
     def _choose_native_rows(self) -> None:
-        """Packed projections with a copy for the C kernel use it up to the row count where it measured
-        faster than torch's packed kernel, and its many-row loops from the row count where they measured
-        faster than the dense copy or the packed kernel, each measured once per shape; a copy (the tiled
-        one, the dense one, the kernel's own) that no row count uses is dropped."""
+        """Packed projections with a copy for the C kernel route rows by measure_row_paths (once per shape):
+        its one-row loops up to the rows where they were the fastest path, its many-row loops from the rows
+        where those were, the dense copy or torch's packed kernel in between; a copy (the tiled one, the
+        dense one, the kernel's own) that no row count uses is dropped."""
         for w in self._packed():
             if w.native is None:
                 continue
             shape = (w.out_features, w.in_features)
             if shape not in self.native_rows:
-                self.native_rows[shape] = measure_native_rows(w)
-                w.native_rows = self.native_rows[shape]
-                self.gemm_rows[shape] = measure_gemm_rows(w)
+                self.native_rows[shape], self.gemm_rows[shape] = measure_row_paths(w)
             w.native_rows, w.gemm_rows = self.native_rows[shape], self.gemm_rows[shape]
             if w.gemm_rows is None:
                 w.native.tiles = None
@@ -296,6 +293,8 @@ class LlamaModel:
         """x W^T for float32 x, out in the model dtype: the C matmul takes float32 as it is."""
         if isinstance(w, Int4Linear) and w.native_rows is not None and x.shape[0] <= w.native_rows:
             return w.native(x, out_dtype=self.dtype)
+        if isinstance(w, Int4Linear) and w.gemm_rows is not None and x.shape[0] >= w.gemm_rows:
+            return w.native.gemm(x, out_dtype=self.dtype)
         return linear(x.to(self.dtype), w)
 
     @torch.inference_mode()

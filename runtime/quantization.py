@@ -256,16 +256,54 @@ def measure_dense_rows(w: Int4Linear, rounds: int = 5) -> int | None:
     return None
 
 
-NATIVE_ROW_CANDIDATES = (1, 2, 4, 8)
+ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+"""Row counts at which the C kernels are timed against the other paths on load."""
 
 
-def measure_native_rows(w: Int4Linear, rounds: int = 9, calls: int = 4) -> int | None:
-    """The most rows (of NATIVE_ROW_CANDIDATES, counting up until it first loses) for which w's C kernel
-    multiplied faster than torch's packed kernel: median CPU seconds of `calls` calls, the two interleaved
-    (CPU time, as the machine may be shared: waiting for a core is nobody's cost); None: not even one."""
+def row_paths(timings: dict[int, dict[str, float]]) -> tuple[int | None, int | None]:
+    """The rule that routes rows between a weight's paths, from its timings: {rows: {path: seconds}} with
+    paths "one-row" (the C kernel's one-row loops), "loops" (its many-row loops on the tiled copy) and
+    "rest" (what the weight does otherwise: the dense copy or torch's packed kernel), each where the weight
+    has it. Returns (native_rows, gemm_rows): the one-row loops take up to native_rows rows, the most rows
+    up to which they were the fastest path at every candidate (None: not at 1 row); the many-row loops take
+    from gemm_rows, the fewest rows above those from which they were the fastest at every larger candidate
+    timed (None: never; timing stops once they have won twice in a row). Where the many-row loops win
+    right above the one-row kernel's rows, they start right after them, so no row count in between falls
+    to a slower path. (Load-time timings used to compare each kernel with torch's packed one only: the
+    one-row loops kept 8 rows of the LM head at 3x the many-row loops' time, 9-15 rows fell to the packed
+    kernel at 4x.)"""
+    counts = sorted(timings)
+
+    def fastest(rows: int) -> str:
+        return min(timings[rows], key=timings[rows].get)
+
+    native = None
+    for rows in counts:
+        if "one-row" not in timings[rows] or fastest(rows) != "one-row":
+            break
+        native = rows
+    above = [r for r in counts if native is None or r > native]
+    gemm = None
+    for i, rows in enumerate(above):
+        if all("loops" in timings[r] and fastest(r) == "loops" for r in above[i:]):
+            gemm = rows
+            break
+    if gemm is not None and gemm == above[0]:
+        gemm = (native or 0) + 1
+    return native, gemm
+
+
+def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[int | None, int | None]:
+    """Times w's paths at each of ROW_CANDIDATES (median CPU seconds of `calls` calls, the paths
+    interleaved round by round; CPU time, as the machine may be shared: waiting for a core is nobody's
+    cost) and routes rows by row_paths. Stops timing once the many-row loops won at two candidates in a
+    row (their lead grows with the rows) or the one-row kernel is all that is left to beat."""
     if w.native is None:
-        return None
-    best = None
+        return None, None
+    w.native_rows, w.gemm_rows = None, None
+    paths = {"one-row": w.native, "rest": w}
+    if w.native.tiles is not None:
+        paths["loops"] = w.native.gemm
 
     def seconds(fn, x) -> float:
         start = time.process_time()
@@ -273,54 +311,23 @@ def measure_native_rows(w: Int4Linear, rounds: int = 9, calls: int = 4) -> int |
             fn(x)
         return time.process_time() - start
 
-    for rows in NATIVE_ROW_CANDIDATES:
-        if w.dense_rows is not None and rows >= w.dense_rows:
-            break
+    timings: dict[int, dict[str, float]] = {}
+    loops_won = 0
+    for rows in ROW_CANDIDATES:
         x = torch.randn(rows, w.in_features).to(w.scales_and_zeros.dtype)
-        w.native_rows = None
-        w(x)
-        w.native(x)
-        packed, native = [], []
+        taken = {name: [] for name in paths}
+        for fn in paths.values():
+            fn(x)
         for _ in range(rounds):
-            packed.append(seconds(w, x))
-            native.append(seconds(w.native, x))
-        if statistics.median(native) >= statistics.median(packed):
+            for name, fn in paths.items():
+                taken[name].append(seconds(fn, x))
+        timings[rows] = {name: statistics.median(t) for name, t in taken.items()}
+        loops_won = loops_won + 1 if min(timings[rows], key=timings[rows].get) == "loops" else 0
+        if loops_won == 2:
             break
-        best = rows
-    w.native_rows = best
-    return best
-
-
-GEMM_ROW_CANDIDATES = (2, 4, 8, 16, 32, 64)
-
-
-def measure_gemm_rows(w: Int4Linear, rounds: int = 5, calls: int = 2) -> int | None:
-    """The fewest rows (of GEMM_ROW_CANDIDATES above w.native_rows, counting up until it first wins) from
-    which the C kernel's many-row loops multiplied faster than what w does otherwise at that row count (the
-    dense copy or torch's packed kernel), and still did at the largest candidate: median CPU seconds of
-    `calls` calls, the two interleaved; None: never."""
-    if w.native is None or w.native.tiles is None:
-        return None
-    w.gemm_rows = None
-
-    def wins(rows: int) -> bool:
-        x = torch.randn(rows, w.in_features).to(w.scales_and_zeros.dtype)
-        w(x)
-        w.native.gemm(x)
-        other, ours = [], []
-        for _ in range(rounds):
-            for fn, into in ((w, other), (w.native.gemm, ours)):
-                start = time.process_time()
-                for _ in range(calls):
-                    fn(x)
-                into.append(time.process_time() - start)
-        return statistics.median(ours) < statistics.median(other)
-
-    above = w.native_rows or 0
-    first = next((r for r in GEMM_ROW_CANDIDATES if r > above and wins(r)), None)
-    if first is None or (first < GEMM_ROW_CANDIDATES[-1] and not wins(GEMM_ROW_CANDIDATES[-1])):
-        return None
-    return first
+        if timings[rows]["one-row"] > min(timings[rows].values()):
+            paths.pop("one-row", None)  # it is out from here on; keep timing the others
+    return row_paths(timings)
 
 
 def quantize_int4(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:

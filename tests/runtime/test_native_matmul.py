@@ -111,11 +111,6 @@ def test_many_rows_go_to_the_loops_only_from_where_they_measured_faster(monkeypa
     for rows in (1, 2, 4, 9):
         w(torch.randn(rows, w.in_features).bfloat16())
     assert calls == [4, 9]
-    seconds = iter([0.0, 2.0, 2.0, 3.0] * 1000)  # the other path 2 s, the loops 1 s: they win everywhere
-    monkeypatch.setattr(quantization.time, "process_time", lambda: next(seconds))
-    assert quantization.measure_gemm_rows(w) == 2  # the first candidate above the one-row kernel's
-    seconds = iter([0.0, 1.0, 1.0, 3.0] * 1000)  # the other path 1 s, the loops 2 s
-    assert quantization.measure_gemm_rows(w) is None
 
 
 def test_one_row_goes_to_the_kernel_only_where_it_measured_faster(monkeypatch):
@@ -128,12 +123,63 @@ def test_one_row_goes_to_the_kernel_only_where_it_measured_faster(monkeypatch):
     w(torch.randn(1, w.in_features).bfloat16())
     w(torch.randn(2, w.in_features).bfloat16())
     assert calls == [1]
-    seconds = iter([0.0, 2.0, 2.0, 3.0] * 100)  # packed 2 s, C kernel 1 s: the kernel wins every row count
-    monkeypatch.setattr(quantization.time, "process_time", lambda: next(seconds))
-    w.dense_rows = 8
-    assert quantization.measure_native_rows(w) == 4  # counts up to the dense copy's rows, not past
-    seconds = iter([0.0, 1.0, 1.0, 3.0] * 100)  # packed 1 s, C kernel 2 s
-    assert quantization.measure_native_rows(w) is None
+
+
+def _timings(**paths) -> dict[int, dict[str, float]]:
+    """{rows: {path: seconds}} from per-path lists over ROW_CANDIDATES' first len(list) counts."""
+    out: dict[int, dict[str, float]] = {}
+    for name, seconds in paths.items():
+        for rows, t in zip(quantization.ROW_CANDIDATES, seconds):
+            out.setdefault(rows, {})[name.replace("_", "-")] = t
+    return out
+
+
+@pytest.mark.parametrize(
+    ("timings", "expected"),
+    [
+        # one-row fastest at 1 and 2 rows, the many-row loops from 4: they start right after 2
+        (_timings(one_row=[1, 2, 4, 8], loops=[3, 3, 3, 3], rest=[5, 6, 7, 8]), (2, 3)),
+        # the loops fastest everywhere: every row count goes to them
+        (_timings(one_row=[2, 4], loops=[1, 1], rest=[3, 3]), (None, 1)),
+        # one-row at 1, the dense copy or packed kernel at 2, the loops from 4: the gap keeps the rest
+        (_timings(one_row=[1, 4, 8, 9], loops=[3, 3, 2, 2], rest=[2, 2, 3, 3]), (1, 4)),
+        # the loops win at 2, lose at 4, win again from 8: they take 8 and up
+        (_timings(one_row=[1, 5, 9, 9], loops=[2, 2, 4, 2], rest=[3, 3, 3, 3]), (1, 8)),
+        # the loops lose at the largest count timed: never
+        (_timings(one_row=[1, 5, 9], loops=[2, 2, 4], rest=[3, 3, 3]), (1, None)),
+        # no tiled copy: only the one-row kernel against the rest
+        (_timings(one_row=[1, 1, 5], rest=[2, 2, 2]), (2, None)),
+    ],
+)
+def test_rows_are_routed_to_the_path_that_measured_fastest(timings, expected):
+    assert quantization.row_paths(timings) == expected
+
+
+def test_load_time_measurement_feeds_the_rule_and_stops_once_the_loops_lead(monkeypatch):
+    """Injected costs on a fake CPU clock: one-row 1 s a row, the many-row loops 2.5 s + 0.01 s a row, the
+    rest (dense copy or packed kernel) 3 s a row. One-row is fastest at 1 and 2 rows, the loops from 4,
+    and after they won at 4 and 8 nothing larger is timed."""
+    blocks, _ = _tensor("blk.0.attn_output.weight")
+    w = pack_gguf(blocks, torch.bfloat16)
+    clock, seen = [0.0], []
+
+    def costing(per_row: float, fixed: float = 0.0):
+        def run(x, **_):
+            seen.append(len(x))
+            clock[0] += fixed + per_row * len(x)
+
+        return run
+
+    class Kernel:
+        tiles = True
+        gemm = staticmethod(costing(0.01, 2.5))
+        __call__ = staticmethod(costing(1.0))
+
+    monkeypatch.setattr(quantization.time, "process_time", lambda: clock[0])
+    monkeypatch.setattr(quantization.Int4Linear, "__call__", lambda self, x: costing(3.0)(x))
+    w.native = Kernel()
+    assert quantization.measure_row_paths(w) == (2, 3)
+    assert max(seen) == 8
 
 
 def test_without_the_library_the_packed_kernel_stays(monkeypatch):
@@ -148,8 +194,7 @@ def test_without_the_library_the_packed_kernel_stays(monkeypatch):
 def test_engine_on_the_kernel_keeps_float32_quality(engine_fp32, monkeypatch):
     """Every packed projection forced onto the C kernel at any row count: perplexity within 1% of float32,
     logits bounded, and the same greedy tokens as torch's packed kernel (teacher-forced, a fixed text)."""
-    monkeypatch.setattr(model, "measure_native_rows", lambda w: 1)  # keep every copy, whatever load does
-    monkeypatch.setattr(model, "measure_gemm_rows", lambda w: 2)
+    monkeypatch.setattr(model, "measure_row_paths", lambda w: (1, 2))  # keep every copy, whatever load does
     engine = Engine.from_pretrained(
         dtype="bfloat16", device="cpu", kv_cache_bytes=16 << 20, quantization="gguf"
     )
