@@ -155,15 +155,25 @@ def test_rows_are_routed_to_the_path_that_measured_fastest(timings, expected):
     assert quantization.row_paths(timings) == expected
 
 
-def test_load_time_measurement_feeds_the_rule_and_stops_once_the_loops_lead(monkeypatch):
-    """Injected costs on a fake CPU clock: one-row 1 s a row, the many-row loops 2.5 s + 0.01 s a row, the
-    rest (dense copy or packed kernel) 3 s a row. One-row is fastest at 1 and 2 rows, the loops from 4,
-    and after they won at 4 and 8 nothing larger is timed."""
+@pytest.mark.parametrize(
+    ("one_row", "loops", "rest", "expected", "largest"),
+    [
+        # one-row fastest at 1 and 2 rows, the loops from 4; after they won at 4 and 8 nothing larger is timed
+        ((1.0, 0.0), (0.01, 2.5), (3.0, 0.0), (2, 3), 8),
+        # the rest fastest at 1 and 2 rows (one-row out from the first), the loops from 4
+        ((5.0, 0.0), (0.01, 3.5), (1.0, 0.0), (None, 4), 8),
+        # the loops never win: every candidate is timed
+        ((5.0, 0.0), (2.0, 1.0), (1.0, 0.0), (None, None), 64),
+    ],
+)
+def test_load_time_measurement_feeds_the_rule(monkeypatch, one_row, loops, rest, expected, largest):
+    """Injected costs (seconds a row, fixed seconds) on a fake CPU clock for the one-row loops, the many-row
+    loops and the rest (dense copy or packed kernel)."""
     blocks, _ = _tensor("blk.0.attn_output.weight")
     w = pack_gguf(blocks, torch.bfloat16)
     clock, seen = [0.0], []
 
-    def costing(per_row: float, fixed: float = 0.0):
+    def costing(per_row: float, fixed: float):
         def run(x, **_):
             seen.append(len(x))
             clock[0] += fixed + per_row * len(x)
@@ -172,14 +182,14 @@ def test_load_time_measurement_feeds_the_rule_and_stops_once_the_loops_lead(monk
 
     class Kernel:
         tiles = True
-        gemm = staticmethod(costing(0.01, 2.5))
-        __call__ = staticmethod(costing(1.0))
+        gemm = staticmethod(costing(*loops))
+        __call__ = staticmethod(costing(*one_row))
 
     monkeypatch.setattr(quantization.time, "process_time", lambda: clock[0])
-    monkeypatch.setattr(quantization.Int4Linear, "__call__", lambda self, x: costing(3.0)(x))
+    monkeypatch.setattr(quantization.Int4Linear, "__call__", lambda self, x: costing(*rest)(x))
     w.native = Kernel()
-    assert quantization.measure_row_paths(w) == (2, 3)
-    assert max(seen) == 8
+    assert quantization.measure_row_paths(w) == expected
+    assert max(seen) == largest
 
 
 def test_without_the_library_the_packed_kernel_stays(monkeypatch):
