@@ -248,22 +248,22 @@ class EngineCoreClient:
                 return
 
     def _on_outputs(self) -> None:
+        """One message a call: the reader is level-triggered, so the loop calls again while more are waiting
+        (Connection.poll() would build a selector on every call, twice a message)."""
         try:
-            while self._outputs.poll():
-                message = self._outputs.recv()
-                if message[0] == "step":
-                    _, deltas, rejected, self._stats = message
-                    for request_id, reason in rejected:
-                        stream = self._streams.pop(request_id, None)
-                        if stream is not None:
-                            stream.fail(ValueError(reason))
-                    for delta in deltas:
-                        stream = self._streams.get(delta.request_id)
-                        if stream is not None and stream.put(delta):  # None: aborted by its consumer
-                            del self._streams[delta.request_id]
-                else:  # "dead"
-                    self._core_died(f"the engine core failed: {message[1]}")
-                    return
+            message = self._outputs.recv()
+            if message[0] == "step":
+                _, deltas, rejected, self._stats = message
+                for request_id, reason in rejected:
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream.fail(ValueError(reason))
+                for delta in deltas:
+                    stream = self._streams.get(delta.request_id)
+                    if stream is not None and stream.put(delta):  # None: aborted by its consumer
+                        del self._streams[delta.request_id]
+            else:  # "dead"
+                self._core_died(f"the engine core failed: {message[1]}")
         except (EOFError, OSError):
             self._core_died(f"the engine core exited (code {self._process.exitcode})")
 
