@@ -64,7 +64,7 @@ class NativeMatmul:
             tiles = codes.reshape(g, TILE_COLUMNS, nb, 8, 4).astype(np.uint8).transpose(0, 2, 3, 1, 4)
 
         def per_tile(a: np.ndarray) -> torch.Tensor:
-            a = a.astype(np.float32).reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1)
+            a = a.astype(np.float16).reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1)
             return torch.from_numpy(np.ascontiguousarray(a))
 
         self.tiles = (torch.from_numpy(np.ascontiguousarray(tiles)), per_tile(scale), per_tile(offset))

@@ -221,7 +221,8 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
  *   tiles [N/16][K/32][V][64] bytes, V = 4 (4-bit) or 8 (8-bit): each 64-byte vector holds 4 codes for each of
  *         16 output columns (column 16g + j in bytes 4j..4j+3). 4-bit: vector v's low nibbles are inputs
  *         32b + 8v + 0..3 and its high nibbles 32b + 8v + 4..7; 8-bit: vector v is inputs 32b + 4v + 0..3.
- *   tscale, toffset [N/16][K/32][16] float32: d and o of each column's block.
+ *   tscale, toffset [N/16][K/32][16] float16: d and o of each column's block (as the codes' own; decode
+ *         reads every weight's bytes once a step, so bytes count).
  * One VNNI instruction multiplies 4 inputs of one activation row (broadcast) into 16 columns, so a tile of
  * GEMM_ROWS rows x 32 columns keeps 8 integer accumulators per block and reuses each loaded weight vector
  * across the rows; the block scales are applied once per block and tile row. Requires N % 32 == 0. */
@@ -239,7 +240,7 @@ static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t
 
 #if QMM_VNNI
 /* Always inlined with a constant `rows`, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *tiles, const float *tscale, const float *toffset, int64_t nb,
+static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
                            int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, int64_t K,
                            int64_t m0, int rows, float *acc_out /* [GEMM_ROWS][32] */, int64_t pf_g,
                            int pf_every, int pf_phase) {
@@ -283,8 +284,10 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
                 }
             }
         }
-        const __m512 d0 = _mm512_loadu_ps(tscale + (g * nb + b) * 16), d1 = _mm512_loadu_ps(tscale + ((g + 1) * nb + b) * 16);
-        const __m512 o0 = _mm512_loadu_ps(toffset + (g * nb + b) * 16), o1 = _mm512_loadu_ps(toffset + ((g + 1) * nb + b) * 16);
+#define LOAD_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+        const __m512 d0 = LOAD_HALVES(tscale + (g * nb + b) * 16), d1 = LOAD_HALVES(tscale + ((g + 1) * nb + b) * 16);
+        const __m512 o0 = LOAD_HALVES(toffset + (g * nb + b) * 16), o1 = LOAD_HALVES(toffset + ((g + 1) * nb + b) * 16);
+#undef LOAD_HALVES
         for (int r = 0; r < rows; r++) {
             const __m512 sdx = _mm512_set1_ps(dx[(m0 + r) * nb + b]), ssx = _mm512_set1_ps(sx[(m0 + r) * nb + b]);
             acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][0]), _mm512_mul_ps(d0, sdx), acc[r][0]);
@@ -300,7 +303,7 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
 }
 #endif
 
-static void gemm_tile_portable(const uint8_t *tiles, const float *tscale, const float *toffset, int64_t nb,
+static void gemm_tile_portable(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
                                int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx,
                                int64_t K, int64_t m0, int rows, float *acc_out) {
     for (int r = 0; r < rows; r++)
@@ -311,8 +314,8 @@ static void gemm_tile_portable(const uint8_t *tiles, const float *tscale, const 
                 int32_t isum = 0;
                 for (int i = 0; i < QBLOCK; i++)
                     isum += tiled_code(tiles, nb, bits, n, b * QBLOCK + i) * xq[(m0 + r) * K + b * QBLOCK + i];
-                total += tscale[(gg * nb + b) * 16 + col] * dx[(m0 + r) * nb + b] * (float)isum +
-                         toffset[(gg * nb + b) * 16 + col] * sx[(m0 + r) * nb + b];
+                total += f16_to_f32(tscale[(gg * nb + b) * 16 + col]) * dx[(m0 + r) * nb + b] * (float)isum +
+                         f16_to_f32(toffset[(gg * nb + b) * 16 + col]) * sx[(m0 + r) * nb + b];
             }
             acc_out[r * 32 + j] = total;
         }
@@ -338,8 +341,8 @@ static inline void store_row32(const float *src, void *out, int64_t at, int out_
 #endif
 }
 
-void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const float *tscale,
-                    const float *toffset, int64_t N, int bits, void *out, int out_bf16, int portable,
+void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const uint16_t *tscale,
+                    const uint16_t *toffset, int64_t N, int bits, void *out, int out_bf16, int portable,
                     int num_threads) {
     const int64_t nb = K / QBLOCK;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
