@@ -357,18 +357,18 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
         float tile[GEMM_ROWS * 32];
         for (int64_t mc = 0; mc < M; mc += GEMM_CHUNK) {
             const int64_t mend = mc + GEMM_CHUNK < M ? mc + GEMM_CHUNK : M;
+            const int groups = (int)((mend - mc + GEMM_ROWS - 1) / GEMM_ROWS);
             _Pragma("omp for schedule(static)")
             for (int64_t g = 0; g < N / 16; g += 2) {
                 /* the next column pair's weights come from memory while this one's are reused from cache by
                  * every row group: each group prefetches its share of the blocks */
-                const int groups = (int)((mend - mc + GEMM_ROWS - 1) / GEMM_ROWS);
                 const int64_t pf_g = g + 2 < N / 16 ? g + 2 : -1;
                 for (int64_t m0 = mc; m0 < mend; m0 += GEMM_ROWS) {
                     const int rows = (int)(mend - m0 < GEMM_ROWS ? mend - m0 : GEMM_ROWS);
-                    const int pf_every = groups, pf_phase = (int)((m0 - mc) / GEMM_ROWS);
+                    const int pf_phase = (int)((m0 - mc) / GEMM_ROWS);
 #if QMM_VNNI
                     if (!portable) {
-#define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, g, xq, dx, sx, K, m0, R, tile, pf_g, pf_every, pf_phase)
+#define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, g, xq, dx, sx, K, m0, R, tile, pf_g, groups, pf_phase)
                         if (bits == 4 && rows == GEMM_ROWS)
                             GEMM_TILE(4, GEMM_ROWS);
                         else if (rows == GEMM_ROWS)
