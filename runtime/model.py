@@ -291,10 +291,8 @@ class LlamaModel:
 
     def _project(self, x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
         """x W^T for float32 x, out in the model dtype: the C matmul takes float32 as it is."""
-        if isinstance(w, Int4Linear) and w.native_rows is not None and x.shape[0] <= w.native_rows:
-            return w.native(x, out_dtype=self.dtype)
-        if isinstance(w, Int4Linear) and w.gemm_rows is not None and x.shape[0] >= w.gemm_rows:
-            return w.native.gemm(x, out_dtype=self.dtype)
+        if isinstance(w, Int4Linear):
+            return w(x, out_dtype=self.dtype)
         return linear(x.to(self.dtype), w)
 
     @torch.inference_mode()

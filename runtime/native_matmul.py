@@ -70,6 +70,11 @@ class NativeMatmul:
         self.tiles = (torch.from_numpy(np.ascontiguousarray(tiles)), per_tile(scale), per_tile(offset))
         return self
 
+    @property
+    def tiled_nbytes(self) -> int:
+        """Bytes of the many-row kernel's copy (0 without one)."""
+        return sum(t.numel() * t.element_size() for t in self.tiles or ())
+
     def gemm(
         self, x: torch.Tensor, out_dtype: torch.dtype | None = None, portable: bool = False
     ) -> torch.Tensor:

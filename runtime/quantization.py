@@ -164,19 +164,24 @@ class Int4Linear:
             + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out] in out_dtype (default: x's). The C kernel takes float32 or bfloat16 x as
+        it is; the dense copy and torch's packed kernel take x in the weights' dtype."""
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        if self.native_rows is not None and x.shape[0] <= self.native_rows:
-            return self.native(x).view(*lead, self.out_features)
-        if self.gemm_rows is not None and x.shape[0] >= self.gemm_rows:
-            return self.native.gemm(x).view(*lead, self.out_features)
-        if self.dense_rows is not None and x.shape[0] >= self.dense_rows:
-            return F.linear(x, self.dense).view(*lead, self.out_features)
+        rows = x.shape[0]
+        if self.native_rows is not None and rows <= self.native_rows:
+            return self.native(x, out_dtype=out_dtype).view(*lead, self.out_features)
+        if self.gemm_rows is not None and rows >= self.gemm_rows:
+            return self.native.gemm(x, out_dtype=out_dtype).view(*lead, self.out_features)
+        out_dtype = out_dtype or x.dtype
+        x = x.to(self.scales_and_zeros.dtype)
+        if self.dense_rows is not None and rows >= self.dense_rows:
+            return F.linear(x, self.dense).to(out_dtype).view(*lead, self.out_features)
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
         if self.halves:
             y = y[:, : self.out_features] + y[:, self.out_features :]
-        return y.view(*lead, self.out_features)
+        return y.to(out_dtype).view(*lead, self.out_features)
 
 
 class BlockEmbedding:
@@ -203,10 +208,14 @@ def linear(x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
 
 
 def weight_nbytes(w: torch.Tensor | Int4Linear) -> int:
-    """Bytes a one-row multiplication reads."""
+    """Bytes a one-row multiplication reads (on the path Int4Linear routes one row to)."""
     if isinstance(w, torch.Tensor):
         return w.numel() * w.element_size()
-    return w.native.nbytes if w.native_rows else w.nbytes
+    if w.native_rows:
+        return w.native.nbytes
+    if w.gemm_rows == 1:
+        return w.native.tiled_nbytes
+    return w.nbytes
 
 
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:

@@ -113,6 +113,22 @@ def test_many_rows_go_to_the_loops_only_from_where_they_measured_faster(monkeypa
     assert calls == [4, 9]
 
 
+def test_one_row_bytes_follow_the_path_one_row_takes():
+    """The decode ceiling counts the bytes of the copy a one-row multiplication reads. For Q8_0 blocks (N x K)
+    the C kernel's copies hold a byte a code and a float16 scale and offset per 32 (1.125 N K bytes, the
+    tiled one too); torch's packed kernel holds them as two 4-bit halves with bfloat16 scales and zeros for
+    each (1.25 N K)."""
+    w8 = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w8, gguf.GGMLQuantizationType.Q8_0)
+    w = pack_gguf(GGUFBlocks.parse("Q8_0", raw, w8.shape), torch.bfloat16)
+    if w.native is None or w.native.tiles is None:
+        pytest.skip("this CPU's build has no vector loops")
+    n, k = w8.shape
+    for native_rows, gemm_rows, expected in ((1, 2, 1.125), (None, 1, 1.125), (None, 2, 1.25)):
+        w.native_rows, w.gemm_rows = native_rows, gemm_rows
+        assert quantization.weight_nbytes(w) == expected * n * k
+
+
 def test_one_row_goes_to_the_kernel_only_where_it_measured_faster(monkeypatch):
     blocks, _ = _tensor("blk.0.attn_output.weight")
     w = pack_gguf(blocks, torch.bfloat16)
