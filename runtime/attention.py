@@ -6,7 +6,8 @@ grouped matmul over the gathered blocks (much faster on CPU than
 scaled_dot_product_attention for one query token); prefill chunks run one
 sequence at a time through scaled_dot_product_attention. On CPU (float32 or
 bfloat16) small C kernels (native_attention) do both in place instead: all
-decoding sequences in one call, and each prefill chunk in one call.
+decoding sequences in one call, and each prefill chunk in one call. On CUDA a
+fused Triton kernel (triton_attention) does the decodes, in place.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from runtime import native_attention
+from runtime import native_attention, triton_attention
 
 
 @dataclass
@@ -35,8 +36,26 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] int64: cached tokens each decode attends to
     decode_bias: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
-    native_decode: bool | None = None  # decode in the C kernel: the runner's choice, made
-    # once; None (a caller that did not choose): if usable
+    decode_backend: str | None = None  # "c", "triton" or "torch" (DECODE_BACKENDS): the runner's choice,
+    # made once; None (a caller that did not choose): the first usable
+
+    @property
+    def native_decode(self) -> bool:
+        """Decodes (and prefill chunks) run in the C kernels."""
+        return self.decode_backend == "c"
+
+
+DECODE_BACKENDS = ("c", "triton", "torch")
+
+
+def decode_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """The decode attention for these queries and this pool: the C kernel (CPU), the Triton kernel (CUDA),
+    else PyTorch's gather and matmuls (which needs AttentionMetadata.decode_bias)."""
+    if native_attention.usable(q, k_cache):
+        return "c"
+    if triton_attention.usable(q, k_cache):
+        return "triton"
+    return "torch"
 
 
 def write_kv(
@@ -60,14 +79,17 @@ def paged_attention(
     """q: [T, heads, D]; k, v: [T, kv_heads, D] for the new tokens (already in the cache; None: read them
     back from it). Returns [T, heads, D]."""
     out = torch.empty_like(q)
-    native = meta.native_decode
-    if native is None:
-        native = native_attention.usable(q, k_cache)
+    backend = meta.decode_backend or decode_backend(q, k_cache)
+    native = backend == "c"
     if meta.num_decode:
         b = meta.num_decode
         if native:
             out[:b] = native_attention.decode_attention(
                 q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            )
+        elif backend == "triton":
+            triton_attention.decode_attention(
+                q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out[:b]
             )
         else:
             out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale)

@@ -55,7 +55,10 @@ class Engine:
             num_blocks = config.cache.kv_cache_bytes // block_bytes
         self.model = model
         self.tokenizer = tokenizer
-        self.kv = KVCache(model.config, num_blocks, sched.block_size, model.dtype, model.device)
+        graphs = model.device.type == "cuda" and not config.model.enforce_eager
+        self.kv = KVCache(
+            model.config, num_blocks, sched.block_size, model.dtype, model.device, scratch=graphs
+        )
         context = model.config.max_model_len
         sched = replace(
             sched, num_blocks=num_blocks, max_model_len=min(sched.max_model_len or context, context)
@@ -66,7 +69,13 @@ class Engine:
         self.admission = sched.admission  # the one rule, over this pool and context
         self.scheduler = Scheduler(sched)
         self.grammar = GrammarBackend(tokenizer, self.vocab_size)
-        self.runner = ModelRunner(model, self.kv, self.grammar)
+        self.runner = ModelRunner(
+            model,
+            self.kv,
+            self.grammar,
+            graph_batch=sched.max_num_seqs if graphs else 0,
+            max_model_len=self.max_model_len,
+        )
         self.model_name = model_name or model.config.name
         self.outputs = OutputTracker(tokenizer)
         self._ids = itertools.count()

@@ -41,8 +41,16 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 class KVCache:
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        scratch: bool = False,
     ):
+        """scratch: one block more than num_blocks, never handed out (the scheduler knows num_blocks):
+        rows that pad a batch to a captured CUDA graph's size write their K/V there (scratch_slot)."""
         if num_blocks < 1:
             raise ValueError(
                 "kv_cache_bytes: too small to hold even one KV block "
@@ -50,11 +58,12 @@ class KVCache:
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.scratch_slot = num_blocks * block_size if scratch else None
         # [layer, k/v, block, offset in block, kv head, head dim]
         self.pool = torch.empty(
             config.num_layers,
             2,
-            num_blocks,
+            num_blocks + scratch,
             block_size,
             config.num_kv_heads,
             config.head_dim,

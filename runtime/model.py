@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime import native_attention, native_layer_ops
+from runtime import native_attention, native_layer_ops, triton_layer_ops
 from runtime.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
@@ -147,8 +147,15 @@ class LlamaModel:
         self._choose_dense_rows()
         self._choose_native_rows()
         self.rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, dtype, device)
-        self.native_decode = native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0
-        """Every step runs the layers' element-wise work in C (steps that only decode, their attention too)."""
+        self.layer_ops = None
+        """The layers' element-wise work fused: native_layer_ops (C, CPU) or triton_layer_ops (CUDA)."""
+        if native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0:
+            self.layer_ops = native_layer_ops
+        elif triton_layer_ops.usable(dtype, device) and config.head_dim & (config.head_dim - 1) == 0:
+            self.layer_ops = triton_layer_ops
+        self.native_decode = self.layer_ops is not None
+        """Every step runs the layers' element-wise work in layer_ops (on CPU, steps that only decode their
+        attention in C too); False: the PyTorch ops."""
         self.scale = config.head_dim**-0.5
 
     def _packed(self) -> list[Int4Linear]:
@@ -250,10 +257,10 @@ class LlamaModel:
     def _forward_native(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
     ) -> torch.Tensor:
-        """forward with each layer's element-wise work in C (native_layer_ops): a few calls per layer
-        instead of ~40 torch ops at a few rows, one vectorized pass instead of several at many. Steps that
-        only decode take the C attention kernel straight from float32 queries; others paged_attention."""
-        c = self.config
+        """forward with each layer's element-wise work fused (layer_ops: C on CPU, Triton on CUDA): a few
+        calls per layer instead of ~40 torch ops. On CPU, steps that only decode take the C attention kernel
+        straight from float32 queries; others (and CUDA) paged_attention."""
+        c, ops = self.config, self.layer_ops
         t, eps = input_ids.shape[0], c.rms_norm_eps
         decode_only = not meta.prefills and meta.num_decode == t and meta.native_decode
         h = self.embed[input_ids].contiguous()
@@ -262,10 +269,10 @@ class LlamaModel:
         q = torch.empty(t, c.num_heads, c.head_dim, dtype=q_dtype, device=self.device)
         act = torch.empty(t, c.intermediate_size, dtype=self.dtype, device=self.device)
         positions = positions.contiguous()
-        native_layer_ops.add_rms_norm(h, None, self.layers[0].input_norm, x, eps)
+        ops.add_rms_norm(h, None, self.layers[0].input_norm, x, eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
-            native_layer_ops.rope_write_kv(
+            ops.rope_write_kv(
                 linear(x, layer.qkv),
                 positions,
                 self.rope.cos,
@@ -283,10 +290,10 @@ class LlamaModel:
             else:  # the new keys and values are read back from the cache
                 attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
                 o = linear(attn.view(t, c.q_size), layer.o)
-            native_layer_ops.add_rms_norm(h, o, layer.post_norm, x, eps)
-            native_layer_ops.silu_mul(linear(x, layer.gate_up), act)
+            ops.add_rms_norm(h, o, layer.post_norm, x, eps)
+            ops.silu_mul(linear(x, layer.gate_up), act)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            native_layer_ops.add_rms_norm(h, linear(act, layer.down), following, x, eps)
+            ops.add_rms_norm(h, linear(act, layer.down), following, x, eps)
         return x
 
     def _project(self, x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime import native_attention
-from runtime.attention import AttentionMetadata, PrefillChunk
+from runtime.attention import AttentionMetadata, PrefillChunk, decode_backend
+from runtime.cuda_graphs import DecodeGraphs
 from runtime.kv_cache import KVCache
 from runtime.logits_processors import apply_logits_processors
 from runtime.logprobs import TokenLogprob, token_logprobs
@@ -82,7 +82,18 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache, grammar: GrammarBackend | None = None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCache,
+        grammar: GrammarBackend | None = None,
+        *,
+        graph_batch: int = 0,
+        max_model_len: int | None = None,
+    ):
+        """graph_batch: on CUDA, decode steps of up to this many sequences replay CUDA graphs captured now
+        (cuda_graphs.py; needs the Triton attention kernel and a pool with a scratch slot); 0: none.
+        max_model_len: the longest context a graph's block tables cover (default: the model's)."""
         self.model = model
         self.kv = kv
         self.grammar = grammar
@@ -91,9 +102,12 @@ class ModelRunner:
         self.block_size = kv.block_size
         self._seqs: dict[str, _Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
-        # The decode attention backend, chosen once: the C kernel where it runs, else PyTorch.
+        # The decode attention backend, chosen once: the C kernel (CPU), the Triton kernel (CUDA), else PyTorch.
         probe = torch.empty(1, model.config.num_heads, 1, dtype=model.dtype, device=self.device)
-        self.native_decode = native_attention.usable(probe, kv.layer(0)[0])
+        self.decode_backend = decode_backend(probe, kv.layer(0)[0])
+        self.graphs: DecodeGraphs | None = None
+        if graph_batch and self.device.type == "cuda" and self.decode_backend == "triton":
+            self.graphs = DecodeGraphs(model, kv, graph_batch, max_model_len or model.config.max_model_len)
 
     @property
     def num_sequences(self) -> int:
@@ -109,7 +123,9 @@ class ModelRunner:
         decodes = [w for w in work if w.num_tokens == 1 and w.samples]
         prefills = [w for w in work if not (w.num_tokens == 1 and w.samples)]
         ids, positions, slots = [], [], []
-        meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), native_decode=self.native_decode)
+        meta = AttentionMetadata(
+            slot_mapping=None, num_decode=len(decodes), decode_backend=self.decode_backend
+        )
         self.prepare_decode(decodes, ids, positions, slots, meta)
         sample_rows = list(range(len(decodes)))
         sample_rows += self.prepare_prefill(prefills, ids, positions, slots, meta)
@@ -256,7 +272,7 @@ class ModelRunner:
         tables = [w.seq.block_table[:width] + [0] * (width - len(w.seq.block_table[:width])) for w in decodes]
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=self.device)
         meta.decode_context_lens = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        if not self.native_decode:  # PyTorch's decode masks the padding with an additive bias
+        if self.decode_backend == "torch":  # PyTorch's decode masks the padding with an additive bias
             span = torch.arange(width * bs, device=self.device).unsqueeze(0)
             visible = span < meta.decode_context_lens.unsqueeze(1)
             meta.decode_bias = (
@@ -309,6 +325,8 @@ class ModelRunner:
 
     def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
         """The model over the flattened batch: hidden states [rows, hidden]."""
-        return self.model.forward(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv
-        )
+        input_ids = torch.tensor(ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        if self.graphs is not None and not meta.prefills and self.graphs.size_for(len(ids)) is not None:
+            return self.graphs.run(input_ids, pos, meta)
+        return self.model.forward(input_ids, pos, meta, self.kv)

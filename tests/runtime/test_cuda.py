@@ -1,0 +1,252 @@
+"""The CUDA path: the Triton decode attention kernel, decode steps replayed from CUDA graphs, and the engine
+on a GPU against transformers on the same GPU and weights.
+
+CI has no GPU: there the kernel runs under Triton's interpreter on CPU tensors (float32; the interpreter
+mishandles bfloat16), and the tests that need a GPU are skipped (they ran on a lent H100; see the README).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import SamplingParams
+from runtime.cuda_graphs import capture_sizes
+from tests.random_llama import TINY, engine_for, hf_llama
+
+try:
+    import triton
+
+    HAVE_TRITON = True
+    OLD_INTERPRETER = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
+except ImportError:
+    HAVE_TRITON, OLD_INTERPRETER = False, False
+
+cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAVE_TRITON), reason="needs a CUDA GPU and Triton"
+)
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, scale):
+    """Each sequence's positions gathered slot by slot, then scaled_dot_product_attention (float64)."""
+    b, heads, d = q.shape
+    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(b, heads, d, dtype=torch.float64)
+    for i in range(b):
+        pos = torch.arange(int(lens[i]))
+        slots = tables[i].cpu()[pos // bs] * bs + pos % bs
+        k = k_cache.reshape(-1, kv_heads, d)[slots.to(k_cache.device)].double().cpu().transpose(0, 1)
+        v = v_cache.reshape(-1, kv_heads, d)[slots.to(v_cache.device)].double().cpu().transpose(0, 1)
+        qi = q[i].double().cpu().unsqueeze(1)  # [heads, 1, d]
+        o = F.scaled_dot_product_attention(qi, k, v, scale=scale, enable_gqa=heads != kv_heads)
+        out[i] = o[:, 0]
+    return out
+
+
+def random_decode_case(gen, heads, kv_heads, d, block_size, lens, dtype, device):
+    """Queries, a pool of blocks in random order, and block tables padded with random (unread) ids."""
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(device, dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    width = max(-(-n // block_size) for n in lens) + 2
+    tables, used = [], 0
+    for n in lens:
+        need = -(-n // block_size)
+        row = order[used : used + need].tolist()
+        used += need
+        row += torch.randint(0, num_blocks, (width - need,), generator=gen).tolist()
+        tables.append(row)
+    tables = torch.tensor(tables, dtype=torch.int64, device=device)
+    q = torch.randn(len(lens), heads, d, generator=gen).to(device, dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, device=device)
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_largest():
+    for largest in (1, 3, 8, 13, 64, 100):
+        sizes = capture_sizes(largest)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == largest
+        for b in range(1, largest + 1):  # every batch has a size, at most 8 rows (or 2x) larger
+            fit = min(s for s in sizes if s >= b)
+            assert fit - b < 8 and fit <= 2 * b
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the test extra installs it)")
+@pytest.mark.skipif(
+    OLD_INTERPRETER, reason="Triton's interpreter before 3.9 cannot loop to a bound read from memory"
+)
+def test_triton_decode_kernel_matches_sdpa_in_the_interpreter():
+    """The kernel's indexing and online softmax on CPU under TRITON_INTERPRET=1 (set before Triton is
+    imported, hence the subprocess): GQA groups that are and are not powers of two, one KV head, lengths
+    from 1 to past several tiles, shuffled blocks."""
+    script = textwrap.dedent("""
+        import torch
+        from runtime import triton_attention
+        from tests.runtime.test_cuda import random_decode_case, reference_decode
+        gen = torch.Generator().manual_seed(7)
+        for heads, kv_heads, d, bs, lens in [
+            (9, 3, 64, 8, [1, 7, 64, 65, 200, 600]),
+            (8, 8, 32, 16, [3, 129]),
+            (8, 2, 128, 8, [33, 1]),
+            (6, 1, 16, 4, [100, 2, 9]),
+        ]:
+            q, k, v, tables, lengths = random_decode_case(gen, heads, kv_heads, d, bs, lens, torch.float32, "cpu")
+            out = triton_attention.decode_attention(q, k, v, tables, lengths, d**-0.5)
+            ref = reference_decode(q, k, v, tables, lengths, d**-0.5)
+            err = (out.double() - ref).norm() / ref.norm()
+            assert err < 1e-5, (heads, kv_heads, d, bs, lens, err.item())
+        print("OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the test extra installs it)")
+def test_triton_layer_ops_compute_the_pytorch_layer_in_the_interpreter():
+    """A model whose element-wise layer work runs in the Triton kernels (on CPU, under the interpreter) scores
+    a prompt as the PyTorch ops do, and as transformers does."""
+    script = textwrap.dedent("""
+        import tempfile, pathlib
+        import torch
+        from runtime import triton_layer_ops
+        from tests.random_llama import TINY, engine_for, hf_llama
+        hf = hf_llama(TINY, "cpu", torch.float32, seed=5)
+        engine = engine_for(hf, pathlib.Path(tempfile.mkdtemp()), torch.float32, "cpu")
+        prompt = [3 + (11 * j) % 500 for j in range(37)]
+        engine.model.layer_ops = triton_layer_ops
+        fused = engine.prompt_logits(prompt)
+        engine.model.native_decode = False
+        plain = engine.prompt_logits(prompt)
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompt])).logits[0]
+        assert (fused - plain).abs().max().item() < 1e-4, (fused - plain).abs().max().item()
+        assert (fused - theirs).abs().max().item() < 1e-4
+        print("OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_kernel_matches_sdpa_on_cuda(dtype):
+    from runtime import triton_attention
+
+    gen = torch.Generator().manual_seed(11)
+    for heads, kv_heads, d, bs, lens in [
+        (9, 3, 64, 8, [1, 5, 64, 300, 1000, 2, 4096]),
+        (32, 8, 64, 16, [17, 513]),
+        (8, 8, 128, 8, [1, 250]),
+    ]:
+        q, k, v, tables, lengths = random_decode_case(gen, heads, kv_heads, d, bs, lens, dtype, "cuda")
+        assert triton_attention.usable(q, k)
+        out = torch.full_like(q, float("nan"))
+        triton_attention.decode_attention(q, k, v, tables, lengths, d**-0.5, out)
+        ref = reference_decode(q, k, v, tables, lengths, d**-0.5)
+        err = (out.double().cpu() - ref).norm() / ref.norm()
+        assert err < (1e-5 if dtype == torch.float32 else 1e-2), (heads, kv_heads, d, lens, err.item())
+
+
+def teacher_forced_check(hf_model, prompt, tokens, tol):
+    """Each token the engine chose is, by transformers' logits over the same sequence, within tol of the
+    most likely one (an exact argmax match would fail on near ties, which rounding order decides)."""
+    ids = torch.tensor([prompt + tokens], device=hf_model.device)
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(prompt) - 1 : -1].float()
+    chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    gap = logits.max(dim=1).values - chosen
+    assert (gap <= tol).all(), gap.tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda():
+    if not (torch.cuda.is_available() and HAVE_TRITON):
+        pytest.skip("needs a CUDA GPU and Triton")
+    return hf_llama(TINY, "cuda", torch.float32, seed=3)
+
+
+@cuda
+def test_engine_on_cuda_matches_transformers_with_graphs_and_eager(tiny_cuda, tmp_path):
+    """Float32 on the GPU: prompt logits against transformers' on the same GPU, and greedy generations of
+    sequences of different lengths running together (steps of 5 decodes replay the graph of 8; prefills run
+    eagerly between them), each token checked against transformers' logits."""
+    prompts = [[3 + (7 * i + j) % 500 for j in range(5 + 23 * i)] for i in range(5)]
+    for eager in (False, True):
+        engine = engine_for(tiny_cuda, tmp_path, torch.float32, "cuda", enforce_eager=eager, max_num_seqs=16)
+        assert engine.runner.decode_backend == "triton"
+        assert (engine.runner.graphs is None) == eager
+        with torch.no_grad():
+            theirs = tiny_cuda(torch.tensor([prompts[4]], device="cuda")).logits[0].float()
+        assert (engine.prompt_logits(prompts[4]) - theirs).abs().max().item() < 1e-3
+        outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            assert len(out.token_ids) == 40
+            teacher_forced_check(tiny_cuda, prompt, out.token_ids, 1e-3)
+
+
+@cuda
+def test_graph_replay_computes_the_eager_step_and_writes_only_its_slots(tiny_cuda, tmp_path):
+    """One decode step of 3 sequences through the graph of 4 (bfloat16): the same hidden states as the
+    eager forward, and the pool changes only at the 3 new tokens' slots and the scratch block."""
+    from runtime.attention import AttentionMetadata
+
+    engine = engine_for(tiny_cuda, tmp_path, torch.bfloat16, "cuda", max_num_seqs=8)
+    runner, kv = engine.runner, engine.kv
+    assert runner.graphs.size_for(3) == 4
+    bs = kv.block_size
+    kv.pool.normal_()
+    lens = [9, 30, 17]
+    rows = [[0, 1, 2, 0], [3, 4, 5, 6], [7, 8, 9, 0]]
+    tables = torch.tensor(rows, device="cuda")
+    slots = torch.tensor(
+        [rows[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)], device="cuda"
+    )
+    ids = torch.tensor([5, 77, 300], device="cuda")
+    positions = torch.tensor([n - 1 for n in lens], device="cuda")
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decode=3,
+        decode_block_tables=tables,
+        decode_context_lens=torch.tensor(lens, device="cuda"),
+        decode_backend="triton",
+    )
+    before = kv.pool.clone()
+    graphed = runner.graphs.run(ids, positions, meta).clone()
+    after_graph = kv.pool.clone()
+    kv.pool.copy_(before)
+    eager = engine.model.forward(ids, positions, meta, kv)
+    assert (graphed.float() - eager.float()).abs().max().item() < 2e-2 * eager.float().abs().max().item()
+    flat = lambda pool: pool.view(pool.shape[0], 2, -1, pool.shape[-2], pool.shape[-1])  # noqa: E731
+    changed = (flat(after_graph) != flat(before)).flatten(3).any(-1).any(1).any(0).nonzero()[:, 0].tolist()
+    scratch = range(kv.scratch_slot, kv.scratch_slot + bs)
+    assert set(slots.tolist()) <= set(changed) and set(changed) <= set(slots.tolist()) | set(scratch)
+
+
+@cuda
+def test_fused_layer_ops_compute_the_pytorch_layer_on_cuda_in_bfloat16(tiny_cuda, tmp_path):
+    """bfloat16 on the GPU: the Triton layer ops round where the PyTorch ops do, so the two paths' logits
+    agree to bfloat16 precision, and both stay near transformers' float32 logits."""
+    engine = engine_for(tiny_cuda, tmp_path, torch.bfloat16, "cuda", enforce_eager=True)
+    assert engine.model.layer_ops.__name__ == "runtime.triton_layer_ops"
+    prompt = [3 + (13 * j) % 500 for j in range(70)]
+    fused = engine.prompt_logits(prompt)
+    engine.model.native_decode = False
+    plain = engine.prompt_logits(prompt)
+    with torch.no_grad():
+        theirs = tiny_cuda(torch.tensor([prompt], device="cuda")).logits[0].float()
+    scale = theirs.abs().max().item()
+    assert (fused - plain).abs().max().item() < 0.02 * scale
+    assert (fused - theirs).norm() / theirs.norm() < 0.02
