@@ -38,6 +38,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_backend: str | None = None  # "c", "triton" or "torch" (DECODE_BACKENDS): the runner's choice,
     # made once; None (a caller that did not choose): the first usable
+    row_tables: torch.Tensor | None = None  # the Triton backend, steps with prefill chunks: one block
+    row_lens: torch.Tensor | None = None  # table per sequence [S, W], each row's causal length [T] and
+    row_table_index: torch.Tensor | None = None  # its sequence's table [T]: one launch for every row
 
     @property
     def native_decode(self) -> bool:
@@ -80,6 +83,10 @@ def paged_attention(
     back from it). Returns [T, heads, D]."""
     out = torch.empty_like(q)
     backend = meta.decode_backend or decode_backend(q, k_cache)
+    if backend == "triton" and meta.row_tables is not None:  # decodes and chunks' rows alike, one launch
+        return triton_attention.decode_attention(
+            q, k_cache, v_cache, meta.row_tables, meta.row_lens, scale, out, meta.row_table_index
+        )
     native = backend == "c"
     if meta.num_decode:
         b = meta.num_decode

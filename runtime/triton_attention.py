@@ -57,9 +57,12 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, heads, D]; caches [blocks, block_size, kv_heads, D]; block_tables [B, >= ceil(len / block_size)]
     (integer); context_lens [B] (>= 1). Returns [B, heads, D] in q's dtype (or writes `out`); float32 math.
+    table_rows [B]: query i reads block_tables[table_rows[i]] (the rows of a prefill chunk share their
+    sequence's table, each with its own causal length); None: row i.
 
     The number of splits follows the tables' width (every length fits in it), not the lengths themselves,
     so a launch does not depend on the lengths: splits past a sequence's end return at once."""
@@ -82,6 +85,7 @@ def decode_attention(
         v_cache,
         block_tables,
         context_lens,
+        context_lens if table_rows is None else table_rows,
         m,
         total,
         acc,
@@ -100,6 +104,7 @@ def decode_attention(
         TILE=tile,
         SPLIT=SPLIT,
         IEEE=q.dtype == torch.float32,
+        HAS_ROWS=table_rows is not None,
         num_warps=4,
     )
     _merge_splits[(b, heads)](
@@ -129,6 +134,7 @@ if triton is not None:
         v_ptr,
         tables_ptr,
         lens_ptr,
+        rows_ptr,
         m_ptr,
         total_ptr,
         acc_ptr,
@@ -147,6 +153,7 @@ if triton is not None:
         TILE: tl.constexpr,
         SPLIT: tl.constexpr,
         IEEE: tl.constexpr,
+        HAS_ROWS: tl.constexpr,
     ):
         """One split of one sequence for the query heads of one KV head: running max, sum of exponentials and
         weighted values of its positions."""
@@ -163,7 +170,10 @@ if triton is not None:
             real = g < GROUP  # GROUP_P pads the group up to what tl.dot takes
             q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :]
             q = tl.load(q_rows, mask=real[:, None], other=0.0)
-            table = tables_ptr + seq.to(tl.int64) * stride_tb
+            if HAS_ROWS:
+                table = tables_ptr + tl.load(rows_ptr + seq).to(tl.int64) * stride_tb
+            else:
+                table = tables_ptr + seq.to(tl.int64) * stride_tb
             m = tl.full([GROUP_P], float("-inf"), tl.float32)
             total = tl.zeros([GROUP_P], tl.float32)
             acc = tl.zeros([GROUP_P, D], tl.float32)

@@ -112,16 +112,21 @@ def test_triton_decode_kernel_matches_sdpa_in_the_interpreter():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the test extra installs it)")
-def test_triton_layer_ops_compute_the_pytorch_layer_in_the_interpreter():
-    """A model whose element-wise layer work runs in the Triton kernels (on CPU, under the interpreter) scores
-    a prompt as the PyTorch ops do, and as transformers does."""
+def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
+    """The CUDA configuration on CPU, under the interpreter: a model whose element-wise layer work runs in the
+    Triton kernels scores a prompt as the PyTorch ops do, and as transformers does; with the Triton attention
+    too, sequences generated together (steps mixing decodes and prefill chunks in one launch) pick tokens
+    transformers' logits agree with."""
     script = textwrap.dedent("""
         import tempfile, pathlib
         import torch
-        from runtime import triton_layer_ops
+        from runtime import SamplingParams, triton_layer_ops
         from tests.random_llama import TINY, engine_for, hf_llama
+        from tests.runtime.test_cuda import teacher_forced_check
         hf = hf_llama(TINY, "cpu", torch.float32, seed=5)
-        engine = engine_for(hf, pathlib.Path(tempfile.mkdtemp()), torch.float32, "cpu")
+        # 16 tokens a step: prompts prefill in chunks while the shorter ones already decode
+        tmp = pathlib.Path(tempfile.mkdtemp())
+        engine = engine_for(hf, tmp, torch.float32, "cpu", max_num_batched_tokens=16)
         prompt = [3 + (11 * j) % 500 for j in range(37)]
         engine.model.layer_ops = triton_layer_ops
         fused = engine.prompt_logits(prompt)
@@ -131,6 +136,12 @@ def test_triton_layer_ops_compute_the_pytorch_layer_in_the_interpreter():
             theirs = hf(torch.tensor([prompt])).logits[0]
         assert (fused - plain).abs().max().item() < 1e-4, (fused - plain).abs().max().item()
         assert (fused - theirs).abs().max().item() < 1e-4
+        engine.model.native_decode = True
+        engine.runner.decode_backend = "triton"
+        prompts = [[3 + (5 * i + 3 * j) % 500 for j in range(4 + 19 * i)] for i in range(4)]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            teacher_forced_check(hf, prompt, out.token_ids, 1e-3)
         print("OK")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -181,11 +192,20 @@ def tiny_cuda():
 @cuda
 def test_engine_on_cuda_matches_transformers_with_graphs_and_eager(tiny_cuda, tmp_path):
     """Float32 on the GPU: prompt logits against transformers' on the same GPU, and greedy generations of
-    sequences of different lengths running together (steps of 5 decodes replay the graph of 8; prefills run
-    eagerly between them), each token checked against transformers' logits."""
+    sequences of different lengths running together (steps of 5 decodes replay the graph of 8; steps with
+    prefill chunks run eagerly, their rows and the decodes in one attention launch), each token checked
+    against transformers' logits."""
     prompts = [[3 + (7 * i + j) % 500 for j in range(5 + 23 * i)] for i in range(5)]
     for eager in (False, True):
-        engine = engine_for(tiny_cuda, tmp_path, torch.float32, "cuda", enforce_eager=eager, max_num_seqs=16)
+        engine = engine_for(
+            tiny_cuda,
+            tmp_path,
+            torch.float32,
+            "cuda",
+            enforce_eager=eager,
+            max_num_seqs=16,
+            max_num_batched_tokens=32,  # long prompts prefill in chunks beside decodes
+        )
         assert engine.runner.decode_backend == "triton"
         assert (engine.runner.graphs is None) == eager
         with torch.no_grad():
