@@ -25,7 +25,7 @@ class PrefillChunk:
     start: int  # first row of this chunk in the flattened batch
     end: int  # one past its last row
     context_len: int  # tokens in the cache after this chunk (cached prefix + chunk)
-    block_table: torch.Tensor  # [blocks covering context_len]
+    block_table: torch.Tensor | None  # [blocks covering context_len] (None: the rows' tables serve)
 
 
 @dataclass

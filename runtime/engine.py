@@ -73,7 +73,8 @@ class Engine:
             model,
             self.kv,
             self.grammar,
-            graph_batch=sched.max_num_seqs if graphs else 0,
+            graph_tokens=sched.max_num_batched_tokens if graphs else 0,
+            max_num_seqs=sched.max_num_seqs,
             max_model_len=self.max_model_len,
         )
         self.model_name = model_name or model.config.name

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.attention import AttentionMetadata, PrefillChunk, decode_backend
-from runtime.cuda_graphs import DecodeGraphs
+from runtime.cuda_graphs import StepGraphs
 from runtime.kv_cache import KVCache
 from runtime.logits_processors import apply_logits_processors
 from runtime.logprobs import TokenLogprob, token_logprobs
@@ -88,12 +88,14 @@ class ModelRunner:
         kv: KVCache,
         grammar: GrammarBackend | None = None,
         *,
-        graph_batch: int = 0,
+        graph_tokens: int = 0,
+        max_num_seqs: int = 1,
         max_model_len: int | None = None,
     ):
-        """graph_batch: on CUDA, decode steps of up to this many sequences replay CUDA graphs captured now
-        (cuda_graphs.py; needs the Triton attention kernel and a pool with a scratch slot); 0: none.
-        max_model_len: the longest context a graph's block tables cover (default: the model's)."""
+        """graph_tokens: on CUDA, steps of up to this many tokens (and max_num_seqs sequences) replay CUDA
+        graphs captured now (cuda_graphs.py; needs the Triton attention kernel and a pool with a scratch
+        slot); 0: none. max_model_len: the longest context a graph's block tables cover (default: the
+        model's)."""
         self.model = model
         self.kv = kv
         self.grammar = grammar
@@ -105,39 +107,27 @@ class ModelRunner:
         # The decode attention backend, chosen once: the C kernel (CPU), the Triton kernel (CUDA), else PyTorch.
         probe = torch.empty(1, model.config.num_heads, 1, dtype=model.dtype, device=self.device)
         self.decode_backend = decode_backend(probe, kv.layer(0)[0])
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if self.device.type == "cuda" and self.decode_backend == "triton":
             self.warm_up()
-            if graph_batch:
-                self.graphs = DecodeGraphs(
-                    model, kv, graph_batch, max_model_len or model.config.max_model_len
-                )
+            if graph_tokens:
+                context = max_model_len or model.config.max_model_len
+                self.graphs = StepGraphs(model, kv, graph_tokens, max_num_seqs, context)
 
     def warm_up(self) -> None:
-        """Run an eager decode step and a prefill step once, so that Triton compiles its kernels' variants
-        at load, not in the first request's time to first token (0.8 s, measured on an H100). They write
-        block 0, which holds nothing yet: a sequence writes each slot before it reads it."""
+        """Run a 2-token step eagerly once, so that Triton compiles its kernels at load, not in the first
+        request's time to first token (0.8 s, measured on an H100). It writes block 0, which holds nothing
+        yet: a sequence writes each slot before it reads it."""
         dev = self.device
-        zero = torch.zeros(1, 1, dtype=torch.int64, device=dev)
-        one = torch.ones(1, dtype=torch.int64, device=dev)
-        decode = AttentionMetadata(
-            slot_mapping=torch.zeros(1, dtype=torch.int64, device=dev),
-            num_decode=1,
-            decode_block_tables=zero,
-            decode_context_lens=one,
-            decode_backend=self.decode_backend,
-        )
-        self.model.forward(torch.zeros(1, dtype=torch.int64, device=dev), one - 1, decode, self.kv)
         two = torch.arange(2, device=dev)
-        prefill = AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=two,
-            prefills=[PrefillChunk(0, 2, 2, zero[0])],
             decode_backend=self.decode_backend,
-            row_tables=zero,
+            row_tables=torch.zeros(1, 1, dtype=torch.int64, device=dev),
             row_lens=two + 1,
             row_table_index=torch.zeros(2, dtype=torch.int64, device=dev),
         )
-        self.model.forward(two, two, prefill, self.kv)
+        self.model.forward(two, two, meta, self.kv)
         torch.cuda.synchronize(dev)
 
     @property
@@ -160,10 +150,11 @@ class ModelRunner:
         self.prepare_decode(decodes, ids, positions, slots, meta)
         sample_rows = list(range(len(decodes)))
         sample_rows += self.prepare_prefill(prefills, ids, positions, slots, meta)
-        if prefills and self.decode_backend == "triton":
-            self.prepare_rows(decodes, prefills, meta)
-        meta.slot_mapping = torch.tensor(slots, device=self.device)
-        hidden = self.run(ids, positions, meta)
+        if self.decode_backend == "triton":
+            hidden = self.run_rows(decodes + prefills, ids, positions, slots, meta)
+        else:
+            meta.slot_mapping = torch.tensor(slots, device=self.device)
+            hidden = self.run(ids, positions, meta)
         out = ModelRunnerOutput()
         scored = [
             w for w in prefills if w.seq.params.prompt_logprobs is not None and self._prompt_rows(w) > 0
@@ -301,6 +292,8 @@ class ModelRunner:
             ids.append(w.seq.token_ids[pos])
             positions.append(pos)
             slots.append(w.seq.block_table[pos // bs] * bs + pos % bs)
+        if self.decode_backend == "triton":  # its rows carry their tables (run_rows)
+            return
         lengths = [w.end for w in decodes]
         width = (max(lengths) + bs - 1) // bs
         tables = [w.seq.block_table[:width] + [0] * (width - len(w.seq.block_table[:width])) for w in decodes]
@@ -337,29 +330,49 @@ class ModelRunner:
                     row,
                     row + w.num_tokens,
                     end,
-                    torch.tensor(table[: (end + bs - 1) // bs], device=self.device),
+                    # the Triton backend reads the tables of run_rows instead
+                    None
+                    if self.decode_backend == "triton"
+                    else torch.tensor(table[: (end + bs - 1) // bs], device=self.device),
                 )
             )
             if w.samples:
                 sample_rows.append(row + w.num_tokens - 1)
         return sample_rows
 
-    def prepare_rows(self, decodes: list[_Work], prefills: list[_Work], meta: AttentionMetadata) -> None:
+    def row_inputs(self, work: list[_Work]) -> tuple[list[list[int]], list[int], list[int]]:
         """Every row's attention as one decode (the Triton kernel): each scheduled sequence's block table,
-        each row's causal length (a chunk's row i sees its cached prefix and rows 0..i) and table."""
+        each row's causal length (a chunk's row i sees its cached prefix and rows 0..i) and its table."""
         bs = self.block_size
         tables, lens, index = [], [], []
-        for w in decodes + prefills:
-            k = len(tables)
+        for k, w in enumerate(work):
             tables.append(w.seq.block_table[: (w.end + bs - 1) // bs])
-            start = w.seq.num_computed_tokens
-            lens.extend(range(start + 1, w.end + 1))
+            lens.extend(range(w.seq.num_computed_tokens + 1, w.end + 1))
             index.extend([k] * w.num_tokens)
+        return tables, lens, index
+
+    def run_rows(
+        self,
+        work: list[_Work],
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The Triton backend's step (work: decodes, then prefills, as the rows lie): a captured graph when
+        one holds it, else eagerly with every row's attention in one launch."""
+        tables, lens, index = self.row_inputs(work)
+        if self.graphs is not None and self.graphs.fits(len(ids), len(tables)):
+            return self.graphs.run(ids, positions, slots, tables, lens, index)
         width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        meta.row_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
-        meta.row_lens = torch.tensor(lens, dtype=torch.int64, device=self.device)
-        meta.row_table_index = torch.tensor(index, dtype=torch.int64, device=self.device)
+        dev = self.device
+        meta.row_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=dev
+        )
+        meta.row_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
+        meta.row_table_index = torch.tensor(index, dtype=torch.int64, device=dev)
+        meta.slot_mapping = torch.tensor(slots, device=dev)
+        return self.run(ids, positions, meta)
 
     def prepare_sampling(self, rows: list[_Work]) -> tuple[list[SamplingParams], list, list | None]:
         """Per sampled row: its params, its generator (None: the global one), and, when a penalty

@@ -68,14 +68,14 @@ def random_decode_case(gen, heads, kv_heads, d, block_size, lens, dtype, device)
     return q, k_cache, v_cache, tables, torch.tensor(lens, device=device)
 
 
-def test_capture_sizes_cover_every_batch_up_to_the_largest():
-    for largest in (1, 3, 8, 13, 64, 100):
+def test_capture_sizes_cover_every_step_up_to_the_largest():
+    for largest in (1, 3, 8, 13, 64, 100, 512, 2048):
         sizes = capture_sizes(largest)
         assert sizes == sorted(set(sizes)) and sizes[-1] == largest
-        for b in range(1, largest + 1):  # every batch has a size, at most 8 rows (or 2x) larger
-            fit = min(s for s in sizes if s >= b)
-            assert fit - b < 8 and fit <= 2 * b
-    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+        for t in range(1, largest + 1):  # every step has a size: a decode batch within 8, a prefill within 64
+            fit = min(s for s in sizes if s >= t)
+            assert fit - t < (8 if t <= 64 else 64) and fit <= 2 * t
+    assert capture_sizes(512) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 192, 256, 320, 384, 448, 512]
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the test extra installs it)")
@@ -219,40 +219,44 @@ def test_engine_on_cuda_matches_transformers_with_graphs_and_eager(tiny_cuda, tm
 
 @cuda
 def test_graph_replay_computes_the_eager_step_and_writes_only_its_slots(tiny_cuda, tmp_path):
-    """One decode step of 3 sequences through the graph of 4 (bfloat16): the same hidden states as the
-    eager forward, and the pool changes only at the 3 new tokens' slots and the scratch block."""
+    """One step of 3 decodes and a 4-token prefill chunk through the graph of 8 tokens (bfloat16): the same
+    hidden states as the eager forward, and the pool changes only at the 7 new tokens' slots and the scratch
+    block."""
     from runtime.attention import AttentionMetadata
 
     engine = engine_for(tiny_cuda, tmp_path, torch.bfloat16, "cuda", max_num_seqs=8)
     runner, kv = engine.runner, engine.kv
-    assert runner.graphs.size_for(3) == 4
+    assert runner.graphs.size_for(7) == 8
     bs = kv.block_size
     kv.pool.normal_()
-    lens = [9, 30, 17]
-    rows = [[0, 1, 2, 0], [3, 4, 5, 6], [7, 8, 9, 0]]
-    tables = torch.tensor(rows, device="cuda")
-    slots = torch.tensor(
-        [rows[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)], device="cuda"
-    )
-    ids = torch.tensor([5, 77, 300], device="cuda")
-    positions = torch.tensor([n - 1 for n in lens], device="cuda")
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        num_decode=3,
-        decode_block_tables=tables,
-        decode_context_lens=torch.tensor(lens, device="cuda"),
-        decode_backend="triton",
-    )
+    tables = [[0, 1], [3, 4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    ends = [9, 30, 17, 20]  # the chunk computes positions 16..19 of the fourth sequence
+    lens = [9, 30, 17, 17, 18, 19, 20]
+    index = [0, 1, 2, 3, 3, 3, 3]
+    positions = [n - 1 for n in lens]
+    slots = [tables[k][p // bs] * bs + p % bs for k, p in zip(index, positions)]
+    ids = [5, 77, 300, 8, 9, 10, 11]
+    assert all(len(t) * bs >= e for t, e in zip(tables, ends))
     before = kv.pool.clone()
-    graphed = runner.graphs.run(ids, positions, meta).clone()
+    graphed = runner.graphs.run(ids, positions, slots, tables, lens, index).clone()
     after_graph = kv.pool.clone()
     kv.pool.copy_(before)
-    eager = engine.model.forward(ids, positions, meta, kv)
+    dev = "cuda"
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=dev),
+        decode_backend="triton",
+        row_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev),
+        row_lens=torch.tensor(lens, device=dev),
+        row_table_index=torch.tensor(index, device=dev),
+    )
+    eager = engine.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, kv)
     assert (graphed.float() - eager.float()).abs().max().item() < 2e-2 * eager.float().abs().max().item()
+    assert after_graph.isfinite().all()
     flat = lambda pool: pool.view(pool.shape[0], 2, -1, pool.shape[-2], pool.shape[-1])  # noqa: E731
     changed = (flat(after_graph) != flat(before)).flatten(3).any(-1).any(1).any(0).nonzero()[:, 0].tolist()
     scratch = range(kv.scratch_slot, kv.scratch_slot + bs)
-    assert set(slots.tolist()) <= set(changed) and set(changed) <= set(slots.tolist()) | set(scratch)
+    assert set(slots) <= set(changed) and set(changed) <= set(slots) | set(scratch)
 
 
 @cuda
