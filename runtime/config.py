@@ -41,9 +41,9 @@ class ModelSettings:
     """auto: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast (bfloat16 on CPU); none:
     dequantize; gguf: always packed; int8 / int4: quantize a float checkpoint on load."""
     enforce_eager: bool = False
-    """CUDA: run decode steps op by op instead of replaying the CUDA graphs captured at load for 1, 2, 4,
-    8, 16, 24, .. max_num_seqs sequences (a graph is one launch for the whole step: small models' decode
-    steps are otherwise mostly launch overhead). No effect on CPU."""
+    """CUDA: run steps op by op instead of replaying the CUDA graphs captured at load for 1, 2, 4, 8, 16,
+    .. 56 tokens, then every 64 up to max_num_batched_tokens (a graph is one launch for the whole step:
+    small models' steps are otherwise mostly launch overhead). No effect on CPU."""
     dense_copy_bytes: int | str | None = field(default=None, metadata={"size": True})
     """Memory for dense copies of packed GGUF projections (a prefill chunk or a large batch multiplies
     faster by them, from a row count measured at load): projections get one in order, the layers' from
