@@ -42,7 +42,7 @@ class ModelSettings:
     dequantize; gguf: always packed; int8 / int4: quantize a float checkpoint on load."""
     enforce_eager: bool = False
     """CUDA: run steps op by op instead of replaying the CUDA graphs captured at load for 1, 2, 4, 8, 16,
-    .. 56 tokens, then every 64 up to max_num_batched_tokens (a graph is one launch for the whole step:
+    .. 56 tokens, then every 64 up to max_num_batched_tokens or 512 (a graph is one launch for the whole step:
     small models' steps are otherwise mostly launch overhead). No effect on CPU."""
     dense_copy_bytes: int | str | None = field(default=None, metadata={"size": True})
     """Memory for dense copies of packed GGUF projections (a prefill chunk or a large batch multiplies

@@ -32,6 +32,10 @@ from scheduler.sampling_params import SEED_RANGE
 
 log = logging.getLogger("prescient.engine")
 
+MAX_GRAPH_TOKENS = 512
+"""CUDA graphs are captured for steps of up to this many tokens: a larger step's own GPU work outweighs its
+launches, and every captured size costs capture time and graph memory."""
+
 
 class Engine:
     def __init__(
@@ -73,7 +77,7 @@ class Engine:
             model,
             self.kv,
             self.grammar,
-            graph_tokens=sched.max_num_batched_tokens if graphs else 0,
+            graph_tokens=min(sched.max_num_batched_tokens, MAX_GRAPH_TOKENS) if graphs else 0,
             max_num_seqs=sched.max_num_seqs,
             max_model_len=self.max_model_len,
         )

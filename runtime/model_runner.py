@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.attention import AttentionMetadata, PrefillChunk, decode_backend
-from runtime.cuda_graphs import StepGraphs
+from runtime.cuda_graphs import StepGraphs, warm_up
 from runtime.kv_cache import KVCache
 from runtime.logits_processors import apply_logits_processors
 from runtime.logprobs import TokenLogprob, token_logprobs
@@ -109,26 +109,10 @@ class ModelRunner:
         self.decode_backend = decode_backend(probe, kv.layer(0)[0])
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda" and self.decode_backend == "triton":
-            self.warm_up()
+            warm_up(model, kv)
             if graph_tokens:
                 context = max_model_len or model.config.max_model_len
                 self.graphs = StepGraphs(model, kv, graph_tokens, max_num_seqs, context)
-
-    def warm_up(self) -> None:
-        """Run a 2-token step eagerly once, so that Triton compiles its kernels at load, not in the first
-        request's time to first token (0.8 s, measured on an H100). It writes block 0, which holds nothing
-        yet: a sequence writes each slot before it reads it."""
-        dev = self.device
-        two = torch.arange(2, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=two,
-            decode_backend=self.decode_backend,
-            row_tables=torch.zeros(1, 1, dtype=torch.int64, device=dev),
-            row_lens=two + 1,
-            row_table_index=torch.zeros(2, dtype=torch.int64, device=dev),
-        )
-        self.model.forward(two, two, meta, self.kv)
-        torch.cuda.synchronize(dev)
 
     @property
     def num_sequences(self) -> int:
@@ -373,19 +357,6 @@ class ModelRunner:
         meta.row_table_index = torch.tensor(index, dtype=torch.int64, device=dev)
         meta.slot_mapping = torch.tensor(slots, device=dev)
         return self.run(ids, positions, meta)
-
-    def prepare_sampling(self, rows: list[_Work]) -> tuple[list[SamplingParams], list, list | None]:
-        """Per sampled row: its params, its generator (None: the global one), and, when a penalty
-        needs them, its (prompt ids, output ids)."""
-        params = [w.seq.params for w in rows]
-        generators = [self._generators.get(w.request_id) for w in rows]
-        histories = None
-        if any(p.penalized for p in params):
-            histories = [
-                (w.seq.token_ids[: w.seq.num_prompt_tokens], w.seq.token_ids[w.seq.num_prompt_tokens :])
-                for w in rows
-            ]
-        return params, generators, histories
 
     def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
         """The model over the flattened batch: hidden states [rows, hidden]."""
