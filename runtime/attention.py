@@ -38,7 +38,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_backend: str | None = None  # "c", "triton" or "torch" (DECODE_BACKENDS): the runner's choice,
     # made once; None (a caller that did not choose): the first usable
-    row_tables: torch.Tensor | None = None  # the Triton backend, steps with prefill chunks: one block
+    row_tables: torch.Tensor | None = None  # the Triton backend (the runner's every step): one block
     row_lens: torch.Tensor | None = None  # table per sequence [S, W], each row's causal length [T] and
     row_table_index: torch.Tensor | None = None  # its sequence's table [T]: one launch for every row
 

@@ -58,20 +58,19 @@ class StepGraphs:
         Captures every size of capture_sizes(max_tokens) for steps of at most max_seqs sequences."""
         if kv.scratch_slot is None:
             raise ValueError("StepGraphs: the KV pool needs a scratch slot (KVCache(..., scratch=True))")
-        self.model = model
         self.kv = kv
         self.sizes = capture_sizes(max_tokens)
         self.max_tokens = self.sizes[-1]
         self.max_seqs = max_seqs
-        self.width = -(-max_model_len // kv.block_size)
+        width = -(-max_model_len // kv.block_size)
         device = model.device
         n = self.max_tokens
         self.inputs = torch.zeros(FIELDS, n, dtype=torch.int64, device=device)
         self.inputs[2] = kv.scratch_slot
         self.inputs[3] = 1
-        self.tables = torch.zeros(max_seqs, self.width, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(max_seqs, width, dtype=torch.int64, device=device)
         self.host_inputs = torch.zeros(FIELDS, n, dtype=torch.int64).pin_memory()
-        self.host_tables = torch.zeros(max_seqs, self.width, dtype=torch.int64).pin_memory()
+        self.host_tables = torch.zeros(max_seqs, width, dtype=torch.int64).pin_memory()
         self._inputs = self.host_inputs.numpy()
         self._tables = self.host_tables.numpy()
         self.copied = torch.cuda.Event()

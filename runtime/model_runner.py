@@ -360,8 +360,6 @@ class ModelRunner:
 
     def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
         """The model over the flattened batch: hidden states [rows, hidden]."""
-        input_ids = torch.tensor(ids, device=self.device)
-        pos = torch.tensor(positions, device=self.device)
-        if self.graphs is not None and not meta.prefills and self.graphs.size_for(len(ids)) is not None:
-            return self.graphs.run(input_ids, pos, meta)
-        return self.model.forward(input_ids, pos, meta, self.kv)
+        return self.model.forward(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv
+        )

@@ -28,10 +28,6 @@ except ImportError:  # the CPU wheel of torch does not bring Triton
     triton = None
 
 
-def available() -> bool:
-    return triton is not None
-
-
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     heads, kv_heads, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     return (

@@ -193,8 +193,8 @@ def tiny_cuda():
 def test_engine_on_cuda_matches_transformers_with_graphs_and_eager(tiny_cuda, tmp_path):
     """Float32 on the GPU: prompt logits against transformers' on the same GPU, and greedy generations of
     sequences of different lengths running together (steps of 5 decodes replay the graph of 8; steps with
-    prefill chunks run eagerly, their rows and the decodes in one attention launch), each token checked
-    against transformers' logits."""
+    prefill chunks replay graphs too, their rows and the decodes in one attention launch; with enforce_eager
+    all of it op by op), each token checked against transformers' logits."""
     prompts = [[3 + (7 * i + j) % 500 for j in range(5 + 23 * i)] for i in range(5)]
     for eager in (False, True):
         engine = engine_for(
