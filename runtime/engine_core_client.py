@@ -41,12 +41,16 @@ STARTUP_TIMEOUT_SECONDS = 600.0
 """Longest wait for the core to load its model and say ready."""
 STOP_TIMEOUT_SECONDS = 10.0
 """After asking the core to stop, wait this long before killing it."""
-CORE_GOMP_SPINCOUNT = "1000"
-"""How long the core's OpenMP threads spin before sleeping, unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set.
-libgomp's default (300,000 spins) is for a team that owns its cores; a main-thread team on a host whose CPUs
-are oversubscribed (other processes, or the server beside it) then spins away its time slices: measured on a
-2-core AMD EPYC under load, one stream decoded at 0.3-0.9 tok/s with the default, 4-6 with 1,000 or 0, and
-a team in a non-main thread (which libgomp throttles itself) at 4-7."""
+CORE_GOMP_SPINCOUNT = "10000"
+"""How long the core's OpenMP threads spin before sleeping, unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set:
+10,000 pauses, ~0.26 ms on a 2-core AMD EPYC (26 ns a pause). libgomp's default (300,000, ~8 ms) is for a team
+that owns its cores; a team on a host whose CPUs are oversubscribed (other engines, other work) spins away the
+others' time slices: there one stream decoded at 0.3-0.9 tok/s with the default, 4-6 with 1,000 or 0. Too
+short a spin costs the other way: with the server's event loop and its clients on the same cores, a thread
+that slept mid-step waits for its core back, and 32 streams over HTTP ran their decode steps slower than the
+offline engine's at 1,000 spins: 0.78-0.96x the offline rate (median 0.88, 12 rounds) against 0.85-1.07x
+(median 0.96, 9 rounds) at 10,000, alternating. On an oversubscribed host 10,000 costs ~10% over 1,000 (four
+server test files under two pytest workers: 82-90 s against 71-79 s)."""
 
 
 class EngineCoreClient:

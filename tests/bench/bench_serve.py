@@ -6,7 +6,7 @@ Baselines measured in the same run, because this machine is shared and noisy:
 - concurrency 1: one request at a time, the way a single-stream server serves;
 - for the shared-prefix workload, the same server started with --no-prefix-caching;
 - for "server vs offline" (temperature 0.8, 128 tokens, 1 and 32 streams): the offline
-  engine on the same prompts and sampling, run right after each HTTP run (three rounds,
+  engine on the same prompts and sampling, run right after each HTTP run (five rounds,
   the median ratio reported with every round's), and the
   compute roofline (the faster dtype's matmul FLOP/s over 2 x parameters), measured
   once at the start of the run and used for every row;
@@ -66,7 +66,7 @@ def _offline_engine(concurrency: int) -> tuple[dict, str]:
 
 
 SAMPLED_TEMPERATURE, SAMPLED_LEN, SHORT_PROMPT = 0.8, 128, 16
-ROUNDS = 3
+ROUNDS = 5
 """Server-vs-offline rounds per load; the row is the round with the median ratio."""
 DEFAULT_GOMP_SPINCOUNT = "300000"
 """libgomp's own spin count when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set."""
