@@ -48,8 +48,8 @@ that owns its cores; a team on a host whose CPUs are oversubscribed (other engin
 others' time slices: there one stream decoded at 0.3-0.9 tok/s with the default, 4-6 with 1,000 or 0. Too
 short a spin costs the other way: with the server's event loop and its clients on the same cores, a thread
 that slept mid-step waits for its core back, and 32 streams over HTTP ran their decode steps slower than the
-offline engine's at 1,000 spins: 0.78-0.96x the offline rate (median 0.88, 12 rounds) against 0.85-1.07x
-(median 0.96, 9 rounds) at 10,000, alternating. On an oversubscribed host 10,000 costs ~10% over 1,000 (four
+offline engine's at 1,000 spins: 0.78-0.96x the offline rate (median 0.88, 18 rounds) against 0.83-1.09x
+(median 0.94, 29 rounds) at 10,000, alternating. On an oversubscribed host 10,000 costs ~10% over 1,000 (four
 server test files under two pytest workers: 82-90 s against 71-79 s)."""
 
 
