@@ -76,8 +76,8 @@ def test_kernel_computes_the_blocks_times_8_bit_activations(source, portable, dt
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_row_loops_compute_the_same_function(source, portable, dtype):
-    """The many-row loops (the tiled copy, 4 rows x 32 columns a tile, 64 rows a chunk) against the same
-    oracle, at row counts that leave partial tiles and span chunks."""
+    """The many-row loops (the tiled copy, 4 rows (4-bit) or 6 (8-bit) x 32 columns a tile, 64 rows a chunk)
+    against the same oracle, at row counts that leave partial tiles and span chunks."""
     if not native_kernels.load().quantized_matmul_vectorized() and not portable:
         pytest.skip("this CPU's build has no vector loops")
     blocks, reference = _q4_0() if source == "q4_0" else _tensor(source)
