@@ -226,11 +226,14 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
  * One VNNI instruction multiplies 4 inputs of one activation row (broadcast) into 16 columns, so a tile of
  * gemm_rows(bits) rows x 32 columns keeps 2 integer accumulators per row and block and reuses each loaded weight
  * vector across the rows; the block scales are applied once per block and tile row. Requires N % 32 == 0.
- * Rows per tile, timed A/B on a 2-core AMD EPYC (same tiles, results bit for bit equal): 8-bit weights ran
- * 1.20-1.30x faster with 6 rows than with 4 (K = 576; 1.01-1.04x at K = 1,536), 4-bit weights 0.86-0.99x as
- * fast (their unpacked vectors take the registers the extra rows need), so 4-bit keeps 4. */
-#define GEMM_ROWS_MAX 6
-static inline int gemm_rows(int bits) { return bits == 4 ? 4 : 6; }
+ * Rows per tile, timed A/B on a 2-core AMD EPYC (same tiles, results bit for bit equal, four runs): 8-bit
+ * weights ran 1.00-1.36x as fast with 6 rows as with 4, shape by shape (the 49,152 x 576 LM head at 32 rows
+ * 1.18-1.25x in three runs, 0.96x in one); 4-bit weights 0.86-0.99x (their unpacked vectors take the registers
+ * the extra rows need), so 4-bit keeps 4. */
+#define GEMM_ROWS_4BIT 4
+#define GEMM_ROWS_8BIT 6
+#define GEMM_ROWS_MAX GEMM_ROWS_8BIT
+static inline int gemm_rows(int bits) { return bits == 4 ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
 #define GEMM_CHUNK 64
 
 static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t n, int64_t k) {
@@ -374,10 +377,10 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
 #if QMM_VNNI
                     if (!portable) {
 #define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, g, xq, dx, sx, K, m0, R, tile, pf_g, groups, pf_phase)
-                        if (bits == 4 && rows == 4)
-                            GEMM_TILE(4, 4);
-                        else if (bits != 4 && rows == 6)
-                            GEMM_TILE(8, 6);
+                        if (bits == 4 && rows == GEMM_ROWS_4BIT)
+                            GEMM_TILE(4, GEMM_ROWS_4BIT);
+                        else if (bits != 4 && rows == GEMM_ROWS_8BIT)
+                            GEMM_TILE(8, GEMM_ROWS_8BIT);
                         else if (bits == 4)
                             GEMM_TILE(4, rows);
                         else
