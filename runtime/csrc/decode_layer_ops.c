@@ -110,10 +110,11 @@ void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int
     }
 }
 
+#define SILU_COST 4 /* an exp and a division per element: counts as 4 elements of the others' work */
 /* gate_up [T, 2I] (gate then up) -> out [T, I] = dtype(silu(gate)) * up. */
 void silu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, int num_threads) {
     const int64_t Iv = I - I % W;
-    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * I, num_threads))")
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * I * SILU_COST, num_threads))")
     for (int64_t t = 0; t < T; t++) {
         const int64_t g0 = t * 2 * I, u0 = g0 + I, o0 = t * I;
         for (int64_t i = 0; i < Iv; i += W) {
