@@ -246,6 +246,14 @@ static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t
 }
 
 #if QMM_VNNI
+/* The activation's 4 bytes (or 1 float) broadcast inside the instruction from memory ({1to16}): acc += w . x.
+ * GCC keeps a broadcast used twice in a register of its own (a separate vpbroadcastd); folded into each use,
+ * the 4-bit tiles ran 1.10-1.18x as fast on every shape (2-core AMD EPYC, same results bit for bit); 8-bit
+ * tiles keep the shared broadcast (0.94-0.97x folded). The block scales' broadcasts (below) are folded for
+ * both: 4-bit 1.01-1.03x more, 8-bit 0.98-1.02x. AT&T syntax, as GCC emits by default. */
+#define DPBUSD_BCAST(acc, w, mem) __asm__("vpdpbusd %[x]%{1to16%}, %[a], %[c]" : [c] "+v"(acc) : [a] "v"(w), [x] "m"(mem))
+#define MUL_BCAST(out, v, mem) __asm__("vmulps %[x]%{1to16%}, %[a], %[o]" : [o] "=v"(out) : [a] "v"(v), [x] "m"(mem))
+#define FMADD_BCAST(acc, v, mem) __asm__("vfmadd231ps %[x]%{1to16%}, %[a], %[c]" : [c] "+v"(acc) : [a] "v"(v), [x] "m"(mem))
 /* Always inlined with a constant `rows`, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
                            int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, int64_t K,
@@ -273,13 +281,11 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
                 const __m512i a0 = _mm512_and_si512(raw0, low4), a1 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4);
                 const __m512i b0 = _mm512_and_si512(raw1, low4), b1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4);
                 for (int r = 0; r < rows; r++) {
-                    int32_t x4[2];
-                    memcpy(x4, xq + (m0 + r) * K + b * QBLOCK + v * step, sizeof x4);
-                    const __m512i x0 = _mm512_set1_epi32(x4[0]), x1 = _mm512_set1_epi32(x4[1]);
-                    ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], a0, x0);
-                    ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], b0, x0);
-                    ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], a1, x1);
-                    ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], b1, x1);
+                    const int32_t *x4 = (const int32_t *)(xq + (m0 + r) * K + b * QBLOCK + v * step);
+                    DPBUSD_BCAST(ia[r][0], a0, x4[0]);
+                    DPBUSD_BCAST(ia[r][1], b0, x4[0]);
+                    DPBUSD_BCAST(ia[r][0], a1, x4[1]);
+                    DPBUSD_BCAST(ia[r][1], b1, x4[1]);
                 }
             } else {
                 for (int r = 0; r < rows; r++) {
@@ -296,11 +302,14 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
         const __m512 o0 = LOAD_HALVES(toffset + (g * nb + b) * 16), o1 = LOAD_HALVES(toffset + ((g + 1) * nb + b) * 16);
 #undef LOAD_HALVES
         for (int r = 0; r < rows; r++) {
-            const __m512 sdx = _mm512_set1_ps(dx[(m0 + r) * nb + b]), ssx = _mm512_set1_ps(sx[(m0 + r) * nb + b]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][0]), _mm512_mul_ps(d0, sdx), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][1]), _mm512_mul_ps(d1, sdx), acc[r][1]);
-            acc[r][0] = _mm512_fmadd_ps(o0, ssx, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(o1, ssx, acc[r][1]);
+            const float *rdx = dx + (m0 + r) * nb + b, *rsx = sx + (m0 + r) * nb + b;
+            __m512 s0, s1;
+            MUL_BCAST(s0, d0, *rdx);
+            MUL_BCAST(s1, d1, *rdx);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][0]), s0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][1]), s1, acc[r][1]);
+            FMADD_BCAST(acc[r][0], o0, *rsx);
+            FMADD_BCAST(acc[r][1], o1, *rsx);
         }
     }
     for (int r = 0; r < rows; r++) {
