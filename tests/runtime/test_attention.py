@@ -113,25 +113,26 @@ def test_prefill_chunks_after_cached_prefix_match_dense(native, monkeypatch):
         (12, 1, 64),
     ],  # the last two: the kernel's generic loops
 )
-def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads, d):
+@pytest.mark.parametrize("batch", [70, 3])  # a task per sequence (all its KV heads), a task per KV head
+def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads, d, batch):
     """The C kernel's grouped fast path (head_dim 64 or 128, up to 8 query heads a KV head) and its generic
-    loops (other shapes) against the PyTorch decode path, bfloat16 KV, 70 sequences of 1-300 tokens."""
+    loops (other shapes) against the PyTorch decode path, bfloat16 KV, sequences of 1-300 tokens."""
     if native_attention.load() is None:
         pytest.skip("the native kernels cannot be built here")
     from runtime.attention import _decode
 
     g = torch.Generator().manual_seed(3)
-    lens = torch.randint(1, 300, (70,), generator=g)
+    lens = torch.randint(1, 300, (batch,), generator=g)
     width = (int(lens.max()) + BS - 1) // BS
-    blocks = 70 * width
+    blocks = batch * width
     k_cache = torch.randn(blocks, BS, kv_heads, d, generator=g).bfloat16()
     v_cache = torch.randn(blocks, BS, kv_heads, d, generator=g).bfloat16()
-    tables = torch.randperm(blocks, generator=g).view(70, width)
-    q = torch.randn(70, heads, d, generator=g)
-    bias = torch.zeros(70, width * BS).masked_fill(
+    tables = torch.randperm(blocks, generator=g).view(batch, width)
+    q = torch.randn(batch, heads, d, generator=g)
+    bias = torch.zeros(batch, width * BS).masked_fill(
         torch.arange(width * BS) >= lens.unsqueeze(1), float("-inf")
     )
-    expected = _decode(q.bfloat16(), k_cache, v_cache, tables, bias.view(70, 1, 1, -1), d**-0.5)
+    expected = _decode(q.bfloat16(), k_cache, v_cache, tables, bias.view(batch, 1, 1, -1), d**-0.5)
     got = native_attention.decode_attention(q.bfloat16(), k_cache, v_cache, tables, lens, d**-0.5)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
