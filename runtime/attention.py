@@ -6,7 +6,7 @@ grouped matmul over the gathered blocks (much faster on CPU than
 scaled_dot_product_attention for one query token); prefill chunks run one
 sequence at a time through scaled_dot_product_attention. On CPU (float32 or
 bfloat16) small C kernels (native_attention) do both in place instead: all
-decoding sequences in one call, and each prefill chunk in one call. On CUDA a
+decoding sequences in one call, and all prefill chunks in another. On CUDA a
 fused Triton kernel (triton_attention) does the decodes, in place.
 """
 
@@ -36,6 +36,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] int64: cached tokens each decode attends to
     decode_bias: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
+    prefill_tables: torch.Tensor | None = None  # the C backend: every chunk's block table [C, W], padded,
+    prefill_spans: torch.Tensor | None = None  # and its (first row, rows, context_len) [C, 3]: one call
     decode_backend: str | None = None  # "c", "triton" or "torch" (DECODE_BACKENDS): the runner's choice,
     # made once; None (a caller that did not choose): the first usable
     row_tables: torch.Tensor | None = None  # the Triton backend (the runner's every step): one block
@@ -100,6 +102,10 @@ def paged_attention(
             )
         else:
             out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale)
+    if meta.prefill_spans is not None and native_attention.prefill_usable(q, k_cache):  # the C backend's
+        spans, tables = meta.prefill_spans, meta.prefill_tables
+        native_attention.prefill_attention(q, k_cache, v_cache, tables, spans, scale, out)
+        return out
     for chunk in meta.prefills:
         qs = q[chunk.start : chunk.end]
         n = chunk.end - chunk.start
@@ -118,14 +124,11 @@ def paged_attention(
 def _prefill_native(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
 ) -> torch.Tensor:
-    """A chunk's causal attention in C, read from the pool in place: the prefill kernel (its rows and heads
-    across the vector lanes) where it takes the shape, else the decode kernel with query row i a decode over
-    the first context_len - n + i + 1 positions. 512 tokens, bfloat16, 9 query / 3 KV heads, 1 thread:
-    prefill kernel 4.9 ms, decode kernel row by row 8.1-8.4, torch's flash kernel 8.6-10.4 (medians, under
-    load)."""
+    """A chunk's causal attention in C where the prefill kernel (paged_attention, every chunk in one call)
+    does not take the shape: the decode kernel, query row i a decode over the first context_len - n + i + 1
+    positions. 512 tokens, bfloat16, 9 query / 3 KV heads, 1 thread: prefill kernel 4.9 ms, decode kernel
+    row by row 8.1-8.4, torch's flash kernel 8.6-10.4 (medians, under load)."""
     n, ctx = q.shape[0], chunk.context_len
-    if native_attention.prefill_usable(q, k_cache):
-        return native_attention.prefill_attention(q, k_cache, v_cache, chunk.block_table, ctx, scale)
     lens = torch.arange(ctx - n + 1, ctx + 1, device=q.device)
     tables = chunk.block_table.view(1, -1).expand(n, -1).contiguous()
     return native_attention.decode_attention(q, k_cache, v_cache, tables, lens, scale)

@@ -1,6 +1,6 @@
 """Decode attention on CPU (float32 or bfloat16 KV) in a small C kernel (csrc/paged_decode_attention.c); a
-prefill chunk runs in its own kernel in the same file (prefill_attention), or through the decode kernel row
-by row where that one does not take the shape (attention.py).
+step's prefill chunks run in its own kernel in the same file, all in one call (prefill_attention), or
+through the decode kernel row by row where that one does not take the shape (attention.py).
 
 Pure PyTorch has to gather each sequence's KV blocks into a contiguous copy
 before its matmuls; for decode that copy costs more than the attention math.
@@ -75,31 +75,34 @@ def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    context_len: int,
+    tables: torch.Tensor,
+    spans: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    """Causal attention of a chunk's n queries q [n, heads, D] (positions context_len - n ..) over the first
-    context_len positions of one sequence's blocks (its own K/V already written); returns [n, heads, D] in
-    q's dtype. The math is float32."""
-    dtype = q.dtype
-    q = q.to(torch.float32).contiguous()
-    out = torch.empty_like(q)
-    n, heads, d = q.shape
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of every prefill chunk of a step, in one call: chunk c's rows are
+    q[first : first + n] (spans[c] = (first, n, context_len): positions context_len - n ..) over the first
+    context_len positions of its blocks tables[c] (int64, rows padded; its own K/V already written). Writes
+    those rows of out ([T, heads, D], q's shape, any float dtype); the math is float32."""
+    q32 = q.to(torch.float32).contiguous()
+    res = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q32)
+    heads, d = q.shape[1], q.shape[2]
     lib = load()
     kernel = (
         lib.paged_prefill_attention_bf16
         if k_cache.dtype == torch.bfloat16
         else lib.paged_prefill_attention_f32
     )
+    tables, spans = tables.contiguous(), spans.contiguous()
     kernel(
-        q.data_ptr(),
+        q32.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        block_table.contiguous().data_ptr(),
-        context_len,
-        n,
-        out.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        spans.data_ptr(),
+        spans.shape[0],
+        res.data_ptr(),
         heads,
         k_cache.shape[2],
         d,
@@ -107,4 +110,17 @@ def prefill_attention(
         scale,
         torch.get_num_threads(),
     )
-    return out.to(dtype)
+    if res is not out:
+        for first, n in _runs(spans):
+            out[first : first + n] = res[first : first + n]
+
+
+def _runs(spans: torch.Tensor) -> list[tuple[int, int]]:
+    """The chunks' rows as (first, n), merged where one chunk's rows follow another's (a step's all do)."""
+    runs: list[tuple[int, int]] = []
+    for first, n, _ in spans.tolist():
+        if runs and sum(runs[-1]) == first:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((first, n))
+    return runs

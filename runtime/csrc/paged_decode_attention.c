@@ -191,9 +191,19 @@ typedef uint32_t vu16 __attribute__((vector_size(4 * VW)));
 typedef int32_t vi16 __attribute__((vector_size(4 * VW)));
 
 static inline vf16 load16_f32(const float *p) { return *(const vf16 *)p; }
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* One 16-lane zero-extend and a shift. GCC 12 (-march=native on Zen 4, which it tunes as Zen 3) lowers the
+ * generic conversion below to two 8-lane extends and an insert; this form: decode attention 1.10x with K/V in
+ * cache, 1.02-1.06x from DRAM (32 sequences, 30 layers' pools; same results bit for bit). */
+static inline vf16 load16_bf16(const uint16_t *p) {
+    return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+#else
 static inline vf16 load16_bf16(const uint16_t *p) {
     return (vf16)(__builtin_convertvector(*(const vh16 *)p, vu16) << 16);
 }
+#endif
 
 static inline float hsum16(vf16 v) {
     float s = 0.f;
@@ -461,43 +471,84 @@ static inline __attribute__((always_inline)) void prefill_task(
     }
 }
 
+/* A task of the batched call: LANES / G rows (from `row`) of one chunk x one KV head, over `visible` positions. */
+typedef struct {
+    int64_t chunk, row, h, visible;
+} prefill_task_t;
+
+static int longer_first(const void *a, const void *b) {
+    const int64_t va = ((const prefill_task_t *)a)->visible, vb = ((const prefill_task_t *)b)->visible;
+    return va < vb ? 1 : va > vb ? -1 : 0;
+}
+
+/* Every prefill chunk of a step in one call: chunk c is spans[c] = {first row in q/out, rows n, context ctx}
+ * over the blocks tables[c][0 ..] (a row of max_blocks). One parallel region shares all chunks' tasks out,
+ * longest first: a step of 4 chunks of 128 rows once made 4 calls of 78 tasks, in each of which 2 threads
+ * finished unevenly and waited. */
 #define DEFINE_PREFILL(NAME, ELEM, LOAD16)                                                                      \
-void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *table, int64_t ctx,            \
-          int64_t n, float *out, int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,            \
-          int num_threads) {                                                                                    \
+void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *tables, int64_t max_blocks,   \
+          const int64_t *spans, int64_t num_chunks, float *out, int64_t H, int64_t KVH, int64_t D,             \
+          int64_t block_size, float scale, int num_threads) {                                                  \
     const int64_t G = H / KVH, R = VW / G, row = KVH * D;                                                       \
-    const int64_t nblk = (n + R - 1) / R, tasks = nblk * KVH;                                                   \
-    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(ctx + 1));                                     \
-    for (int64_t blk = 0, t = 0; t < ctx; blk++) {                                                              \
-        const int64_t base = table[blk] * block_size * row;                                                     \
-        for (int64_t j = 0; j < block_size && t < ctx; j++, t++) rows[t] = base + j * row;                      \
+    int64_t total_ctx = 0, tasks = 0, max_ctx = 0;                                                              \
+    for (int64_t c = 0; c < num_chunks; c++) {                                                                  \
+        const int64_t n = spans[3 * c + 1], ctx = spans[3 * c + 2];                                             \
+        total_ctx += ctx;                                                                                       \
+        tasks += (n + R - 1) / R * KVH;                                                                         \
+        if (ctx > max_ctx) max_ctx = ctx;                                                                       \
     }                                                                                                           \
-    /* every KV head's K and V, widened to float32 in position order: [KVH, ctx, D] each, built once */      \
-    float *kf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KVH * ctx * D + 64));                      \
-    float *vfb = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KVH * ctx * D + 64));                     \
+    /* rows[p]: pool offset of the p-th position of all chunks in turn (chunk c's from base[c]) */             \
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(total_ctx + 1));                              \
+    int64_t *base = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));                             \
+    prefill_task_t *list = (prefill_task_t *)malloc(sizeof(prefill_task_t) * (size_t)(tasks + 1));              \
+    for (int64_t c = 0, p = 0, k = 0; c < num_chunks; c++) {                                                    \
+        const int64_t n = spans[3 * c + 1], ctx = spans[3 * c + 2];                                             \
+        const int64_t *table = tables + c * max_blocks;                                                         \
+        base[c] = p;                                                                                            \
+        for (int64_t blk = 0, t = 0; t < ctx; blk++) {                                                          \
+            const int64_t at = table[blk] * block_size * row;                                                   \
+            for (int64_t j = 0; j < block_size && t < ctx; j++, t++) rows[p++] = at + j * row;                  \
+        }                                                                                                       \
+        for (int64_t r0 = 0; r0 < n; r0 += R)                                                                   \
+            for (int64_t h = 0; h < KVH; h++)                                                                   \
+                list[k++] = (prefill_task_t){c, r0, h, ctx - n + (n - r0 < R ? n : r0 + R)};                    \
+    }                                                                                                           \
+    base[num_chunks] = total_ctx;                                                                               \
+    qsort(list, (size_t)tasks, sizeof *list, longer_first);                                                     \
+    /* every chunk's K and V per KV head, widened to float32 in position order: chunk c's head h at            \
+     * (base[c] * KVH + h * ctx) * D */                                                                         \
+    float *kf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KVH * total_ctx * D + 64));                \
+    float *vfb = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KVH * total_ctx * D + 64));               \
     _Pragma("omp parallel num_threads(tasks < num_threads ? (int)tasks : num_threads)")                        \
     {                                                                                                           \
         _Pragma("omp for schedule(static)")                                                                     \
-        for (int64_t t = 0; t < ctx; t++)                                                                       \
+        for (int64_t p = 0; p < total_ctx; p++) {                                                               \
+            int64_t c = 0;                                                                                      \
+            while (base[c + 1] <= p) c++;                                                                       \
+            const int64_t ctx = spans[3 * c + 2], t = p - base[c];                                              \
             for (int64_t h = 0; h < KVH; h++)                                                                   \
-                for (int64_t c = 0; c < D; c += VW) {                                                           \
-                    *(vf16 *)(kf + (h * ctx + t) * D + c) = LOAD16(k_pool + rows[t] + h * D + c);               \
-                    *(vf16 *)(vfb + (h * ctx + t) * D + c) = LOAD16(v_pool + rows[t] + h * D + c);              \
+                for (int64_t d = 0; d < D; d += VW) {                                                           \
+                    const int64_t at = (base[c] * KVH + h * ctx + t) * D + d;                                   \
+                    *(vf16 *)(kf + at) = LOAD16(k_pool + rows[p] + h * D + d);                                  \
+                    *(vf16 *)(vfb + at) = LOAD16(v_pool + rows[p] + h * D + d);                                 \
                 }                                                                                               \
+        }                                                                                                       \
         vf16 *qt = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)D);                                         \
-        vf16 *s = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)(ctx + 1));                                  \
+        vf16 *s = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)(max_ctx + 1));                              \
         vf16 *acc = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)D);                                        \
         vf16 mask_from[VW];                                                                                     \
         _Pragma("omp for schedule(dynamic, 1)")                                                                 \
-        for (int64_t task = tasks - 1; task >= 0; task--) { /* the longest rows first */                       \
-            const int64_t blk = task / KVH, h = task % KVH, r0 = blk * R;                                       \
+        for (int64_t i = 0; i < tasks; i++) {                                                                   \
+            const prefill_task_t task = list[i];                                                                \
+            const int64_t c = task.chunk, h = task.h, r0 = task.row, L = task.visible;                          \
+            const int64_t first = spans[3 * c], n = spans[3 * c + 1], ctx = spans[3 * c + 2];                   \
             const int64_t nr = n - r0 < R ? n - r0 : R;                                                         \
-            const int64_t L = ctx - n + r0 + nr;                /* visible to the task's last row */           \
             const int64_t first_masked = L - nr + 1;             /* the first row sees up to here */           \
+            const float *qc = q + first * H * D;                                                                \
             for (int64_t d = 0; d < D; d++) {                                                                   \
                 vf16 col = {0};                                                                                 \
                 for (int64_t r = 0; r < nr; r++)                                                                \
-                    for (int64_t g = 0; g < G; g++) col[r * G + g] = q[((r0 + r) * H + h * G + g) * D + d] * scale; \
+                    for (int64_t g = 0; g < G; g++) col[r * G + g] = qc[((r0 + r) * H + h * G + g) * D + d] * scale; \
                 qt[d] = col;                                                                                    \
             }                                                                                                   \
             for (int64_t t = first_masked; t < L; t++) {          /* hidden from rows ending before t */       \
@@ -507,11 +558,11 @@ void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t 
                         for (int64_t g = 0; g < G; g++) m[r * G + g] = -1;                                      \
                 mask_from[t - first_masked] = (vf16)m;                                                          \
             }                                                                                                   \
-            prefill_task(D, L, kf + h * ctx * D, vfb + h * ctx * D, qt, s, mask_from, first_masked, \
-                                     acc);                                                                      \
+            const int64_t at = (base[c] * KVH + h * ctx) * D;                                                   \
+            prefill_task(D, L, kf + at, vfb + at, qt, s, mask_from, first_masked, acc);                         \
             for (int64_t r = 0; r < nr; r++)                                                                    \
                 for (int64_t g = 0; g < G; g++) {                                                               \
-                    float *o = out + ((r0 + r) * H + h * G + g) * D;                                            \
+                    float *o = out + ((first + r0 + r) * H + h * G + g) * D;                                    \
                     for (int64_t d = 0; d < D; d++) o[d] = acc[d][r * G + g];                                   \
                 }                                                                                               \
         }                                                                                                       \
@@ -522,6 +573,8 @@ void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t 
     free(kf);                                                                                                   \
     free(vfb);                                                                                                  \
     free(rows);                                                                                                 \
+    free(base);                                                                                                 \
+    free(list);                                                                                                 \
 }
 
 DEFINE_PREFILL(paged_prefill_attention_f32, float, load16_f32)

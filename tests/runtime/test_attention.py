@@ -141,23 +141,36 @@ def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads
     "heads, kv_heads, d, n, ctx",
     [(9, 3, 64, 37, 37), (9, 3, 64, 12, 50), (4, 4, 64, 21, 40), (16, 1, 128, 5, 70), (8, 4, 64, 1, 9)],
 )
-def test_native_prefill_matches_dense_across_head_shapes(heads, kv_heads, d, n, ctx):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_prefill_matches_dense_across_head_shapes(heads, kv_heads, d, n, ctx, dtype):
     """The C prefill kernel (query rows x heads across the vector lanes, the last rows' positions masked
-    lane by lane) against dense causal attention: whole prompts and chunks after a cached prefix, chunk
-    lengths that do not fill the last task, bfloat16 KV."""
+    lane by lane) against dense causal attention, three sequences' chunks in one call as a step has them
+    (after a few decode rows it must leave alone): whole prompts and chunks after a cached prefix, chunk
+    lengths that do not fill the last task, bfloat16 KV; queries and output in bfloat16 or float32."""
     if native_attention.load() is None:
         pytest.skip("the native kernels cannot be built here")
     g = torch.Generator().manual_seed(4)
-    blocks = (ctx + BS - 1) // BS
-    k_cache = torch.randn(blocks + 3, BS, kv_heads, d, generator=g).bfloat16()
-    v_cache = torch.randn(blocks + 3, BS, kv_heads, d, generator=g).bfloat16()
-    table = torch.randperm(blocks + 3, generator=g)[:blocks]
-    q = torch.randn(n, heads, d, generator=g).bfloat16()
+    chunks = [(n, ctx), (23, 23), (7, 47)]  # (rows, context_len) per sequence
+    widths = [(c + BS - 1) // BS for _, c in chunks]
+    k_cache = torch.randn(sum(widths) + 3, BS, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(sum(widths) + 3, BS, kv_heads, d, generator=g).bfloat16()
+    order = torch.randperm(sum(widths) + 3, generator=g)
+    tables = torch.zeros(len(chunks), max(widths), dtype=torch.int64)
+    spans, first, decodes = [], 3, 3
+    for c, ((rows, context), width) in enumerate(zip(chunks, widths)):
+        tables[c, :width] = order[sum(widths[:c]) : sum(widths[: c + 1])]
+        spans.append((first, rows, context))
+        first += rows
+    q = torch.randn(first, heads, d, generator=g).to(dtype)
+    out = torch.full((first, heads, d), 7.0, dtype=dtype)
     assert native_attention.prefill_usable(q, k_cache)
-    got = native_attention.prefill_attention(q, k_cache, v_cache, table, ctx, d**-0.5)
-    k = k_cache[table].flatten(0, 1)[:ctx].float().repeat_interleave(heads // kv_heads, dim=1)
-    v = v_cache[table].flatten(0, 1)[:ctx].float().repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("nhd,chd->hnc", q.float(), k) * d**-0.5
-    hidden = torch.arange(ctx).unsqueeze(0) > torch.arange(ctx - n, ctx).unsqueeze(1)
-    expected = torch.einsum("hnc,chd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
-    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    native_attention.prefill_attention(q, k_cache, v_cache, tables, torch.tensor(spans), d**-0.5, out)
+    assert (out[:decodes] == 7.0).all()  # the decode rows are not the kernel's
+    for c, (start, rows, context) in enumerate(spans):
+        table = tables[c, : widths[c]]
+        k = k_cache[table].flatten(0, 1)[:context].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[table].flatten(0, 1)[:context].float().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("nhd,chd->hnc", q[start : start + rows].float(), k) * d**-0.5
+        hidden = torch.arange(context).unsqueeze(0) > torch.arange(context - rows, context).unsqueeze(1)
+        expected = torch.einsum("hnc,chd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+        torch.testing.assert_close(out[start : start + rows].float(), expected, atol=2e-2, rtol=2e-2)
