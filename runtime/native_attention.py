@@ -83,9 +83,11 @@ def prefill_attention(
     """Causal attention of every prefill chunk of a step, in one call: chunk c's rows are
     q[first : first + n] (spans[c] = (first, n, context_len): positions context_len - n ..) over the first
     context_len positions of its blocks tables[c] (int64, rows padded; its own K/V already written). Writes
-    those rows of out ([T, heads, D], q's shape, any float dtype); the math is float32."""
-    q32 = q.to(torch.float32).contiguous()
-    res = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q32)
+    those rows of out ([T, heads, D], q's shape); the math is float32. q and out in float32 or bfloat16
+    are read and written as they are (the kernel converts), any other dtype through float32 copies."""
+    io = q.dtype if q.dtype in (torch.float32, torch.bfloat16) and out.dtype == q.dtype else torch.float32
+    qk = q.to(io).contiguous()
+    res = out if out.dtype == io and out.is_contiguous() else torch.empty_like(qk)
     heads, d = q.shape[1], q.shape[2]
     lib = load()
     kernel = (
@@ -95,7 +97,7 @@ def prefill_attention(
     )
     tables, spans = tables.contiguous(), spans.contiguous()
     kernel(
-        q32.data_ptr(),
+        qk.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         tables.data_ptr(),
@@ -103,6 +105,7 @@ def prefill_attention(
         spans.data_ptr(),
         spans.shape[0],
         res.data_ptr(),
+        int(io == torch.bfloat16),
         heads,
         k_cache.shape[2],
         d,

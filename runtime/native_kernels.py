@@ -150,7 +150,7 @@ def _open(path: Path) -> ctypes.CDLL:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, cint]
         fn.restype = None
     for fn in prefill:
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, cint]
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, cint, i64, i64, i64, i64, ctypes.c_float, cint]
         fn.restype = None
     matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint]
     matmul.restype = None

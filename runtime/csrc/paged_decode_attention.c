@@ -471,6 +471,22 @@ static inline __attribute__((always_inline)) void prefill_task(
     }
 }
 
+/* float <-> bfloat16 for the prefill kernel's queries and outputs (round to nearest even, as torch's
+ * conversion; NaN stays NaN) */
+static inline float bf16_load(const uint16_t *p) {
+    const uint32_t bits = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 /* A task of the batched call: LANES / G rows (from `row`) of one chunk x one KV head, over `visible` positions. */
 typedef struct {
     int64_t chunk, row, h, visible;
@@ -484,10 +500,11 @@ static int longer_first(const void *a, const void *b) {
 /* Every prefill chunk of a step in one call: chunk c is spans[c] = {first row in q/out, rows n, context ctx}
  * over the blocks tables[c][0 ..] (a row of max_blocks). One parallel region shares all chunks' tasks out,
  * longest first: a step of 4 chunks of 128 rows once made 4 calls of 78 tasks, in each of which 2 threads
- * finished unevenly and waited. */
+ * finished unevenly and waited. q and out [rows, H, D] are float32, or bfloat16 where io_bf16 (read and
+ * rounded here, in the tasks' transposes: torch's conversions before and after took ~13% of the call). */
 #define DEFINE_PREFILL(NAME, ELEM, LOAD16)                                                                      \
-void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *tables, int64_t max_blocks,   \
-          const int64_t *spans, int64_t num_chunks, float *out, int64_t H, int64_t KVH, int64_t D,             \
+void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *tables, int64_t max_blocks,    \
+          const int64_t *spans, int64_t num_chunks, void *out, int io_bf16, int64_t H, int64_t KVH, int64_t D, \
           int64_t block_size, float scale, int num_threads) {                                                  \
     const int64_t G = H / KVH, R = VW / G, row = KVH * D;                                                       \
     int64_t total_ctx = 0, tasks = 0, max_ctx = 0;                                                              \
@@ -544,11 +561,13 @@ void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t 
             const int64_t first = spans[3 * c], n = spans[3 * c + 1], ctx = spans[3 * c + 2];                   \
             const int64_t nr = n - r0 < R ? n - r0 : R;                                                         \
             const int64_t first_masked = L - nr + 1;             /* the first row sees up to here */           \
-            const float *qc = q + first * H * D;                                                                \
             for (int64_t d = 0; d < D; d++) {                                                                   \
                 vf16 col = {0};                                                                                 \
                 for (int64_t r = 0; r < nr; r++)                                                                \
-                    for (int64_t g = 0; g < G; g++) col[r * G + g] = qc[((r0 + r) * H + h * G + g) * D + d] * scale; \
+                    for (int64_t g = 0; g < G; g++) {                                                           \
+                        const int64_t at = ((first + r0 + r) * H + h * G + g) * D + d;                          \
+                        col[r * G + g] = (io_bf16 ? bf16_load((const uint16_t *)q + at) : ((const float *)q)[at]) * scale; \
+                    }                                                                                           \
                 qt[d] = col;                                                                                    \
             }                                                                                                   \
             for (int64_t t = first_masked; t < L; t++) {          /* hidden from rows ending before t */       \
@@ -562,8 +581,11 @@ void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t 
             prefill_task(D, L, kf + at, vfb + at, qt, s, mask_from, first_masked, acc);                         \
             for (int64_t r = 0; r < nr; r++)                                                                    \
                 for (int64_t g = 0; g < G; g++) {                                                               \
-                    float *o = out + ((first + r0 + r) * H + h * G + g) * D;                                    \
-                    for (int64_t d = 0; d < D; d++) o[d] = acc[d][r * G + g];                                   \
+                    const int64_t at = ((first + r0 + r) * H + h * G + g) * D;                                  \
+                    if (io_bf16)                                                                                \
+                        for (int64_t d = 0; d < D; d++) ((uint16_t *)out)[at + d] = bf16_round(acc[d][r * G + g]); \
+                    else                                                                                        \
+                        for (int64_t d = 0; d < D; d++) ((float *)out)[at + d] = acc[d][r * G + g];             \
                 }                                                                                               \
         }                                                                                                       \
         free(qt);                                                                                               \
