@@ -16,6 +16,7 @@ from runtime import native_attention, native_layer_ops, triton_layer_ops
 from runtime.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
+from runtime.native_decode import NativeDecode
 from runtime.quantization import (
     BlockEmbedding,
     GGUFBlocks,
@@ -157,6 +158,8 @@ class LlamaModel:
         """Every step runs the layers' element-wise work in layer_ops (on CPU, steps that only decode their
         attention in C too); False: the PyTorch ops."""
         self.scale = config.head_dim**-0.5
+        self._native_decode: tuple[KVCache, NativeDecode | None] | None = None
+        """The KV cache the C layer loop was made for, and that loop (_decode_layers)."""
 
     def _packed(self) -> list[Int4Linear]:
         ws = [self.lm_head] + [
@@ -264,6 +267,8 @@ class LlamaModel:
         t, eps = input_ids.shape[0], c.rms_norm_eps
         decode_only = not meta.prefills and meta.num_decode == t and meta.native_decode
         h = self.embed[input_ids].contiguous()
+        if decode_only and (layers := self._decode_layers(kv)) is not None and layers.usable(t):
+            return layers.forward(h, positions.contiguous(), meta)
         x = torch.empty_like(h)
         q_dtype = torch.float32 if decode_only else self.dtype
         q = torch.empty(t, c.num_heads, c.head_dim, dtype=q_dtype, device=self.device)
@@ -295,6 +300,12 @@ class LlamaModel:
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             ops.add_rms_norm(h, linear(act, layer.down), following, x, eps)
         return x
+
+    def _decode_layers(self, kv: KVCache) -> NativeDecode | None:
+        """The C loop over the layers for decode-only steps on this cache (None where it cannot run)."""
+        if self._native_decode is None or self._native_decode[0] is not kv:
+            self._native_decode = (kv, NativeDecode(self, kv) if NativeDecode.possible(self, kv) else None)
+        return self._native_decode[1]
 
     def _project(self, x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
         """x W^T for float32 x, out in the model dtype: the C matmul takes float32 as it is."""

@@ -24,9 +24,15 @@ from pathlib import Path
 log = logging.getLogger("prescient.runtime")
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode_attention.c", "quantized_matmul.c", "decode_layer_ops.c", "nucleus_sampling.c")
+    for name in (
+        "paged_decode_attention.c",
+        "quantized_matmul.c",
+        "decode_layer_ops.c",
+        "nucleus_sampling.c",
+        "decode_layers.c",
+    )
 ]
-HEADERS = [Path(__file__).parent / "csrc" / "vector_exp.h"]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vector_exp.h", "kernels.h")]
 
 
 def _cache_dir() -> Path:
@@ -143,7 +149,7 @@ def _open(path: Path) -> ctypes.CDLL:
         prefill = (lib.paged_prefill_attention_f32, lib.paged_prefill_attention_bf16)
         matmul, gemm, vectorized = lib.quantized_matmul, lib.quantized_gemm, lib.quantized_matmul_vectorized
         norm, silu_mul, rope = lib.add_rms_norm, lib.silu_mul, lib.rope_write_kv
-        nucleus = lib.nucleus_sample
+        nucleus, layers = lib.nucleus_sample, lib.decode_layers
     except AttributeError as exc:  # some other library under our name
         raise OSError(f"{path} lacks the kernels' symbols") from exc
     for fn in attention:
@@ -162,6 +168,7 @@ def _open(path: Path) -> ctypes.CDLL:
     silu_mul.argtypes = [ptr, ptr, i64, i64, cint, cint]
     rope.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint, cint, cint]
     nucleus.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint]
-    for fn in (norm, silu_mul, rope, nucleus):
+    layers.argtypes = [ptr, ptr, i64, ptr, cint]
+    for fn in (norm, silu_mul, rope, nucleus, layers):
         fn.restype = None
     return lib

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #include "vector_exp.h"
 
 typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2)));

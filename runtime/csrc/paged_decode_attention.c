@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define MAX_GROUP 16
 #define TILE 8
 

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define QMM_VNNI 1

@@ -1,0 +1,73 @@
+"""The C loop over a decode-only step's layers (runtime/native_decode.py) computes what the Python loop over
+the same kernels computes, bit for bit: the same greedy tokens and the same logprobs, with the real model,
+in bfloat16 and float32, at batch sizes that take the one-row and the many-row matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import runtime.model
+import runtime.native_decode as native_decode
+from runtime import Engine, SamplingParams
+from runtime.native_kernels import load
+from tests.runtime.conftest import CHATS
+
+
+def _generate(engine: Engine, prompts: list[str], c_loop: bool, monkeypatch) -> tuple[list, int]:
+    """Greedy tokens and top-3 logprobs per prompt, with the C loop allowed or not; and how many steps it ran."""
+    ran = []
+    forward = native_decode.NativeDecode.forward
+
+    def counted(self, *args):
+        ran.append(args[0].shape[0])
+        return forward(self, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(native_decode.NativeDecode, "forward", counted)
+        if not c_loop:
+            m.setattr(native_decode.NativeDecode, "possible", staticmethod(lambda model, kv: False))
+        engine.model._native_decode = None  # decided again for this run
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+        outs = engine.generate(prompts, params)
+    engine.model._native_decode = None
+    return [(o.token_ids, o.logprobs) for o in outs], len(ran)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_c_layer_loop_equals_python_loop(dtype, monkeypatch):
+    if load() is None:
+        pytest.skip("the native kernels cannot be built here")
+    # Routes pinned instead of measured (a busy machine can measure torch's kernel faster at some row
+    # count, and the C loop then rightly stands aside): the one-row kernel up to 4 rows, the many-row
+    # kernel from 5 where this CPU has its loops.
+    monkeypatch.setattr(
+        runtime.model, "measure_row_paths", lambda w: (4, 5 if w.native.tiles is not None else None)
+    )
+    # the GGUF's blocks kept in both dtypes (float32's default dequantizes them); no prefix cache: the second
+    # run must prefill exactly as the first did
+    engine = Engine.from_pretrained(
+        dtype=dtype,
+        device="cpu",
+        quantization="gguf",
+        kv_cache_bytes=64 << 20,
+        max_num_seqs=40,
+        enable_prefix_caching=False,
+    )
+    assert engine.model.dtype == getattr(torch, dtype)
+    many_rows = all(w.native.tiles is not None for w in engine.model._packed())
+    for n in (1, 3, 5, 40):
+        prompts = [CHATS[i % len(CHATS)] + " " * (i // len(CHATS)) for i in range(n)]
+        with_c, steps = _generate(engine, prompts, True, monkeypatch)
+        # every step decodes n rows at most, and those of n > 4 need the many-row loops
+        assert (steps > 0) == (n <= 4 or many_rows), (n, steps)
+        without_c, none = _generate(engine, prompts, False, monkeypatch)
+        assert none == 0
+        assert with_c == without_c
+
+
+def test_dense_weights_keep_the_python_loop(engine_fp32, monkeypatch):
+    """float32's default dequantizes the GGUF: dense projections, which the C loop does not take."""
+    outs, steps = _generate(engine_fp32, CHATS[:2], True, monkeypatch)
+    assert steps == 0
+    assert all(len(tokens) == 12 for tokens, _ in outs)
