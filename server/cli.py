@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import typing
@@ -109,11 +110,14 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(
             "--metrics-auth needs --api-key or --api-keys: /metrics then asks for one of those keys"
         )
+    if not 0 <= args.frontend_nice <= 19:
+        raise ValueError(f"--frontend-nice: {args.frontend_nice} is not a nice value from 0 to 19")
     if args.engine_process:
         client = EngineCoreClient.launch(
             {"config": engine_config(args)}, max_waiting=args.max_waiting, log_level=args.log_level
         )
         log.info("engine core process %d: %s", client.pid, client.info.description)
+        lower_priority(args.frontend_nice)  # the core, started above, keeps its own
     else:
         engine = Engine.from_pretrained(config=engine_config(args))
         log.info("%s", engine.describe())
@@ -156,6 +160,24 @@ async def serve(args: argparse.Namespace) -> int:
     await runner.cleanup()
     log.info("stopped")
     return 0
+
+
+def lower_priority(nice: int) -> None:
+    """Every thread of this process to at least `nice` (Linux sets it per thread; threads started later
+    inherit it from the thread that starts them). Never raises: a priority is not worth failing a start."""
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]  # elsewhere the call covers the process
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        except OSError as exc:  # a thread that ended meanwhile, or no permission: keep going
+            log.debug("--frontend-nice: thread %d: %s", tid, exc)
+    if nice:
+        log.info(
+            "front end at nice %d (the engine core process at its own)", os.getpriority(os.PRIO_PROCESS, 0)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

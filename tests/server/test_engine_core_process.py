@@ -278,3 +278,40 @@ def test_a_core_that_cannot_load_is_a_startup_error():
     )
     assert proc.returncode == 2
     assert "model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _nice(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19 of stat: nice
+
+
+def _thread_nices(pid: int) -> set[int]:
+    return {_nice(pid, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_the_front_end_runs_nicer_than_its_core(server):
+    """Every thread of the server process at nice 10 (the default --frontend-nice), the core's at the nice
+    it was started with; requests are served as before."""
+    started_at = os.getpriority(os.PRIO_PROCESS, 0)
+    status, body = _post(server.url, {"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+    assert status == 200, body
+    assert _thread_nices(server.proc.pid) == {max(10, started_at)}
+    assert _thread_nices(_core_pid(server)) == {started_at}
+
+
+def test_frontend_nice_zero_keeps_one_priority_and_a_bad_value_is_a_startup_error():
+    started_at = os.getpriority(os.PRIO_PROCESS, 0)
+    with running_server("--frontend-nice", "0") as server:
+        status, body = _post(server.url, {"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+        assert status == 200, body
+        assert _thread_nices(server.proc.pid) == {started_at}
+        assert _thread_nices(_core_pid(server)) == {started_at}
+    proc = subprocess.run(
+        [sys.executable, "-m", "server", "--frontend-nice", "25", "--port", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--frontend-nice" in proc.stderr and "Traceback" not in proc.stderr
