@@ -102,9 +102,14 @@ def paged_attention(
             )
         else:
             out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale)
-    if meta.prefill_spans is not None and native_attention.prefill_usable(q, k_cache):  # the C backend's
-        spans, tables = meta.prefill_spans, meta.prefill_tables
-        native_attention.prefill_attention(q, k_cache, v_cache, tables, spans, scale, out)
+    if native and meta.prefills and native_attention.prefill_usable(q, k_cache):  # every chunk in one call
+        if (
+            meta.prefill_spans is None
+        ):  # metadata made outside the runner (Engine.prompt_logits): pack it here
+            meta.prefill_tables, meta.prefill_spans = _packed_chunks(meta.prefills, q.device)
+        native_attention.prefill_attention(
+            q, k_cache, v_cache, meta.prefill_tables, meta.prefill_spans, scale, out
+        )
         return out
     for chunk in meta.prefills:
         qs = q[chunk.start : chunk.end]
@@ -119,6 +124,17 @@ def paged_attention(
             vs = _gather(v_cache, chunk.block_table, chunk.context_len)
         out[chunk.start : chunk.end] = _prefill(qs, ks, vs, scale)
     return out
+
+
+def _packed_chunks(chunks: list[PrefillChunk], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks' block tables as one [C, W] tensor (rows padded with block 0) and their spans [C, 3]
+    (first row, rows, context_len): the C prefill kernel's arguments."""
+    width = max(len(c.block_table) for c in chunks)
+    tables = torch.zeros(len(chunks), width, dtype=torch.int64, device=device)
+    for i, c in enumerate(chunks):
+        tables[i, : len(c.block_table)] = c.block_table
+    spans = torch.tensor([(c.start, c.end - c.start, c.context_len) for c in chunks], device=device)
+    return tables, spans
 
 
 def _prefill_native(

@@ -174,3 +174,34 @@ def test_native_prefill_matches_dense_across_head_shapes(heads, kv_heads, d, n, 
         hidden = torch.arange(context).unsqueeze(0) > torch.arange(context - rows, context).unsqueeze(1)
         expected = torch.einsum("hnc,chd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
         torch.testing.assert_close(out[start : start + rows].float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_metadata_made_outside_the_runner_takes_the_prefill_kernel(monkeypatch):
+    """Engine.prompt_logits builds its AttentionMetadata itself (no packed chunk tables, no backend chosen):
+    its chunks still go to the C prefill kernel, in one call, and give what a dense causal attention gives."""
+    if native_attention.load() is None:
+        pytest.skip("the native kernels cannot be built here")
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, lens = 9, 3, 64, (29, 40)
+    blocks = [(n + BS - 1) // BS for n in lens]
+    k_cache = torch.randn(sum(blocks), BS, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(sum(blocks), BS, kv_heads, d, generator=g).bfloat16()
+    chunks = [
+        PrefillChunk(0, lens[0], lens[0], torch.arange(blocks[0])),
+        PrefillChunk(lens[0], sum(lens), lens[1], torch.arange(blocks[0], sum(blocks))),
+    ]
+    q = torch.randn(sum(lens), heads, d, generator=g).bfloat16()
+    calls = []
+    kernel = native_attention.prefill_attention
+    monkeypatch.setattr(native_attention, "prefill_attention", lambda *a: calls.append(1) or kernel(*a))
+    meta = AttentionMetadata(slot_mapping=torch.arange(sum(lens)), prefills=chunks)
+    got = paged_attention(q, None, None, k_cache, v_cache, meta, d**-0.5)
+    assert len(calls) == 1
+    for c in chunks:
+        n = c.end - c.start
+        k = k_cache[c.block_table].flatten(0, 1)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[c.block_table].flatten(0, 1)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("nhd,chd->hnc", q[c.start : c.end].float(), k) * d**-0.5
+        hidden = torch.arange(n).unsqueeze(0) > torch.arange(n).unsqueeze(1)
+        expected = torch.einsum("hnc,chd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+        torch.testing.assert_close(got[c.start : c.end].float(), expected, atol=2e-2, rtol=2e-2)
