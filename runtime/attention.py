@@ -103,9 +103,8 @@ def paged_attention(
         else:
             out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale)
     if native and meta.prefills and native_attention.prefill_usable(q, k_cache):  # every chunk in one call
-        if (
-            meta.prefill_spans is None
-        ):  # metadata made outside the runner (Engine.prompt_logits): pack it here
+        # metadata made outside the runner (Engine.prompt_logits) comes without the packed tables
+        if meta.prefill_spans is None:
             meta.prefill_tables, meta.prefill_spans = _packed_chunks(meta.prefills, q.device)
         native_attention.prefill_attention(
             q, k_cache, v_cache, meta.prefill_tables, meta.prefill_spans, scale, out
