@@ -57,6 +57,14 @@ def generated(choice: Choice, out: RequestOutput) -> tuple[list[int], str]:
     return ([], "") if choice.echo_only else (out.token_ids, out.text)
 
 
+def choice_finish_reason(choice: Choice, out) -> str | None:
+    """The choice's finish_reason: the sequence's, except that a prompt only scored (echo, max_tokens 0) ends
+    by its limit, 'length', whatever the token sampled and dropped was (an eos there made it 'stop' at
+    random); an abort stays an abort."""
+    reason = out.finish_reason
+    return "length" if choice.echo_only and reason == "stop" else reason
+
+
 def decode_prompt(tokenizer, ids: list[int], i: int) -> str:
     """An echoed token prompt's text (before admission, which would name a bad id the same way)."""
     try:
@@ -103,7 +111,7 @@ def final_choice(state: ServerState, req: GenerationRequest, chat: bool, c: Choi
         choice = {
             "index": index,
             "text": (c.prompt_text if req.echo else "") + text,
-            "finish_reason": out.finish_reason,
+            "finish_reason": choice_finish_reason(c, out),
             "logprobs": logprobs,
         }
     if out.stop_reason is not None and not req.echo_only:

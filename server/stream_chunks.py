@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from runtime import OutputDelta
 from server import sse
-from server.choices import Choice, end_offset
+from server.choices import Choice, choice_finish_reason, end_offset
 from server.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from server.protocol import GenerationRequest
 from server.state import ServerState
@@ -48,7 +48,7 @@ async def send_delta(
             c.sent_offset = end_offset(logprobs) or c.sent_offset
     if req.echo and not c.started:
         delta = c.prompt_text + delta
-    finish = out.finish_reason if out.finished else None
+    finish = choice_finish_reason(c, out) if out.finished else None
     tools = chat and parses_tool_calls(req.tools)
     if tools:  # text that may be a call is held until the sequence ends: what is sent is counted in chars
         text = out.text

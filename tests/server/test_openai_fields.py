@@ -29,6 +29,21 @@ def transformers_model():
     return model.eval()
 
 
+def test_echo_with_max_tokens_0_ends_by_its_limit(client, offline_engine):
+    """Scoring a prompt (echo, max_tokens 0) samples one token and drops it; the finish_reason is 'length'
+    even when that token is the eos (forced here by logit_bias), streamed or not."""
+    eos = offline_engine.tokenizer.eos_token_id
+    ask = dict(model=MODEL, prompt=TEXT, max_tokens=0, echo=True, logprobs=1, logit_bias={str(eos): 100})
+    resp = client.completions.create(**ask)
+    assert resp.choices[0].text == TEXT and resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 0
+    chunks = list(client.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+
+
 def test_echo_logprobs_is_transformers_log_likelihood(client, offline_engine, transformers_model):
     resp = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=0, echo=True, logprobs=1)
     choice = resp.choices[0]
