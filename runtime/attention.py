@@ -36,8 +36,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] int64: cached tokens each decode attends to
     decode_bias: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
-    prefill_tables: torch.Tensor | None = None  # the C backend: every chunk's block table [C, W], padded,
-    prefill_spans: torch.Tensor | None = None  # and its (first row, rows, context_len) [C, 3]: one call
+    prefill_tables: torch.Tensor | None = None  # the C prefill kernel's packing of `prefills`, made by the
+    prefill_spans: torch.Tensor | None = None  # step's first layer for all: tables [C, W], spans [C, 3]
     decode_backend: str | None = None  # "c", "triton" or "torch" (DECODE_BACKENDS): the runner's choice,
     # made once; None (a caller that did not choose): the first usable
     row_tables: torch.Tensor | None = None  # the Triton backend (the runner's every step): one block
@@ -103,8 +103,7 @@ def paged_attention(
         else:
             out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_bias, scale)
     if native and meta.prefills and native_attention.prefill_usable(q, k_cache):  # every chunk in one call
-        # metadata made outside the runner (Engine.prompt_logits) comes without the packed tables
-        if meta.prefill_spans is None:
+        if meta.prefill_spans is None:  # packed once a step, by its first layer
             meta.prefill_tables, meta.prefill_spans = _packed_chunks(meta.prefills, q.device)
         native_attention.prefill_attention(
             q, k_cache, v_cache, meta.prefill_tables, meta.prefill_spans, scale, out

@@ -302,28 +302,26 @@ class ModelRunner:
     ) -> list[int]:
         """A chunk of rows per prefilling sequence; returns the rows to sample (chunks that end a prompt)."""
         bs = self.block_size
-        sample_rows, tables, spans = [], [], []
+        sample_rows = []
         for w in prefills:
             start, end, table = w.seq.num_computed_tokens, w.end, w.seq.block_table
             row = len(ids)
             ids.extend(w.seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            tables.append(table[: (end + bs - 1) // bs])
-            spans.append((row, w.num_tokens, end))
+            meta.prefills.append(
+                PrefillChunk(
+                    row,
+                    row + w.num_tokens,
+                    end,
+                    # the Triton backend reads the tables of run_rows instead
+                    None
+                    if self.decode_backend == "triton"
+                    else torch.tensor(table[: (end + bs - 1) // bs], device=self.device),
+                )
+            )
             if w.samples:
                 sample_rows.append(row + w.num_tokens - 1)
-        if not prefills or self.decode_backend == "triton":  # Triton reads the tables of run_rows instead
-            meta.prefills.extend(PrefillChunk(r, r + n, ctx, None) for r, n, ctx in spans)
-            return sample_rows
-        width = max(len(t) for t in tables)
-        packed = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
-        meta.prefills.extend(
-            PrefillChunk(r, r + n, ctx, packed[c, : len(tables[c])]) for c, (r, n, ctx) in enumerate(spans)
-        )
-        if self.decode_backend == "c":  # every chunk in one call of the C kernel
-            meta.prefill_tables = packed
-            meta.prefill_spans = torch.tensor(spans, dtype=torch.int64, device=self.device)
         return sample_rows
 
     def row_inputs(self, work: list[_Work]) -> tuple[list[list[int]], list[int], list[int]]:

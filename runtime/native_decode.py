@@ -103,12 +103,11 @@ def _projection(w: Int4Linear) -> _Projection:
 
 
 def _takes(w, rows: int) -> bool:
-    """The C matmul serves this projection at this many rows (Int4Linear's routing)."""
+    """The C matmul serves this projection at this many rows (Int4Linear.native_path)."""
     if not isinstance(w, Int4Linear) or w.native is None:
         return False
-    if w.native_rows is not None and rows <= w.native_rows:
-        return True
-    return w.gemm_rows is not None and rows >= w.gemm_rows and w.native.tiles is not None
+    path = w.native_path(rows)
+    return path == "one-row" or (path == "many-row" and w.native.tiles is not None)
 
 
 class NativeDecode:

@@ -32,7 +32,7 @@ SOURCES = [
         "decode_layers.c",
     )
 ]
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vector_exp.h", "kernels.h")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vector_exp.h", "kernels.h", "bf16.h")]
 
 
 def _cache_dir() -> Path:

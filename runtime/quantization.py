@@ -164,15 +164,25 @@ class Int4Linear:
             + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
         )
 
+    def native_path(self, rows: int) -> str | None:
+        """The C kernel that takes this many rows: 'one-row' (up to native_rows), 'many-row' (from gemm_rows),
+        or None (the dense copy or torch's packed kernel). csrc/decode_layers.c routes by the same rule."""
+        if self.native_rows is not None and rows <= self.native_rows:
+            return "one-row"
+        if self.gemm_rows is not None and rows >= self.gemm_rows:
+            return "many-row"
+        return None
+
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out] in out_dtype (default: x's). The C kernel takes float32 or bfloat16 x as
         it is; the dense copy and torch's packed kernel take x in the weights' dtype."""
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
         rows = x.shape[0]
-        if self.native_rows is not None and rows <= self.native_rows:
+        path = self.native_path(rows)
+        if path == "one-row":
             return self.native(x, out_dtype=out_dtype).view(*lead, self.out_features)
-        if self.gemm_rows is not None and rows >= self.gemm_rows:
+        if path == "many-row":
             return self.native.gemm(x, out_dtype=out_dtype).view(*lead, self.out_features)
         out_dtype = out_dtype or x.dtype
         x = x.to(self.scales_and_zeros.dtype)

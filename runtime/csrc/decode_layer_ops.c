@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 
 #include "vector_exp.h"
@@ -18,11 +19,7 @@
 typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2)));
 
 static inline float load_elem(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline float round_bf16(float f) {

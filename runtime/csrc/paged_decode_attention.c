@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 
 #define MAX_GROUP 16
@@ -473,22 +474,6 @@ static inline __attribute__((always_inline)) void prefill_task(
     }
 }
 
-/* float <-> bfloat16 for the prefill kernel's queries and outputs (round to nearest even, as torch's
- * conversion; NaN stays NaN) */
-static inline float bf16_load(const uint16_t *p) {
-    const uint32_t bits = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* A task of the batched call: LANES / G rows (from `row`) of one chunk x one KV head, over `visible` positions. */
 typedef struct {
     int64_t chunk, row, h, visible;
@@ -568,7 +553,7 @@ void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *
                 for (int64_t r = 0; r < nr; r++)                                                                \
                     for (int64_t g = 0; g < G; g++) {                                                           \
                         const int64_t at = ((first + r0 + r) * H + h * G + g) * D + d;                          \
-                        col[r * G + g] = (io_bf16 ? bf16_load((const uint16_t *)q + at) : ((const float *)q)[at]) * scale; \
+                        col[r * G + g] = (io_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at]) * scale; \
                     }                                                                                           \
                 qt[d] = col;                                                                                    \
             }                                                                                                   \
@@ -585,7 +570,7 @@ void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *
                 for (int64_t g = 0; g < G; g++) {                                                               \
                     const int64_t at = ((first + r0 + r) * H + h * G + g) * D;                                  \
                     if (io_bf16)                                                                                \
-                        for (int64_t d = 0; d < D; d++) ((uint16_t *)out)[at + d] = bf16_round(acc[d][r * G + g]); \
+                        for (int64_t d = 0; d < D; d++) ((uint16_t *)out)[at + d] = f32_to_bf16(acc[d][r * G + g]); \
                     else                                                                                        \
                         for (int64_t d = 0; d < D; d++) ((float *)out)[at + d] = acc[d][r * G + g];             \
                 }                                                                                               \

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -31,13 +32,6 @@
 
 #define QBLOCK 32
 #define ROW_TILE 16
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 static inline float f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
@@ -56,14 +50,6 @@ static inline float f16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
 }
 
 /* One row of activations into int8 blocks: xq [K], dx [K/32], sx [K/32] = dx * sum(xq). */

@@ -259,25 +259,18 @@ def test_a_killed_server_takes_its_core_with_it():
         assert _wait_gone(core, 10), "the engine core outlived its server (SIGKILL)"
 
 
-def test_a_core_that_cannot_load_is_a_startup_error():
+def _startup_error(*flags: str) -> str:
+    """`python -m server FLAGS` must exit 2 without a traceback; returns what it printed on stderr."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "server",
-            "--model",
-            "/nonexistent/model.gguf",
-            "--port",
-            "1",
-            "--engine-process",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, "-m", "server", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2
-    assert "model" in proc.stderr and "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
+def test_a_core_that_cannot_load_is_a_startup_error():
+    assert "model" in _startup_error("--model", "/nonexistent/model.gguf", "--port", "1", "--engine-process")
 
 
 def _nice(pid: int, tid: int) -> int:
@@ -306,12 +299,4 @@ def test_frontend_nice_zero_keeps_one_priority_and_a_bad_value_is_a_startup_erro
         assert status == 200, body
         assert _thread_nices(server.proc.pid) == {started_at}
         assert _thread_nices(_core_pid(server)) == {started_at}
-    proc = subprocess.run(
-        [sys.executable, "-m", "server", "--frontend-nice", "25", "--port", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "--frontend-nice" in proc.stderr and "Traceback" not in proc.stderr
+    assert "--frontend-nice" in _startup_error("--frontend-nice", "25", "--port", "1")
