@@ -106,6 +106,7 @@ def worker_loop(
 ) -> None:
     """Entry point of a worker process (`fill_ring`: this worker's ring in the cache, fill_ring.py;
     `result_rings`: where its batches' tensors go to the main process, result_rings.py)."""
+    parent = os.getppid()
     try:
         torch.set_num_threads(1)
         seed = seed_worker(base_seed, worker_id)
@@ -125,7 +126,6 @@ def worker_loop(
         except Exception:
             init_error = WorkerError(where)
         exhausted = False
-        parent = os.getppid()
         while os.getppid() == parent:
             try:
                 message = index_queue.get(timeout=WATCH_SECONDS)
@@ -162,6 +162,8 @@ def worker_loop(
             del data, index, message  # a batch must not outlive its hand-over in this process
     except KeyboardInterrupt:
         pass  # the main process handles the interrupt and stops the workers
-    if done_event.is_set():
+    if done_event.is_set() or os.getppid() != parent:
+        # Nobody will read what is still queued: leaving must not wait on the pipe (a full one
+        # never drains once the main process is gone, and another worker holds its read end).
         result_queue.cancel_join_thread()
         result_queue.close()
