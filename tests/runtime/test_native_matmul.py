@@ -99,6 +99,28 @@ def test_many_row_loops_compute_the_same_function(source, portable, dtype):
             assert torch.equal(w.gemm(x, portable=portable), torch.from_numpy(got).float().bfloat16())
 
 
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_activation_reaches_its_rows_outputs_only(portable, dtype):
+    """As in a float matmul: a NaN in a row's activations makes that row's outputs NaN (the 8-bit rounding
+    must not turn it into a finite code), and the other rows stay finite; one-row kernel and many-row loops."""
+    if not native_kernels.load().quantized_matmul_vectorized() and not portable:
+        pytest.skip("this CPU's build has no vector loops")
+    blocks, reference = _tensor("blk.3.ffn_down.weight")
+    w = pack_gguf(blocks, dtype).native
+    for rows, position in ((1, 0), (7, 45), (70, 1000)):
+        x = torch.randn(rows, reference.shape[1]).to(dtype)
+        x[rows // 2, position] = float("nan")
+        outs = [w(x[rows // 2 : rows // 2 + 1], out_dtype=torch.float32, portable=portable)]
+        if w.tiles is not None:
+            outs.append(w.gemm(x, out_dtype=torch.float32, portable=portable)[rows // 2 : rows // 2 + 1])
+            others = torch.cat([x[: rows // 2], x[rows // 2 + 1 :]])
+            if len(others):
+                assert torch.isfinite(w.gemm(others, out_dtype=torch.float32, portable=portable)).all()
+        for out in outs:
+            assert torch.isnan(out).all(), (rows, position)
+
+
 def test_many_rows_go_to_the_loops_only_from_where_they_measured_faster(monkeypatch):
     blocks, _ = _tensor("blk.0.attn_output.weight")
     w = pack_gguf(blocks, torch.bfloat16)
