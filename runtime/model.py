@@ -296,7 +296,9 @@ class LlamaModel:
                 attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
                 o = linear(attn.view(t, c.q_size), layer.o)
             ops.add_rms_norm(h, o, layer.post_norm, x, eps)
-            ops.silu_mul(linear(x, layer.gate_up), act)
+            gate_up = layer.gate_up
+            if not (isinstance(gate_up, Int4Linear) and gate_up.silu_mul_into(x, act)):
+                ops.silu_mul(linear(x, gate_up), act)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             ops.add_rms_norm(h, linear(act, layer.down), following, x, eps)
         return x

@@ -160,7 +160,7 @@ def _open(path: Path) -> ctypes.CDLL:
         fn.restype = None
     matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint]
     matmul.restype = None
-    gemm.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint]
+    gemm.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint, cint]
     gemm.restype = None
     vectorized.argtypes = []
     vectorized.restype = cint

@@ -76,13 +76,27 @@ class NativeMatmul:
         return sum(t.numel() * t.element_size() for t in self.tiles or ())
 
     def gemm(
-        self, x: torch.Tensor, out_dtype: torch.dtype | None = None, portable: bool = False
+        self,
+        x: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
+        portable: bool = False,
+        silu: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The function __call__ computes, by the many-row kernel on the tiled copy (with_tiles first)."""
+        """The function __call__ computes, by the many-row kernel on the tiled copy (with_tiles first). With
+        `silu` the weight is a fused [gate; up] (out_features % 64 == 0) and the result is
+        SiLU(gate) x up [M, out_features / 2], rounded as runtime/layer ops' silu_mul of the plain result.
+        `out`: where to write it (contiguous, of the result's shape and dtype)."""
         assert self.tiles is not None, "with_tiles() first"
+        assert not silu or self.out_features % 64 == 0, "the fused epilogue takes gate and up pairs of 32"
         x = x.contiguous()
         m = x.shape[0]
-        out = torch.empty(m, self.out_features, dtype=out_dtype or x.dtype)
+        width = self.out_features // 2 if silu else self.out_features
+        if out is None:
+            out = torch.empty(m, width, dtype=out_dtype or x.dtype)
+        assert (
+            out.shape == (m, width) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
+        )
         tiles, scale, offset = self.tiles
         load().quantized_gemm(
             x.data_ptr(),
@@ -96,6 +110,7 @@ class NativeMatmul:
             self.bits,
             out.data_ptr(),
             int(out.dtype == torch.bfloat16),
+            int(silu),
             int(portable),
             torch.get_num_threads(),
         )

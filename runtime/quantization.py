@@ -173,6 +173,15 @@ class Int4Linear:
             return "many-row"
         return None
 
+    def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """For a fused [gate; up] weight: out [rows, out / 2] = SiLU(gate) x up of x [rows, in], in the many-row
+        kernel's epilogue, where x's rows take that kernel (csrc/decode_layers.c does the same); False where
+        they do not, and the caller multiplies and runs the layer op (the same values either way)."""
+        if self.native_path(x.shape[0]) != "many-row" or self.out_features % 64:
+            return False
+        self.native.gemm(x, silu=True, out=out)
+        return True
+
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out] in out_dtype (default: x's). The C kernel takes float32 or bfloat16 x as
         it is; the dense copy and torch's packed kernel take x in the weights' dtype."""

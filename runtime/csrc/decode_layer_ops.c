@@ -53,14 +53,6 @@ static inline vf vload(const void *p, int64_t i, int bf16) {
     return (vf)wide;
 }
 
-/* round to nearest even bfloat16 (NaN kept), as a float */
-static inline vf vround_bf16(vf f) {
-    vu bits = (vu)f;
-    vi nan = (vi)((bits & 0x7fffffffu) > 0x7f800000u);
-    vu r = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    return (vf)(((vu)nan & bits) | (~(vu)nan & r));
-}
-
 static inline vf vto_dtype(vf f, int bf16) { return bf16 ? vround_bf16(f) : f; }
 
 static inline void vstore(void *p, int64_t i, vf f, int bf16) {
@@ -117,9 +109,7 @@ void silu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, in
     for (int64_t t = 0; t < T; t++) {
         const int64_t g0 = t * 2 * I, u0 = g0 + I, o0 = t * I;
         for (int64_t i = 0; i < Iv; i += W) {
-            const vf g = vload(gate_up, g0 + i, bf16);
-            const vf s = vto_dtype(g / (1.f + vexp(-g)), bf16);
-            vstore(out, o0 + i, s * vload(gate_up, u0 + i, bf16), bf16);
+            vstore(out, o0 + i, vsilu_mul(vload(gate_up, g0 + i, bf16), vload(gate_up, u0 + i, bf16), bf16), bf16);
         }
         for (int64_t i = Iv; i < I; i++) {
             const float g = load_elem(gate_up, g0 + i, bf16);

@@ -45,14 +45,16 @@ typedef struct {
     float *q, *attn;                              /* float32 */
 } decode_step_t;
 
+static int one_row(const projection_t *p, int64_t M) { return p->native_rows >= 0 && M <= p->native_rows; }
+
 static void project(const projection_t *p, const void *x, int x_bf16, int64_t M, void *out, int out_bf16,
                     int threads) {
-    if (p->native_rows >= 0 && M <= p->native_rows)
+    if (one_row(p, M))
         quantized_matmul(x, x_bf16, M, p->k, p->codes, p->scale, p->offset, p->n, (int)p->bits, out, out_bf16,
                          0, threads);
     else
         quantized_gemm(x, x_bf16, M, p->k, p->tiles, p->tscale, p->toffset, p->n, (int)p->bits, out, out_bf16,
-                       0, threads);
+                       0, 0, threads);
 }
 
 void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_t num_layers, const decode_step_t *s,
@@ -75,8 +77,14 @@ void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_
                                        threads);
         project(&l->o, s->attn, 0, M, s->o, bf16, threads);
         add_rms_norm(s->h, s->o, l->post_norm, s->x, M, m->hidden, m->eps, bf16, threads);
-        project(&l->gate_up, s->x, bf16, M, s->gate_up, bf16, threads);
-        silu_mul(s->gate_up, s->act, M, m->intermediate, bf16, threads);
+        if (one_row(&l->gate_up, M) || l->gate_up.n % 64) {
+            project(&l->gate_up, s->x, bf16, M, s->gate_up, bf16, threads);
+            silu_mul(s->gate_up, s->act, M, m->intermediate, bf16, threads);
+        } else { /* SiLU x up in the matmul's epilogue, as LlamaModel's loop (Int4Linear.silu_mul) */
+            const projection_t *p = &l->gate_up;
+            quantized_gemm(s->x, bf16, M, p->k, p->tiles, p->tscale, p->toffset, p->n, (int)p->bits, s->act, bf16,
+                           1, 0, threads);
+        }
         project(&l->down, s->act, bf16, M, s->down, bf16, threads);
         add_rms_norm(s->h, s->down, l->next_norm, s->x, M, m->hidden, m->eps, bf16, threads);
     }

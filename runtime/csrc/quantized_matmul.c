@@ -22,6 +22,7 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "vector_exp.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -370,35 +371,65 @@ static inline void store_row32(const float *src, void *out, int64_t at, int out_
 #endif
 }
 
+typedef uint16_t vh16 __attribute__((vector_size(2 * W), aligned(2)));
+
+/* The fused epilogue: out[at .. at + 32) = dtype(dtype(silu(gate)) * up) of 32 columns' gate and up sums, each
+ * first rounded to the dtype as store_row32 stores them, then as the layer ops' silu_mul computes it. */
+static inline void store_silu32(const float *gate, const float *up, void *out, int64_t at, int out_bf16) {
+    for (int h = 0; h < 2; h++) {
+        vf g, u;
+        memcpy(&g, gate + h * W, sizeof g);
+        memcpy(&u, up + h * W, sizeof u);
+        if (out_bf16) {
+            g = vround_bf16(g), u = vround_bf16(u);
+            const vh16 y = __builtin_convertvector((vu)vround_bf16(vsilu_mul(g, u, 1)) >> 16, vh16);
+            memcpy((uint16_t *)out + at + h * W, &y, sizeof y);
+        } else {
+            const vf y = vsilu_mul(g, u, 0);
+            memcpy((float *)out + at + h * W, &y, sizeof y);
+        }
+    }
+}
+
 /* Column pair g (columns 16g .. 16g + 31) for rows mc .. mend - 1, a tile of `step` rows at a time: the next
  * pair's weights come from memory while this one's are reused from cache by every row group, each group
- * prefetching its share of the blocks. */
+ * prefetching its share of the blocks. With `silu`, pair g is a gate pair of the fused gate-up weight (its
+ * first N / 2 columns): the up pair N / 32 groups on is computed for the same rows, and SiLU(gate) x up goes
+ * to out [M, N / 2]. */
 static inline __attribute__((always_inline)) void gemm_pair(
     const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb, int bits, int64_t g, int64_t N,
     const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t mc, int64_t mend, int step, float *tile,
-    void *out, int out_bf16, int portable) {
+    void *out, int out_bf16, int portable, int silu) {
     const int groups = (int)((mend - mc + step - 1) / step);
-    const int64_t pf_g = g + 2 < N / 16 ? g + 2 : -1;
+    const int64_t up = g + N / 32; /* silu: the up pair */
     for (int64_t m0 = mc; m0 < mend; m0 += step) {
         const int rows = (int)(mend - m0 < step ? mend - m0 : step);
         const int pf_phase = (int)((m0 - mc) / step);
+        for (int part = 0; part <= silu; part++) {
+            const int64_t gg = part ? up : g, pf_g = gg + 2 < (silu && !part ? N / 32 : N / 16) ? gg + 2 : -1;
+            float *t = tile + part * GEMM_ROWS_MAX * 32;
 #if QMM_VNNI
-        if (!portable) {
-#define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, g, xq, dx, sx, K, m0, R, tile, pf_g, groups, pf_phase)
-            if (bits == 4 && rows == GEMM_ROWS_4BIT)
-                GEMM_TILE(4, GEMM_ROWS_4BIT);
-            else if (bits != 4 && rows == GEMM_ROWS_8BIT)
-                GEMM_TILE(8, GEMM_ROWS_8BIT);
-            else if (bits == 4)
-                GEMM_TILE(4, rows);
-            else
-                GEMM_TILE(8, rows);
+            if (!portable) {
+#define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, K, m0, R, t, pf_g, groups, pf_phase)
+                if (bits == 4 && rows == GEMM_ROWS_4BIT)
+                    GEMM_TILE(4, GEMM_ROWS_4BIT);
+                else if (bits != 4 && rows == GEMM_ROWS_8BIT)
+                    GEMM_TILE(8, GEMM_ROWS_8BIT);
+                else if (bits == 4)
+                    GEMM_TILE(4, rows);
+                else
+                    GEMM_TILE(8, rows);
 #undef GEMM_TILE
-        } else
+            } else
 #endif
-            gemm_tile_portable(tiles, tscale, toffset, nb, bits, g, xq, dx, sx, K, m0, rows, tile);
-        for (int r = 0; r < rows; r++)
-            store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
+                gemm_tile_portable(tiles, tscale, toffset, nb, bits, gg, xq, dx, sx, K, m0, rows, t);
+        }
+        for (int r = 0; r < rows; r++) {
+            if (silu)
+                store_silu32(tile + r * 32, tile + (GEMM_ROWS_MAX + r) * 32, out, (m0 + r) * (N / 2) + g * 16, out_bf16);
+            else
+                store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
+        }
     }
 }
 
@@ -408,9 +439,12 @@ static inline __attribute__((always_inline)) void gemm_pair(
  * (tests/bench serve's measure), medians of 8 rounds, 2-core AMD EPYC: 1 stream 0.889 and 0.899 (two runs)
  * static, 0.924 and 0.934 guided for every call, 0.936 as here; 32 streams 0.917 static, 0.952 and 0.954.
  * Alone (microbenchmark) guided costs 0-3%. Bigger calls (prefill) keep a static split, so that each thread
- * finds its pairs' weights in its own L2 for every chunk of rows (guided there: 0.97-0.98x alone). */
+ * finds its pairs' weights in its own L2 for every chunk of rows (guided there: 0.97-0.98x alone).
+ * `silu`: the weight is a fused [gate; up] (N = 2 I, I % 32 == 0) and out [M, I] receives SiLU(gate) x up,
+ * rounded as the layer ops' silu_mul rounds it after this kernel's plain output: the same values without
+ * writing and reading back the M x 2I intermediate (a pass that took ~4% of a prefill step). */
 void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const uint16_t *tscale,
-                    const uint16_t *toffset, int64_t N, int bits, void *out, int out_bf16, int portable,
+                    const uint16_t *toffset, int64_t N, int bits, void *out, int out_bf16, int silu, int portable,
                     int num_threads) {
     const int64_t nb = K / QBLOCK;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
@@ -422,19 +456,21 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++)
             quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb);
-        float tile[GEMM_ROWS_MAX * 32];
+        float tile[2 * GEMM_ROWS_MAX * 32];
         const int step = gemm_rows(bits);
+        const int64_t pairs_end = silu ? N / 32 : N / 16; /* silu: the gate pairs */
         if (M <= GEMM_CHUNK) {
             _Pragma("omp for schedule(guided)")
-            for (int64_t g = 0; g < N / 16; g += 2)
-                gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, K, 0, M, step, tile, out, out_bf16, portable);
+            for (int64_t g = 0; g < pairs_end; g += 2)
+                gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, K, 0, M, step, tile, out, out_bf16, portable,
+                          silu);
         } else {
             for (int64_t mc = 0; mc < M; mc += GEMM_CHUNK) {
                 const int64_t mend = mc + GEMM_CHUNK < M ? mc + GEMM_CHUNK : M;
                 _Pragma("omp for schedule(static)")
-                for (int64_t g = 0; g < N / 16; g += 2)
+                for (int64_t g = 0; g < pairs_end; g += 2)
                     gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, K, mc, mend, step, tile, out, out_bf16,
-                              portable);
+                              portable, silu);
             }
         }
     }

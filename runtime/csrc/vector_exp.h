@@ -1,5 +1,6 @@
 /* What the C kernels share for 16 floats at a time (GCC vector extensions: AVX-512, two AVX2 halves, or NEON):
- * the vector types, a horizontal sum, exp and log; and how many OpenMP threads a call is worth. */
+ * the vector types, a horizontal sum, exp and log, bfloat16 rounding and SiLU(gate) x up; and how many
+ * OpenMP threads a call is worth. */
 #ifndef PRESCIENT_VECTOR_EXP_H
 #define PRESCIENT_VECTOR_EXP_H
 
@@ -72,6 +73,21 @@ static inline vf vlog(vf x) {
     y += ef * -2.12194440e-4f;
     y += z * -0.5f;
     return m + y + ef * 0.693359375f;
+}
+
+/* round to nearest even bfloat16 (NaN kept), as a float */
+static inline vf vround_bf16(vf f) {
+    vu bits = (vu)f;
+    vi nan = (vi)((bits & 0x7fffffffu) > 0x7f800000u);
+    vu r = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return (vf)(((vu)nan & bits) | (~(vu)nan & r));
+}
+
+/* dtype(silu(gate)) * up, before the caller's rounding of the product (gate and up already in the dtype):
+ * the layer ops' silu_mul and the many-row matmul's fused epilogue compute it alike. */
+static inline vf vsilu_mul(vf gate, vf up, int bf16) {
+    const vf s = gate / (1.f + vexp(-gate));
+    return (bf16 ? vround_bf16(s) : s) * up;
 }
 
 #endif

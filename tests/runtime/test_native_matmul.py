@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import Engine, model, native_kernels, native_matmul, quantization
+from runtime import Engine, model, native_kernels, native_layer_ops, native_matmul, quantization
 from runtime.checkpoint import default_model_path
 from runtime.quantization import GGUFBlocks, Int4Linear, pack_gguf
 from tests.bench.perplexity import perplexity
@@ -97,6 +97,31 @@ def test_many_row_loops_compute_the_same_function(source, portable, dtype):
         assert np.abs(got - expected).max() <= 2e-5 * np.abs(expected).max() * reference.shape[1] ** 0.5
         if dtype == torch.bfloat16:  # bfloat16 out: the float32 result rounded to nearest
             assert torch.equal(w.gemm(x, portable=portable), torch.from_numpy(got).float().bfloat16())
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_epilogue_equals_the_product_then_the_layer_op(portable, dtype):
+    """A fused [gate; up] weight (Q4_1 from the gguf library, and the model's own layer) with SiLU x up in the
+    many-row loops' epilogue: bit for bit what the plain product followed by the layer ops' silu_mul gives,
+    at row counts that leave partial tiles and span chunks; and it writes into a given buffer."""
+    if not native_kernels.load().quantized_matmul_vectorized():
+        pytest.skip("this CPU's build has no vector loops, so no tiled copy for the fused path to run on")
+    w = np.random.default_rng(2).standard_normal((2 * 96, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    weights = [pack_gguf(GGUFBlocks.parse("Q4_1", raw, w.shape), dtype).native]
+    weights.append(pack_gguf(_tensor("blk.2.ffn_up.weight")[0], dtype).native)  # 1,536 x 576: gate = up here
+    for native in weights:
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, native.in_features).to(dtype)
+            plain = native.gemm(x, portable=portable)
+            expected = torch.empty(rows, native.out_features // 2, dtype=dtype)
+            native_layer_ops.silu_mul(plain, expected)
+            got = native.gemm(x, portable=portable, silu=True)
+            assert got.dtype == dtype and torch.equal(got, expected), (rows, native.out_features)
+            into = torch.full_like(expected, float("nan"))
+            assert native.gemm(x, portable=portable, silu=True, out=into) is into
+            assert torch.equal(into, expected)
 
 
 @pytest.mark.parametrize("portable", [False, True])
