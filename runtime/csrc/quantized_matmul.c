@@ -402,23 +402,37 @@ static inline __attribute__((always_inline)) void gemm_pair(
     void *out, int out_bf16, int portable, int silu) {
     const int groups = (int)((mend - mc + step - 1) / step);
     const int64_t up = g + N / 32; /* silu: the up pair */
-    for (int64_t m0 = mc; m0 < mend; m0 += step) {
-        const int rows = (int)(mend - m0 < step ? mend - m0 : step);
-        const int pf_phase = (int)((m0 - mc) / step);
+    /* the rows in `groups` tiles as even as they go, each tile a constant row count (its accumulators in
+     * registers): 32 rows of 6-row tiles as 6, 6, 5, 5, 5, 5, not 6 x 5 and a 2-row tile at a variable count.
+     * Same results; A/B on a 2-core AMD EPYC: the LM head at 32 rows 1.07x, every projection at 7 or 13 rows
+     * 1.12-1.31x, 540 rows 0.99-1.01x. */
+    const int64_t base_rows = (mend - mc) / groups, extra = (mend - mc) % groups;
+    for (int64_t gi = 0, m0 = mc; gi < groups; gi++) {
+        const int rows = (int)(base_rows + (gi < extra));
+        const int pf_phase = (int)gi;
         for (int part = 0; part <= silu; part++) {
             const int64_t gg = part ? up : g, pf_g = gg + 2 < (silu && !part ? N / 32 : N / 16) ? gg + 2 : -1;
             float *t = tile + part * GEMM_ROWS_MAX * 32;
 #if QMM_VNNI
             if (!portable) {
 #define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, K, m0, R, t, pf_g, groups, pf_phase)
-                if (bits == 4 && rows == GEMM_ROWS_4BIT)
-                    GEMM_TILE(4, GEMM_ROWS_4BIT);
-                else if (bits != 4 && rows == GEMM_ROWS_8BIT)
-                    GEMM_TILE(8, GEMM_ROWS_8BIT);
-                else if (bits == 4)
-                    GEMM_TILE(4, rows);
-                else
-                    GEMM_TILE(8, rows);
+                if (bits == 4) {
+                    switch (rows) {
+                    case 4: GEMM_TILE(4, 4); break;
+                    case 3: GEMM_TILE(4, 3); break;
+                    case 2: GEMM_TILE(4, 2); break;
+                    default: GEMM_TILE(4, 1); break;
+                    }
+                } else {
+                    switch (rows) {
+                    case 6: GEMM_TILE(8, 6); break;
+                    case 5: GEMM_TILE(8, 5); break;
+                    case 4: GEMM_TILE(8, 4); break;
+                    case 3: GEMM_TILE(8, 3); break;
+                    case 2: GEMM_TILE(8, 2); break;
+                    default: GEMM_TILE(8, 1); break;
+                    }
+                }
 #undef GEMM_TILE
             } else
 #endif
@@ -430,6 +444,7 @@ static inline __attribute__((always_inline)) void gemm_pair(
             else
                 store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
         }
+        m0 += rows;
     }
 }
 
