@@ -16,7 +16,6 @@
 
 #include "vector_exp.h"
 
-typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2)));
 
 static inline float load_elem(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -49,8 +48,7 @@ static inline float to_dtype(float f, int bf16) { return bf16 ? round_bf16(f) : 
 
 static inline vf vload(const void *p, int64_t i, int bf16) {
     if (!bf16) return *(const vf *)((const float *)p + i);
-    vu wide = __builtin_convertvector(*(const vh *)((const uint16_t *)p + i), vu) << 16;
-    return (vf)wide;
+    return vload_bf16((const uint16_t *)p + i);
 }
 
 static inline vf vto_dtype(vf f, int bf16) { return bf16 ? vround_bf16(f) : f; }
@@ -60,8 +58,7 @@ static inline void vstore(void *p, int64_t i, vf f, int bf16) {
         *(vf *)((float *)p + i) = f;
         return;
     }
-    vu bits = (vu)vround_bf16(f) >> 16;
-    *(vh *)((uint16_t *)p + i) = __builtin_convertvector(bits, vh);
+    vstore_bf16_bits((uint16_t *)p + i, (vu)vround_bf16(f));
 }
 
 /* h [T, D] += delta (rounded to the dtype), when delta is not NULL; then

@@ -371,8 +371,6 @@ static inline void store_row32(const float *src, void *out, int64_t at, int out_
 #endif
 }
 
-typedef uint16_t vh16 __attribute__((vector_size(2 * W), aligned(2)));
-
 /* The fused epilogue: out[at .. at + 32) = dtype(dtype(silu(gate)) * up) of 32 columns' gate and up sums, each
  * first rounded to the dtype as store_row32 stores them, then as the layer ops' silu_mul computes it. */
 static inline void store_silu32(const float *gate, const float *up, void *out, int64_t at, int out_bf16) {
@@ -382,8 +380,7 @@ static inline void store_silu32(const float *gate, const float *up, void *out, i
         memcpy(&u, up + h * W, sizeof u);
         if (out_bf16) {
             g = vround_bf16(g), u = vround_bf16(u);
-            const vh16 y = __builtin_convertvector((vu)vround_bf16(vsilu_mul(g, u, 1)) >> 16, vh16);
-            memcpy((uint16_t *)out + at + h * W, &y, sizeof y);
+            vstore_bf16_bits((uint16_t *)out + at + h * W, (vu)vround_bf16(vsilu_mul(g, u, 1)));
         } else {
             const vf y = vsilu_mul(g, u, 0);
             memcpy((float *)out + at + h * W, &y, sizeof y);

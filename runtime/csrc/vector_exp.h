@@ -75,6 +75,24 @@ static inline vf vlog(vf x) {
     return m + y + ef * 0.693359375f;
 }
 
+/* 16 bfloat16 widened to floats, and 16 floats' top halves narrowed to bfloat16 bits (the caller rounds first).
+ * With AVX-512 one zero-extend and one narrowing move: GCC 12 (-march=native on Zen 4, tuned as Zen 3) lowers
+ * the generic conversions to two 8-lane extends and an insert, and to a two-table word permute (vpermt2w);
+ * on 540 rows (2-core AMD EPYC, same results) add_rms_norm ran 1.19x and rope_write_kv 1.17x as fast with these. */
+typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2)));
+#if defined(__AVX512F__) && W == 16
+#include <immintrin.h>
+static inline vf vload_bf16(const uint16_t *p) {
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+static inline void vstore_bf16_bits(uint16_t *p, vu bits) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)bits, 16)));
+}
+#else
+static inline vf vload_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16); }
+static inline void vstore_bf16_bits(uint16_t *p, vu bits) { *(vh *)p = __builtin_convertvector(bits >> 16, vh); }
+#endif
+
 /* round to nearest even bfloat16 (NaN kept), as a float */
 static inline vf vround_bf16(vf f) {
     vu bits = (vu)f;
