@@ -7,8 +7,7 @@ Baselines measured in the same run, because this machine is shared and noisy:
 - for the shared-prefix workload, the same server started with --no-prefix-caching;
 - for "server vs offline" (temperature 0.8, 128 tokens, 1 and 32 streams): the offline
   engine on the same prompts and sampling, run right after each HTTP run (five rounds,
-  the median ratio reported with every round's; the load generator in a process of its
-  own at nice 10, and one row again at nice 0), and the
+  the median ratio reported with every round's), and the
   compute roofline (the faster dtype's matmul FLOP/s over 2 x parameters), measured
   once at the start of the run and used for every row;
 - for the TTFT of 32 short prompts at once: the same burst with the scheduler's
@@ -24,14 +23,11 @@ import gc
 import os
 import time
 
-from tests.bench.load_generator import ClientProcess, RequestSpec, random_prompts, run_load, summarize
+from tests.bench.load_generator import RequestSpec, random_prompts, run_load, summarize
 from tests.bench.roofline import matmul_flops
 from tests.server.conftest import MODEL, running_server
 
 INPUT_LEN, OUTPUT_LEN = 128, 128
-CLIENT_NICE = 10
-"""The load generator's priority in the server-vs-offline rows (ClientProcess): below the engine core's, as
-a remote client takes none of the server's CPU; one row repeats one stream at 0 to show what it changes."""
 CONCURRENCIES = (1, 8, 32, 64)
 SHARED_PREFIX, SUFFIX, PREFIX_OUTPUT = 1024, 32, 8
 
@@ -77,16 +73,11 @@ DEFAULT_GOMP_SPINCOUNT = "300000"
 
 
 def _server_vs_offline(
-    url: str,
-    engine_in: str,
-    ceiling: float,
-    loads: tuple = ((1, 2), (32, 32)),
-    client_nice: int = CLIENT_NICE,
+    url: str, engine_in: str, ceiling: float, loads: tuple = ((1, 2), (32, 32))
 ) -> tuple[list[dict], dict]:
     """HTTP at 1 and 32 streams (loads: (streams, requests)) against the offline engine on the same prompts
     and sampling; with both loads, also the TTFT of 32 short prompts arriving at once and the 32-stream rate
-    against the compute roofline (ceiling, tok/s). The load generator runs in a process of its own at
-    `client_nice` (ClientProcess); its CPU a token is in the rows."""
+    against the compute roofline (ceiling, tok/s)."""
     from runtime import Engine, SamplingParams
 
     engine = Engine.from_pretrained(dtype="auto", kv_cache_bytes=1 << 30, max_num_seqs=32)
@@ -99,10 +90,8 @@ def _server_vs_offline(
             # new prompts each round: repeated ones would be served from the prefix cache
             prompts = random_prompts(count, INPUT_LEN, seed=100 + streams + 1000 * round_)
             specs = [RequestSpec(p, SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE) for p in prompts]
-            with ClientProcess(client_nice) as client:
-                results, wall, client_cpu = client.run(url, MODEL, specs, concurrency=streams)
+            results, wall = asyncio.run(run_load(url, MODEL, specs, concurrency=streams))
             http = summarize(results, wall)
-            http["client CPU ms/token"] = client_cpu * 1e3 / max(1, sum(r.output_tokens for r in results))
             start = time.perf_counter()
             if streams == 1:
                 outs = [engine.generate(p, params)[0] for p in prompts]
@@ -263,9 +252,6 @@ def run() -> dict:
         )
         cached = _shared_prefix(server.url, seed=11)
         process_rows, process = _server_vs_offline(server.url, "engine core process", ceiling)
-        client0_rows, client0 = _server_vs_offline(
-            server.url, "engine core process, load generator at nice 0", ceiling, ((1, 2),), client_nice=0
-        )
     with running_server("--no-prefix-caching", dtype="auto", kv_cache="1GiB") as server:
         uncached = _shared_prefix(server.url, seed=11)
     waves = "--prefill-wave-tokens"
@@ -301,7 +287,7 @@ def run() -> dict:
     rows.append(offline)
     rows += process_rows
     rows.append({"workload": f"server (engine core process, {waves} 128), {_BURST}", "requests": 32, **waved})
-    rows += client0_rows + versus_rows + spin_rows
+    rows += versus_rows + spin_rows
     ratio = uncached["TTFT p50 ms"] / cached["TTFT p50 ms"]
     notes.append(
         f"prompts {INPUT_LEN} random tokens, outputs {OUTPUT_LEN} tokens (ignore_eos), greedy, streamed; "
@@ -333,9 +319,7 @@ def run() -> dict:
         f"{versus['x offline 1']:.2f}x, {versus['x offline 32']:.2f}x, "
         f"{versus['x roofline 32']:.2f} of the roofline, TTFT p50 {versus['TTFT p50 32 short ms']:.0f} ms; "
         f"1 stream through a core with libgomp's default spin (GOMP_SPINCOUNT={DEFAULT_GOMP_SPINCOUNT}) "
-        f"{spin['x offline 1']:.2f}x. The load generator ran in its own process at nice {CLIENT_NICE} (below "
-        f"the engine core, as a remote client takes none of its CPU); at nice 0, 1 stream: "
-        f"{client0['x offline 1']:.2f}x"
+        f"{spin['x offline 1']:.2f}x"
     )
     return {
         "title": "Serving: OpenAI API over loopback (vLLM bench-serve metrics)",
@@ -348,5 +332,4 @@ def run() -> dict:
         "server_vs_offline_engine_thread": versus,
         "ttft_p50_32_short_waves_ms": waved["TTFT p50 ms"],
         "x_offline_1_default_spin": spin["x offline 1"],
-        "x_offline_1_client_nice_0": client0["x offline 1"],
     }

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
-import os
 import random
-import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -153,45 +150,6 @@ async def run_load(
             await asyncio.gather(*(client() for _ in range(concurrency or 1)))
         wall = time.perf_counter() - t0
     return results, wall
-
-
-class ClientProcess:
-    """run_load in a process of its own at a lower priority (nice): on a machine the server shares with its
-    load generator, a client at nice 0 takes the engine's CPU turns as much as the engine does (the
-    aiohttp client costs ~0.25 ms of CPU a streamed token on a 2-core AMD EPYC, ~5% of a one-stream
-    token's engine time), which a remote client would not; at nice 10 it runs when the engine leaves a
-    core (as the server's own front end does, --frontend-nice). Use as a context manager; run() returns
-    (results, wall seconds, the client's CPU seconds)."""
-
-    def __init__(self, nice: int = 10):
-        self.nice = nice
-        self.pool = None
-
-    def __enter__(self) -> ClientProcess:
-        # spawned, not forked: the caller may hold OpenMP threads (an offline engine)
-        self.pool = multiprocessing.get_context("spawn").Pool(1, initializer=os.nice, initargs=(self.nice,))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.pool.terminate()
-        self.pool.join()
-
-    def run(
-        self, url: str, model: str, specs: list[RequestSpec], **kwargs
-    ) -> tuple[list[Result], float, float]:
-        return self.pool.apply(_run_load_timed, (url, model, specs, kwargs))
-
-
-def _run_load_timed(
-    url: str, model: str, specs: list[RequestSpec], kwargs: dict
-) -> tuple[list[Result], float, float]:
-    def cpu() -> float:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-
-    before = cpu()
-    results, wall = asyncio.run(run_load(url, model, specs, **kwargs))
-    return results, wall, cpu() - before
 
 
 def percentile(values: list[float], q: float) -> float | None:
