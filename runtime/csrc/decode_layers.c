@@ -80,7 +80,7 @@ void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_
         if (one_row(&l->gate_up, M) || l->gate_up.n % 64) {
             project(&l->gate_up, s->x, bf16, M, s->gate_up, bf16, threads);
             silu_mul(s->gate_up, s->act, M, m->intermediate, bf16, threads);
-        } else { /* SiLU x up in the matmul's epilogue, as LlamaModel's loop (Int4Linear.silu_mul) */
+        } else { /* SiLU x up in the matmul's epilogue, as LlamaModel's loop (Int4Linear.silu_mul_into) */
             const projection_t *p = &l->gate_up;
             quantized_gemm(s->x, bf16, M, p->k, p->tiles, p->tscale, p->toffset, p->n, (int)p->bits, s->act, bf16,
                            1, 0, threads);
