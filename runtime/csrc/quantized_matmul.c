@@ -247,6 +247,9 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
 #define GEMM_ROWS_4BIT 4
 #define GEMM_ROWS_8BIT 6
 #define GEMM_ROWS_MAX GEMM_ROWS_8BIT
+/* gemm_pair's switch has a constant-row tile for every count up to these; a larger one would fall to its
+ * 1-row default and leave rows uncomputed */
+_Static_assert(GEMM_ROWS_4BIT == 4 && GEMM_ROWS_8BIT == 6, "gemm_pair's tile switch covers 1-4 and 1-6 rows");
 static inline int gemm_rows(int bits) { return bits == 4 ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
 #define GEMM_CHUNK 64
 
