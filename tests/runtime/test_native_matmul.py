@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from runtime import Engine, model, native_kernels, native_layer_ops, native_matmul, quantization
 from runtime.checkpoint import default_model_path
@@ -104,7 +105,8 @@ def test_many_row_loops_compute_the_same_function(source, portable, dtype):
 def test_fused_silu_epilogue_equals_the_product_then_the_layer_op(portable, dtype):
     """A fused [gate; up] weight (Q4_1 from the gguf library, and the model's own layer) with SiLU x up in the
     many-row loops' epilogue: bit for bit what the plain product followed by the layer ops' silu_mul gives,
-    at row counts that leave partial tiles and span chunks; and it writes into a given buffer."""
+    and torch's F.silu(gate) * up of that product to rounding, at row counts that leave partial tiles and span
+    chunks; and it writes into a given buffer."""
     if not native_kernels.load().quantized_matmul_vectorized():
         pytest.skip("this CPU's build has no vector loops, so no tiled copy for the fused path to run on")
     w = np.random.default_rng(2).standard_normal((2 * 96, 128)).astype(np.float32)
@@ -119,6 +121,15 @@ def test_fused_silu_epilogue_equals_the_product_then_the_layer_op(portable, dtyp
             native_layer_ops.silu_mul(plain, expected)
             got = native.gemm(x, portable=portable, silu=True)
             assert got.dtype == dtype and torch.equal(got, expected), (rows, native.out_features)
+            gate, up = plain.chunk(2, dim=-1)
+            reference, size = (F.silu(gate) * up).float(), (F.silu(gate) * up).float().abs()
+            diff = (got.float() - reference).abs()
+            if (
+                dtype == torch.float32
+            ):  # float32 to 1e-5 of the largest value; bfloat16 to one unit in the last place
+                assert diff.max() <= 1e-5 * size.max()
+            else:
+                assert (diff <= 2**-7 * size + 1e-6).all()
             into = torch.full_like(expected, float("nan"))
             assert native.gemm(x, portable=portable, silu=True, out=into) is into
             assert torch.equal(into, expected)
