@@ -13,8 +13,9 @@ Configurations: float32 dequantized, bfloat16 dequantized, and bfloat16 on the G
 configurations (medians over both, so load that drifts during the run hits both sides); its column is
 skipped otherwise.
 Sampling cost: decode x32 at temperature 0.8 / top-p 0.9 against greedy, same engine, same run.
-Quality: perplexity on a fixed text (tests/bench/perplexity.py) per configuration (xllamacpp's server API
-returns no prompt logprobs, so llama.cpp's perplexity is not measured here).
+Quality: perplexity on a fixed text (tests/bench/perplexity.py) per configuration, and llama.cpp's on the
+same token ids and GGUF when xllamacpp is installed (one forced token a completion: its server returns no prompt
+logprobs).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from runtime import Engine, SamplingParams
 from runtime.checkpoint import default_model_path
-from tests.bench.perplexity import perplexity
+from tests.bench.perplexity import FIXED_TEXT, llama_cpp_perplexity, perplexity
 from tests.bench.roofline import matmul_flops, memory_bandwidth
 
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "gguf")]
@@ -112,9 +113,9 @@ def transformers_rates(dtype: str) -> dict:
     return rates
 
 
-def llama_cpp_rates() -> dict | None:
-    """llama.cpp (xllamacpp's prebuilt wheel) on the same GGUF and thread count: prefill 512 and decode
-    1 stream tokens/s, from llama.cpp's own timings of each request (3 of each). None when missing."""
+def llama_cpp_server(cache_prompt: bool):
+    """llama.cpp (xllamacpp's prebuilt wheel) serving the same GGUF with the same thread count, one slot;
+    None when xllamacpp is missing."""
     try:
         import xllamacpp
     except ImportError:
@@ -126,9 +127,19 @@ def llama_cpp_rates() -> dict | None:
     params.n_batch = params.n_ubatch = 512
     params.n_parallel = 1
     params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
-    params.cache_prompt = False
+    params.cache_prompt = cache_prompt
     params.verbosity = 0
-    server = xllamacpp.Server(params)
+    return xllamacpp.Server(params)
+
+
+def llama_cpp_rates() -> dict | None:
+    """llama.cpp on the same GGUF and thread count: prefill 512 and decode 1 stream tokens/s, from
+    llama.cpp's own timings of each request (3 of each). None when missing."""
+    server = llama_cpp_server(cache_prompt=False)
+    if server is None:
+        return None
+    import xllamacpp
+
     prompt = [random.Random(0).randrange(100, 49152) for _ in range(512)]
 
     def timings(ids: list[int], max_tokens: int) -> dict:
@@ -155,6 +166,7 @@ def run() -> dict:
             "pip install -e '.[bench]'"
         )
     fp32_ppl = None
+    perplexities: dict[str, float] = {}
     ceilings = {dtype: matmul_flops(getattr(torch, dtype)) for dtype in dict.fromkeys(d for d, _ in CONFIGS)}
     for dtype, quantization in CONFIGS:
         flops = ceilings[dtype]
@@ -173,6 +185,8 @@ def run() -> dict:
         decode_ceiling = bandwidth / weight_bytes
         ppl = perplexity(engine)
         fp32_ppl = fp32_ppl or ppl
+        perplexities[label] = ppl
+        text_ids = engine.tokenizer.encode(FIXED_TEXT)
         notes.append(
             f"{label}: matmul {flops / 1e9:.0f} GFLOP/s, weights {weight_bytes / 1e6:.0f} MB, "
             f"perplexity {ppl:.3f} ({ppl / fp32_ppl:.4f}x float32)"
@@ -229,6 +243,13 @@ def run() -> dict:
         notes.append(
             f"llama.cpp (xllamacpp, same GGUF, same threads, medians of 6): prefill 512 "
             f"{cpp['prefill']:.0f} tok/s, decode x1 {cpp['decode']:.1f} tok/s; its build: {cpp_runs[0]['system']}"
+        )
+        cpp_ppl = llama_cpp_perplexity(llama_cpp_server(cache_prompt=True), text_ids)
+        notes.append(
+            f"perplexity on the same text ({len(text_ids)} tokens) and GGUF: llama.cpp {cpp_ppl:.3f}; "
+            + ", ".join(
+                f"{label} {ppl:.3f} ({ppl / cpp_ppl:.4f}x llama.cpp)" for label, ppl in perplexities.items()
+            )
         )
     for row in rows:
         if row.get("vs llama.cpp"):

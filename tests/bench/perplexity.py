@@ -24,3 +24,34 @@ def perplexity(engine, text: str = FIXED_TEXT) -> float:
     logits = engine.prompt_logits(ids)[:-1]
     nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:]), reduction="mean")
     return math.exp(nll.item())
+
+
+FORCING_BIAS = 100.0
+"""Added to the next token's logit so that llama.cpp picks it (no logit of this model is 100 below the top)."""
+
+
+def llama_cpp_perplexity(server, ids: list[int]) -> float:
+    """The same measure from llama.cpp (an xllamacpp.Server with its prompt cache on) over the token ids
+    `ids`. Its server gives no prompt logprobs, so each position is one completion of one token: the prompt
+    ids[: i + 1] (the cache makes that one new token to evaluate) with the true next token forced by a logit
+    bias; the logprob llama.cpp reports for a chosen token is from the model's distribution before the bias
+    (checked against its top logprobs, which the bias does not change)."""
+    nll = 0.0
+    for i in range(len(ids) - 1):
+        body = {
+            "prompt": ids[: i + 1],
+            "max_tokens": 1,
+            "temperature": 0,
+            "n_probs": 1,
+            "logit_bias": [[ids[i + 1], FORCING_BIAS]],
+            "cache_prompt": True,
+        }
+        chosen = server.handle_completions(body)["choices"][0]["logprobs"]["content"][0]
+        top = chosen["top_logprobs"][0]["logprob"]
+        if chosen["id"] != ids[i + 1] or chosen["logprob"] > top + 1e-4:
+            raise RuntimeError(
+                f"llama.cpp perplexity: at position {i} it chose token {chosen['id']} (logprob {chosen['logprob']:.3f},"
+                f" top {top:.3f}) instead of the forced {ids[i + 1]}: the logit-bias forcing does not hold"
+            )
+        nll -= chosen["logprob"]
+    return math.exp(nll / (len(ids) - 1))
