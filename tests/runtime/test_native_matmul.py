@@ -122,11 +122,10 @@ def test_fused_silu_epilogue_equals_the_product_then_the_layer_op(portable, dtyp
             got = native.gemm(x, portable=portable, silu=True)
             assert got.dtype == dtype and torch.equal(got, expected), (rows, native.out_features)
             gate, up = plain.chunk(2, dim=-1)
-            reference, size = (F.silu(gate) * up).float(), (F.silu(gate) * up).float().abs()
-            diff = (got.float() - reference).abs()
-            if (
-                dtype == torch.float32
-            ):  # float32 to 1e-5 of the largest value; bfloat16 to one unit in the last place
+            reference = (F.silu(gate) * up).float()
+            size, diff = reference.abs(), (got.float() - reference).abs()
+            # float32 to 1e-5 of the largest value; bfloat16 to one unit in the last place
+            if dtype == torch.float32:
                 assert diff.max() <= 1e-5 * size.max()
             else:
                 assert (diff <= 2**-7 * size + 1e-6).all()
