@@ -201,10 +201,7 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     _Pragma("omp parallel num_threads(num_threads)")
     {
         float *ds = (float *)malloc(sizeof(float) * (size_t)(nb + 16));
-        /* guided, as quantized_gemm's decode calls (see there): a thread the OS takes away mid-call leaves its
-         * tiles to the other. This kernel is the LM head of a one-stream step (~1/4 of it); alone, guided
-         * measured 1.01-1.03x static (model's LM head, 1 row, 2 threads, same results). */
-        _Pragma("omp for schedule(guided)")
+        _Pragma("omp for schedule(static)")
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n1 = (t + 1) * ROW_TILE < N ? (t + 1) * ROW_TILE : N;
             for (int64_t m = 0; m < M; m++) {
