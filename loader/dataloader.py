@@ -265,8 +265,21 @@ class DataLoader(tud.DataLoader[T_co]):
             elastic = elastic_batches(state, self._index_sampler, point.batches_done)
             if elastic is not None:  # another world size: this rank's share of what no rank has seen
                 point = replace(point, batches_done=0, worker_rng={})
+            else:
+                self._check_batches_done(point.batches_done)
             self._engine.elastic = elastic
         self._engine.resume = point
+
+    def _check_batches_done(self, done: int) -> None:
+        try:
+            num_batches = len(self._index_sampler)
+        except TypeError:  # a sampler without a length: the epoch ends where it ends
+            return
+        if done > num_batches:
+            raise ValueError(
+                f"load_state_dict: _num_yielded must be at most the epoch's {num_batches} batches, got "
+                f"{done}; resume with the same sampler and batch_size"
+            )
 
     def close(self) -> None:
         """Stop workers and prefetch threads, release shared memory and the disk tier."""

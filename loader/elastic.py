@@ -17,6 +17,8 @@ import numpy as np
 
 from loader.peer_plan import distributed_sampler, epoch_streams
 
+MAX_WORLD = 1 << 20  # ranks a checkpoint's world may have had (any job today has far fewer)
+
 
 def distributed_state(index_sampler) -> dict | None:
     """What a checkpoint records about the world its sampler was split for."""
@@ -50,8 +52,16 @@ def elastic_batches(state: dict, index_sampler, batches_done: int) -> tuple[list
     if not isinstance(saved, dict) or sampler is None:
         return None
     world = saved.get("num_replicas")
-    if type(world) is not int or world < 1:
-        raise ValueError(f"load_state_dict: distributed.num_replicas must be an int >= 1, got {world!r}")
+    # The old ranks' streams are rebuilt below: about max(len(dataset), num_replicas) int64s, so a
+    # world past both the dataset and any real job is a damaged checkpoint, not an allocation to try.
+    most = max(len(sampler.dataset), MAX_WORLD)
+    if type(world) is not int or not 1 <= world <= most:
+        raise ValueError(
+            f"load_state_dict: distributed.num_replicas must be an int in [1, {most}], got {world!r}"
+        )
+    rank = saved.get("rank")
+    if type(rank) is not int or not 0 <= rank < world:
+        raise ValueError(f"load_state_dict: distributed.rank must be an int in [0, {world}), got {rank!r}")
     if world == sampler.num_replicas:
         return None
     batch_size = getattr(index_sampler, "batch_size", None) if index_sampler is not sampler else None

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from loader.plan import sampler_generator, uses_global_rng
-from loader.rng_state import check_rng
+from loader.rng_state import check_rng, check_torch_state
 
 FORMAT = "prescient.loader/3"
 
@@ -149,12 +149,10 @@ def _states(value, key: str) -> EpochStart:
             f"load_state_dict: {key} must be a dict of loader_generator, sampler_generator, "
             f"global_rng and sampler_epoch"
         )
+    value = dict(value)
     for name in ("loader_generator", "sampler_generator", "global_rng"):
-        tensor = value[name]
-        if tensor is not None and not (
-            isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8 and tensor.dim() == 1
-        ):
-            raise ValueError(f"load_state_dict: {key}.{name} must be None or a uint8 RNG state tensor")
+        if value[name] is not None:  # the generators a sampler draws from are CPU generators
+            value[name] = check_torch_state(value[name], f"{key}.{name}")
     if value["sampler_epoch"] is not None and type(value["sampler_epoch"]) is not int:
         raise ValueError(f"load_state_dict: {key}.sampler_epoch must be None or an int")
     return EpochStart(**value)
@@ -172,6 +170,11 @@ def _worker_snapshots(snapshot) -> tuple[int, dict[int, torch.Tensor]]:
     rngs = {}
     for key, value in workers.items():
         worker = value.get("worker_id") if isinstance(value, dict) else None
+        if type(worker) is int and not 0 <= worker < num_workers:
+            raise ValueError(
+                f"load_state_dict: _snapshot._worker_snapshots[{key!r}].worker_id must be in "
+                f"[0, _num_workers={num_workers}), got {worker}"
+            )
         if type(worker) is not int or key != f"worker_{worker}" or "rng_state" not in value:
             raise ValueError(
                 f"load_state_dict: _snapshot._worker_snapshots[{key!r}] must be "
