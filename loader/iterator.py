@@ -18,6 +18,7 @@ from torch.utils.data import IterableDataset
 
 from loader.fetcher import make_fetcher
 from loader.pin_memory import pin, pin_device
+from loader.view import CachedView
 
 
 class LoaderIterator:
@@ -82,6 +83,24 @@ class LoaderIterator:
 
     def __getstate__(self):
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
+
+    # --- torch's names ---------------------------------------------------------------------------
+    # Code written for torch's iterators reads some of their private attributes (torch's own
+    # test_dataloader.py, and users checking worker liveness). These keep torch's meaning; read only.
+    _dataset = property(
+        lambda self: self.dataset.dataset if type(self.dataset) is CachedView else self.dataset
+    )
+    # the loader's sampler (or BatchSampler); the iterator draws through the plan's wrapper of it, whose
+    # items are tickets, so torch's _sampler_iter has no equivalent here
+    _index_sampler = property(lambda self: getattr(self.index_sampler, "inner", self.index_sampler))
+    _num_workers = property(lambda self: self.num_workers)
+    _num_yielded = property(lambda self: self.yielded)  # batches yielded this epoch
+    _auto_collation = property(lambda self: self.auto_collation)
+    _drop_last = property(lambda self: self.drop_last)
+    _collate_fn = property(lambda self: self.collate_fn)
+    _timeout = property(lambda self: self.timeout)
+    _base_seed = property(lambda self: self.base_seed)
+    _pin_memory = property(lambda self: self.pin_device is not None)
 
 
 class SingleProcessIterator(LoaderIterator):

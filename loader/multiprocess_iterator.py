@@ -291,3 +291,27 @@ class MultiProcessIterator(LoaderIterator):
 
     def __del__(self) -> None:
         self.shutdown()
+
+    # --- torch's names (see LoaderIterator) -----------------------------------------------------
+    _workers = property(lambda self: self.workers)  # the worker processes (multiprocessing.Process)
+    _index_queues = property(lambda self: self.index_queues)  # one per worker: the indices it fetches
+    _worker_result_queue = property(lambda self: self.results)  # what the workers put their batches on
+    _data_queue = property(lambda self: self.data)  # where next() takes batches (the pin thread's, pinning)
+    _workers_done_event = property(lambda self: self.done_event)
+    _workers_status = property(lambda self: self.alive)  # per worker: still given tasks this epoch
+    _shutdown = property(lambda self: self.__dict__.get("shut", True))  # workers told to stop (or never up)
+    _persistent_workers = property(lambda self: self.persistent)
+    _prefetch_factor = property(lambda self: self.prefetch_factor)
+    _send_idx = property(lambda self: self.sent)  # tasks sent this epoch
+    _rcvd_idx = property(lambda self: self.received)  # the next task to yield in order
+    _tasks_outstanding = property(lambda self: self.outstanding)
+
+    @property
+    def _pin_memory_thread(self):
+        """The pinning thread; absent without pin_memory, as in torch (code tests hasattr)."""
+        if getattr(self, "pinner", None) is None:
+            raise AttributeError("_pin_memory_thread")
+        return self.pinner.thread
+
+    def _shutdown_workers(self) -> None:
+        self.shutdown()
