@@ -1,7 +1,8 @@
 """The local-disk tier: one file per sample under a private directory.
 
-The directory is named after the owner's pid; if the owner is killed, the next loader to
-start there removes it (reclaim.py). Files are written to a temporary name and renamed,
+The directory's owner file stays locked (flock) while its loader lives; if the owner is
+killed, the next loader to start there removes it (reclaim.py), on this node or another
+one sharing the volume. Files are written to a temporary name and renamed,
 so a reader sees a whole sample or none; a reader also checks the length the table
 recorded. A failed write (disk full, quota, I/O error) turns the tier off with a warning
 and the loader carries on with RAM only: a full disk costs speed, never correctness.
@@ -11,10 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import warnings
 
-from loader.reclaim import reclaim_directories
+from loader.reclaim import create_directory, reclaim_directories, release
 
 PREFIX = "prescient-"
 
@@ -24,7 +24,7 @@ class DiskTier:
         os.makedirs(root, exist_ok=True)
         reclaim_directories(root, PREFIX)  # left by loaders that were killed
         self.budget = budget  # bytes the tier may hold
-        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
+        self.dir, self.lock = create_directory(root, PREFIX)  # the lock: an fd held until close()
         self.enabled = True
 
     def path(self, index: int) -> str:
@@ -65,6 +65,8 @@ class DiskTier:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        release(self.lock)
+        self.lock = None
 
 
 def read_file(path: str, length: int) -> bytes | None:

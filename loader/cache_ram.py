@@ -24,15 +24,13 @@ import ctypes
 import errno
 import mmap
 import os
-import secrets
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 
 import numpy as np
 import torch
 
 from loader.fill_ring import RECORDS, FillRings
-from loader.reclaim import reclaim_shared_memory
+from loader.reclaim import create_segment, reclaim_shared_memory, release
 from loader.rng_state import RNG_STATE_BYTES
 
 PREFIX = "prescient_"
@@ -121,8 +119,8 @@ class SharedState:
         self._owner = name is None
         if self._owner:
             reclaim_shared_memory(PREFIX)  # segments of loaders that were killed
-            self.name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-            self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=layout.total)
+            self._shm, self._lock = create_segment(PREFIX, layout.total)  # locked while we live
+            self.name = self._shm.name
             self._reserve(layout.total)
             self._buffer = self._shm.buf
         else:
@@ -150,6 +148,7 @@ class SharedState:
                 return  # a file system that cannot reserve: sized by statvfs alone
             self._shm.close()
             self._shm.unlink()
+            release(self._lock)
             free = shm_free_bytes()
             raise SharedMemoryFull(
                 f"shared memory: cannot reserve {size:,} bytes in /dev/shm ({error.strerror}; {free:,} bytes "
@@ -270,6 +269,8 @@ class SharedState:
                 self._shm.unlink()
             except FileNotFoundError:
                 pass
+            release(self._lock)
+            self._lock = None
         else:
             try:
                 self._mmap.close()

@@ -77,8 +77,8 @@ interpreter exit stop the prefetcher, set MODE = DIRECT, unlink the segment and 
 disk tier. If the main process is SIGKILLed: an idle worker notices the dead parent within
 WATCH_SECONDS (1 s), and a worker waiting on a ready position checks its parent pid after
 0.5 s and exits; the resource tracker unlinks the segment; segments and disk-tier
-directories carry the owner's pid and the next loader on the node removes those of dead
-owners (reclaim.py). Segments reserve their pages at creation (posix_fallocate), so
+directories stay flock-ed by their owner while it lives, and the next loader removes those
+nobody locks (reclaim.py). Segments reserve their pages at creation (posix_fallocate), so
 loaders on one node never overcommit /dev/shm: a segment that cannot fit is an error.
 
 Resume. An epoch's order is fixed by the RNG states at its sampler's first draw

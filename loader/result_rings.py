@@ -32,7 +32,6 @@ import io
 import mmap
 import os
 import pickle
-import secrets
 import weakref
 from multiprocessing import shared_memory
 from multiprocessing.reduction import ForkingPickler
@@ -42,7 +41,7 @@ import torch.utils.data._utils.worker as torch_worker
 from torch.utils.data import default_collate
 
 from loader.cache_ram import PREFIX, shm_free_bytes
-from loader.reclaim import reclaim_shared_memory
+from loader.reclaim import create_segment, reclaim_shared_memory, release
 
 RING_BYTES = 16 << 20  # per worker, at most
 LAP_RESULTS = 8  # copies of a worker's first tensor its ring holds (at least MIN_RING_BYTES)
@@ -62,8 +61,8 @@ class ResultRings:
         self.owner = name is None
         if self.owner:
             reclaim_shared_memory(PREFIX)
-            name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=total)
+            self._shm, lock = create_segment(PREFIX, total)  # locked while we live (reclaim.py)
+            name = self._shm.name
             fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
             try:  # the main process writes only the freed cursors: their pages are reserved now
                 for ring in range(workers):
@@ -71,10 +70,11 @@ class ResultRings:
             except OSError:
                 self._shm.close()
                 self._shm.unlink()
+                release(lock)
                 raise
             finally:
                 os.close(fd)
-            self._finalizer = weakref.finalize(self, _release, self._shm, os.getpid())
+            self._finalizer = weakref.finalize(self, _release, self._shm, os.getpid(), lock)
             buffer = self._shm.buf
         else:  # a spawned worker: attach by path, unregistered, so its exit never unlinks the segment
             fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
@@ -123,7 +123,7 @@ class ResultRings:
             self._finalizer()
 
 
-def _release(shm: shared_memory.SharedMemory, owner: int) -> None:
+def _release(shm: shared_memory.SharedMemory, owner: int, lock: int) -> None:
     if os.getpid() != owner:  # a forked worker's copy: the segment is the main process's
         return
     try:
@@ -134,6 +134,7 @@ def _release(shm: shared_memory.SharedMemory, owner: int) -> None:
         shm.unlink()
     except FileNotFoundError:
         pass
+    release(lock)
 
 
 class Shipped:

@@ -1,0 +1,113 @@
+"""Leftovers are judged by their owner's lock, not by a pid: a loader in another PID namespace
+(another container on the node, here `unshare -p`) or on another node sharing cache_disk
+starts beside a live loader and leaves its segment and directory alone; what a SIGKILLed
+loader left (its resource tracker killed with it) and what nobody locks, whatever pid its
+name carries, is still removed by the next loader."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from loader import DataLoader, FileDataset
+from tests.loader.conftest import same
+
+
+def head(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw[:8]), dtype=torch.uint8)
+
+
+START_LOADER = textwrap.dedent("""
+    import sys, time
+    from loader import DataLoader, FileDataset
+    dl = DataLoader(FileDataset(sys.argv[1]), batch_size=4, cache_ram="1MiB", cache_disk=sys.argv[2],
+                    cache_disk_bytes="1MiB", num_workers=int(sys.argv[3]))
+    it = iter(dl)
+    next(it)
+    print("SEGMENT", dl._engine.shared.name, flush=True)
+    if sys.argv[4] == "wait":
+        time.sleep(600)
+    dl.close()
+""")
+
+
+def start_loader(files, disk, workers: int, then: str, pid_namespace: bool = False) -> subprocess.Popen:
+    command = [sys.executable, "-c", START_LOADER, files, str(disk), str(workers), then]
+    if pid_namespace:
+        command = ["unshare", "--pid", "--fork", *command]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, cwd=os.getcwd(), start_new_session=True, env=os.environ
+    )
+
+
+def needs_pid_namespace() -> None:
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare --pid (root) to start a loader in another PID namespace")
+
+
+def test_a_loader_in_another_pid_namespace_leaves_a_live_loaders_files(files, tmp_path):
+    needs_pid_namespace()
+    disk = tmp_path / "disk"
+    expected = list(DataLoader(FileDataset(files, decode=head), batch_size=4))
+    dl = DataLoader(
+        FileDataset(files, decode=head),
+        batch_size=4,
+        cache_ram="1MiB",
+        cache_disk=str(disk),
+        cache_disk_bytes="1MiB",
+        num_workers=2,
+    )
+    it = iter(dl)
+    batches = [next(it)]
+    segment = f"/dev/shm/{dl._engine.shared.name}"
+    (directory,) = [disk / name for name in os.listdir(disk)]
+    assert os.path.exists(segment)
+    # our pid means nothing in its namespace: judged by pid, our files would look abandoned
+    other = start_loader(files, disk, 0, "exit", pid_namespace=True)
+    out = other.communicate(timeout=120)[0]
+    assert other.returncode == 0, out
+    assert os.path.exists(segment), "a live loader's segment was removed from another PID namespace"
+    assert directory.is_dir(), "a live loader's cache_disk directory was removed"
+    batches += list(it)
+    assert same(batches, expected), "the live loader's batches changed"
+    dl.close()
+    assert not os.path.exists(segment) and not directory.exists()
+
+
+def test_a_killed_loaders_files_and_unlocked_ones_are_reclaimed(files, tmp_path):
+    disk = tmp_path / "disk"
+    victim = start_loader(files, disk, 2, "wait")
+    line = victim.stdout.readline()
+    assert line.startswith("SEGMENT"), line
+    segment = f"/dev/shm/{line.split()[1]}"
+    os.killpg(victim.pid, signal.SIGKILL)  # the loader, its workers and its resource tracker
+    victim.wait(timeout=60)
+    assert os.path.exists(segment) and os.listdir(disk)
+    # a leftover whose name carries a live pid (ours): a loader of another namespace left it unlocked
+    orphan = f"/dev/shm/prescient_{os.getpid()}_00112233aabb"
+    with open(orphan, "wb") as handle:
+        handle.write(b"x" * 4096)
+    orphan_dir = disk / f"prescient-{os.getpid()}-orphan"
+    orphan_dir.mkdir()
+    (orphan_dir / "3").write_bytes(b"sample")
+    dl = DataLoader(
+        FileDataset(files, decode=head),
+        batch_size=4,
+        cache_ram="1MiB",
+        cache_disk=str(disk),
+        cache_disk_bytes="1MiB",
+    )
+    torch_loader = DataLoader(FileDataset(files, decode=head), batch_size=4)
+    assert same(list(dl), list(torch_loader))
+    assert not os.path.exists(segment) and not os.path.exists(orphan)
+    mine = f"prescient-{os.getpid()}-"
+    left = [name for name in os.listdir(disk) if not (name.startswith(mine) and name != orphan_dir.name)]
+    assert left == [] and not orphan_dir.exists()
+    dl.close()
+    torch_loader.close()
