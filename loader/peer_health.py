@@ -6,7 +6,9 @@ a heartbeat to the store the ranks rendezvoused through (under torchrun it lives
 launcher's agent, so it survives any rank): the window it last started and the time. When
 a window fails, the rank names the others whose heartbeat stopped (the process died or is
 stopped), whose window count is behind (its training loop stalled), or that left the
-exchange themselves. Only ints and times cross the store; no pickle.
+exchange themselves. A rank that received bad data from a peer (exchange.py checks sizes
+and checksums) names that peer in the store, so every rank counts it at fault, the peer
+itself included. Only ints, times and those short reasons cross the store; no pickle.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class PeerHealth:
         process's index among them. Messages name global ranks."""
         self.store, self.members, self.rank, self.world = store, members, rank, len(members)
         self.prefix = f"{prefix}/beat/"
+        self.bad_prefix = f"{prefix}/bad/"  # + rank: why a peer found that rank's data bad
         self.window = 0
         self.last_beat = 0.0
         self.suspects: list[int] = []  # global ranks found at fault by the last culprits()
@@ -61,6 +64,28 @@ class PeerHealth:
 
     def leave(self) -> None:
         self.beat(LEFT)
+
+    def accuse(self, rank: int, why: str) -> None:
+        """Record that `rank` (an index among the members) sent bad data, and why."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(f"{self.bad_prefix}{rank}", why[:200])
+        except Exception:  # noqa: BLE001 - the exchange is left anyway; only the regroup is less precise
+            self.store = None
+
+    def _accused(self, rank: int) -> str | None:
+        key = f"{self.bad_prefix}{rank}"
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def accusation(self, rank: int) -> str | None:
+        """Why a peer found `rank`'s data bad, as it recorded it; None if none did (or no store)."""
+        if self.store is None:
+            return None
+        try:
+            return self._accused(rank)
+        except Exception:  # noqa: BLE001 - only the message is less precise
+            return None
 
     def _read(self, rank: int) -> tuple[int, float] | None:
         key = f"{self.prefix}{rank}"
@@ -81,15 +106,19 @@ class PeerHealth:
                 found = self._look()
             except Exception:  # noqa: BLE001
                 return "the rank could not be identified (the store did not answer)"
-            settled = "stopped answering" in found or "fell behind" in found
+            settled = any(word in found for word in ("stopped answering", "fell behind", "sent bad data"))
             if settled or time.monotonic() > deadline:
                 return found or f"no rank identified (all had started window {self.window})"
             time.sleep(0.1)
 
     def _look(self) -> str:
         now = time.time()
-        silent, behind, left = [], [], []
+        silent, behind, left, bad = [], [], [], {}
         for rank in range(self.world):
+            why = self._accused(rank)
+            if why is not None:  # this rank too: a rank found sending bad data is left out
+                bad[rank] = why
+                continue
             if rank == self.rank:
                 continue
             beat = self._read(rank)
@@ -99,9 +128,9 @@ class PeerHealth:
                 silent.append(rank)
             elif beat[0] < self.window:
                 behind.append(rank)
-        self.suspects = [self.members[r] for r in silent + behind]
+        self.suspects = [self.members[r] for r in silent + behind + list(bad)]
+        parts = [f"rank {self.members[r]} sent bad data ({why})" for r, why in bad.items()]
         silent, behind, left = ([self.members[r] for r in ranks] for ranks in (silent, behind, left))
-        parts = []
         if silent:
             parts.append(f"rank {_names(silent)} stopped answering (process dead or stopped)")
         if behind:

@@ -31,7 +31,7 @@ from loader.cache_ram import (
     PLANNED,
     SharedState,
 )
-from loader.exchange import PeerExchange, PeerFailure
+from loader.exchange import PeerExchange, PeerFailure, SizeRule
 from loader.holdings import Holdings
 from loader.placement import first_use, next_use
 from loader.prefetch_peers import PeerWindows
@@ -64,6 +64,10 @@ class Prefetcher(PeerWindows, StorageReads):
         self._asked: list[int] = []
         self.staging = staging
         self.holdings = Holdings(shared, cache_ram, disk)
+        # what a peer may send (exchange.py): the dataset's own sizes of its raw bytes, and no more than
+        # a peer's tiers hold (pickled items have no stated size)
+        known = (lambda index: None) if source.items else source.nbytes
+        self.size_rule = SizeRule(known, cache_ram + (disk.budget if disk is not None else 0))
         self.inflight: dict[int, int] = {}  # index -> estimated bytes, read asked and not yet placed
         self.inflight_bytes = 0
         self.results: dict[int, bytes | BaseException] = {}
@@ -117,7 +121,7 @@ class Prefetcher(PeerWindows, StorageReads):
             self.holdings.home = home
             if self.peers is not None:
                 try:
-                    self.peers.finish(self.holdings.copy_of)  # every rank ends the window in flight alike
+                    self.peers.finish(self.holdings.copy_of, self.size_rule)  # every rank ends it alike
                 except PeerFailure as failure:
                     self._lose_peers(failure)
             self.windows_started = 0

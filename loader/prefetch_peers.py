@@ -51,7 +51,7 @@ class PeerWindows:
 
     def _exchange_step(self, peers: PeerExchange) -> bool:
         if peers.busy:
-            received = peers.poll(self.holdings.copy_of)
+            received = peers.poll(self.holdings.copy_of, self.size_rule)
             if received is None:
                 return False
             for index, raw in received.items():

@@ -35,7 +35,8 @@ class ByteSource:
         return f"{type(self.dataset).__name__}[{index}]"
 
     def nbytes(self, index: int) -> int | None:
-        """The sample's size in bytes if the dataset can say so without reading it."""
+        """The sample's size in bytes if the dataset can say so without reading it: exactly what
+        read() returns, since a peer that sends another size is refused (exchange.py)."""
         size = getattr(self.dataset, "nbytes", None)
         if callable(size):
             try:

@@ -8,6 +8,11 @@ reads  ARG=epochs: peer exchange with a per-rank cache of 1.15 x dataset / world
 kill   ARG=rank: that rank SIGKILLs itself in epoch 2; the others must finish with torch's batches,
        and regroup for epoch 3.
 stall  ARG=rank: that rank SIGSTOPs itself in epoch 2 (the test sends SIGCONT once the others are done).
+corrupt  ARG=rank: a test hook in that rank flips the first byte of every payload it sends, after its
+       loader computed the checksums (as a bad NIC or bad memory would); 3 epochs as in `reads`.
+padded ARG=rank: a test hook in that rank serves every sample with 16 bytes more than the
+       dataset's file holds; 3 epochs.
+huge   ARG=rank: the same with 1 MiB more, past what a peer's caches could hold.
 save   ROOT=samples, ARG=batches: iterate that many batches of epoch 1, write this rank's
        state_dict (rank<r>.pt) and the sample ids it was given.
 resume ROOT=samples, ARG=a saved state: finish epoch 1 from it (resumed<r>.json: the ids
@@ -138,11 +143,41 @@ def main(mode: str, root: str, out_dir: str, arg: str) -> None:
 
         compare_with_torch(root, out_dir, 2, stall)
         return
+    elif mode in ("corrupt", "padded", "huge"):
+        if rank == int(arg):
+            faulty_sends(mode)
+        compare_with_torch(root, out_dir, 3)
+        dist.barrier()
     elif mode == "save":
         elastic_save(root, out_dir, int(arg))
     elif mode == "resume":
         elastic_resume(root, out_dir, arg)
     dist.destroy_process_group()
+
+
+def faulty_sends(kind: str) -> None:
+    """Make this rank a faulty peer (test hook: only the bytes it sends to peers change)."""
+    import loader.exchange
+    from loader.holdings import Holdings
+
+    if kind == "corrupt":
+
+        class FlippingTorch:
+            """loader.exchange's `torch`, whose frombuffer (the payload about to be sent) flips a byte."""
+
+            def __getattr__(self, name):
+                return getattr(torch, name)
+
+            @staticmethod
+            def frombuffer(buffer, **kwargs):
+                if len(buffer):
+                    buffer[0] ^= 0xFF
+                return torch.frombuffer(buffer, **kwargs)
+
+        loader.exchange.torch = FlippingTorch()
+    else:
+        copy_of, pad = Holdings.copy_of, bytes(16 if kind == "padded" else 1 << 20)
+        Holdings.copy_of = lambda self, index: None if (raw := copy_of(self, index)) is None else raw + pad
 
 
 class Indexed(tud.Dataset):
