@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 
+import pytest
 import yaml
 
 from server.cli import parse_args
@@ -67,6 +68,49 @@ def test_compose_mounts_exist_and_prometheus_scrapes_the_server():
     drain = parse_args(entrypoint_args()).drain_timeout
     grace = compose["services"]["prescient"]["stop_grace_period"]
     assert int(re.fullmatch(r"(\d+)s", grace).group(1)) > drain
+
+
+_VARIABLE = re.compile(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable syntax as the compose specification defines it: ${VAR}, ${VAR:-default} (unset
+    or empty: the default) and ${VAR:?message} (unset or empty: compose refuses to start, with it)."""
+
+    def value(match: re.Match) -> str:
+        name, kind, rest = match.groups()
+        if env.get(name):
+            return env[name]
+        if kind == ":?":
+            raise ValueError(f"required variable {name} is missing a value: {rest}")
+        return rest if kind == ":-" else ""
+
+    return _VARIABLE.sub(value, text)
+
+
+def compose_with(env: dict[str, str]) -> dict:
+    with open(os.path.join(DEPLOY, "compose.yaml")) as f:
+        return yaml.safe_load(interpolate(f.read(), env))
+
+
+def test_compose_publishes_on_localhost_unless_told_and_grafana_needs_a_password():
+    with pytest.raises(ValueError, match="GRAFANA_ADMIN_PASSWORD_FILE to a file holding Grafana's admin"):
+        compose_with({})  # no default password: compose refuses to start without one
+    password_file = {"GRAFANA_ADMIN_PASSWORD_FILE": "/home/me/grafana-admin-password"}
+    for env, host in (
+        (password_file, "127.0.0.1"),
+        ({**password_file, "PRESCIENT_BIND": "0.0.0.0"}, "0.0.0.0"),
+    ):
+        compose = compose_with(env)
+        published = [port for service in compose["services"].values() for port in service.get("ports", [])]
+        assert len(published) == 3 and all(port.split(":")[0] == host for port in published), published
+    grafana = compose["services"]["grafana"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana["environment"]
+    (secret,) = grafana["secrets"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == f"/run/secrets/{secret}"
+    assert compose["secrets"][secret]["file"] == password_file["GRAFANA_ADMIN_PASSWORD_FILE"]
+    with open(os.path.join(DEPLOY, "compose.yaml")) as f:
+        assert "admin/admin" not in f.read().replace("never Grafana's admin/admin", "")
 
 
 def test_promtool_accepts_the_prometheus_config():
