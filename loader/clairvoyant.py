@@ -66,9 +66,10 @@ Peers (exchange.py): under torch.distributed, each window of plan positions is f
 collectives on the loader's own group (needs, holders, sizes, payload); the payload is raw
 bytes in a uint8 tensor, and a dataset cached with cache_items (pickled items) is refused.
 Each sample has a home rank that keeps it for the others (peer_plan.py). A window that
-fails or outlasts peer_timeout makes the rank log who is at fault (heartbeats in the
-rendezvous store, peer_health.py) and read the rest of the epoch itself; the survivors
-regroup at the next epoch's start (peer_cluster.py).
+fails or outlasts peer_timeout, or a peer whose sizes or CRC-32s are wrong, makes the rank
+log who is at fault (heartbeats and accusations in the rendezvous store, peer_health.py)
+and read the rest of the epoch itself; the survivors regroup at the next epoch's start
+(peer_cluster.py).
 
 Shutdown. An iterator stops its workers at the epoch's end (unless persistent), when it is
 dropped, on close() and at interpreter exit: done event, None to each, join, then terminate
