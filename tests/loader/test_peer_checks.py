@@ -48,7 +48,7 @@ def test_a_peer_sending_bad_data_is_dropped_like_a_lost_peer(tmp_path, mode, why
     assert "exchanging with ranks [0, 2]" in log
 
 
-def test_sizes_past_what_a_peer_holds_are_refused_before_allocating(tmp_path):
+def test_a_peer_padded_past_its_caches_by_test_hook_is_refused_before_allocating(tmp_path):
     """A test hook pads the faulty rank's samples by 1 MiB, more than a rank's caches hold (2,355
     bytes here): its receivers leave at the sizes phase, without allocating, and the others find
     it named in the store when their next phase times out."""
