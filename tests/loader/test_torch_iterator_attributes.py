@@ -16,25 +16,29 @@ JOIN_TIMEOUT = 60.0
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch's test uses 4 workers
 
 
-class CountingIterable(tud.IterableDataset):
-    """0..n-1, split between the workers as torch's docs show."""
+class PerWorkerIterable(tud.IterableDataset):
+    """Worker w yields range(sizes[w]): one worker has nothing at all, one ends early."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
 
     def __iter__(self):
         info = tud.get_worker_info()
-        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
-        return iter(range(start, self.n, step))
+        return iter(range(self.sizes[info.id if info is not None else 0]))
 
 
+@pytest.mark.parametrize("batch_size", [None, 7])
 @pytest.mark.parametrize("prefetch_factor", [2, 3])
-def test_iterable_dataset_workers_exit_cleanly_after_the_epoch(prefetch_factor):
-    dl = DataLoader(CountingIterable(40), num_workers=3, batch_size=None, prefetch_factor=prefetch_factor)
+def test_iterable_dataset_workers_exit_cleanly_after_the_epoch(prefetch_factor, batch_size):
+    sizes = [0, 4, 20]
+    dl = DataLoader(
+        PerWorkerIterable(sizes), num_workers=3, batch_size=batch_size, prefetch_factor=prefetch_factor
+    )
     it = iter(dl)
     assert it._num_workers == 3 and len(it._workers) == 3
     assert all(w.is_alive() for w in it._workers) and it._shutdown is False
-    assert sorted(int(x) for x in it) == list(range(40))
+    fetched = sorted(int(x) for batch in it for x in (batch if batch_size else [batch]))
+    assert fetched == sorted(i for size in sizes for i in range(size))
     workers = it._workers
     assert it._shutdown is True, "an exhausted non-persistent iterator has shut its workers down"
     del it, dl
