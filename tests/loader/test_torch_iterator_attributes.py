@@ -52,10 +52,18 @@ def test_iterable_dataset_workers_exit_cleanly_after_the_epoch(prefetch_factor, 
             w.terminate()
 
 
-def test_partial_epoch_then_drop_iterator_ends_workers():
-    it = iter(DataLoader(torch.arange(100), batch_size=2, num_workers=4))
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_partial_epoch_then_drop_iterator_ends_workers(pin_memory):
+    """With pin_memory and an accelerator, the pin thread ends too; without one, torch makes no pin
+    thread and neither does the loader (the same case on a machine with a GPU checks the thread)."""
+    theirs = iter(tud.DataLoader(torch.arange(100), batch_size=2, num_workers=1, pin_memory=pin_memory))
+    it = iter(DataLoader(torch.arange(100), batch_size=2, num_workers=4, pin_memory=pin_memory))
+    assert hasattr(it, "_pin_memory_thread") == hasattr(theirs, "_pin_memory_thread")
+    del theirs
     workers = it._workers
-    assert len(workers) == 4 and not hasattr(it, "_pin_memory_thread")  # no pinning asked for
+    pin_thread = it._pin_memory_thread if hasattr(it, "_pin_memory_thread") else None
+    assert len(workers) == 4 and (pin_thread is None or pin_thread.is_alive())
     for i, _ in enumerate(it):
         if i == 10:
             break
@@ -64,6 +72,9 @@ def test_partial_epoch_then_drop_iterator_ends_workers():
     for w in workers:
         w.join(JOIN_TIMEOUT)
         assert not w.is_alive(), "subprocess not terminated"
+    if pin_thread is not None:
+        pin_thread.join(JOIN_TIMEOUT)
+        assert not pin_thread.is_alive()
 
 
 def test_attributes_mean_what_they_mean_in_torch():
