@@ -60,23 +60,21 @@ class PeerFailure(RuntimeError):
 @dataclass(frozen=True)
 class SizeRule:
     """The sizes a peer may announce: a sample's own size where the dataset states it, and in any
-    case no more than a peer can hold (a peer serves only what its RAM and disk tiers hold, and
-    every rank has the same tiers)."""
+    case no more than a peer can hold (a peer serves only what its shared-memory arena, cache and
+    staging, and its disk tier hold; every rank is built with the same sizes)."""
 
     known: Callable[[int], int | None]  # the dataset's size of a sample (bytes), None if unknown
-    most: int  # bytes one peer's caches hold in all: no sample, nor one sender's window, is larger
+    most: int  # bytes one peer holds at most: no sample, nor one sender's window, is larger
 
     def unsafe(self, sender_sizes: list[tuple[int, int]]) -> str | None:
         """Why one sender's (index, size) announcements for a window cannot even be received
         (more than a peer holds), or None."""
         for index, size in sender_sizes:
             if not 0 <= size <= self.most:
-                return (
-                    f"announced {size} bytes for sample {index}, more than a peer's caches hold ({self.most})"
-                )
+                return f"announced {size} bytes for sample {index}, more than a peer can hold ({self.most})"
         total = sum(size for _, size in sender_sizes)
         if total > self.most:
-            return f"announced {total} bytes in one window, more than a peer's caches hold ({self.most})"
+            return f"announced {total} bytes in one window, more than a peer can hold ({self.most})"
         return None
 
     def wrong(self, sender_sizes: list[tuple[int, int]]) -> str | None:

@@ -64,8 +64,11 @@ class Prefetcher(PeerWindows, StorageReads):
         self._asked: list[int] = []
         self.staging = staging
         self.holdings = Holdings(shared, cache_ram, disk)
-        # what a peer may send (exchange.py): the dataset's own sizes, and no more than a peer's tiers hold
-        self.size_rule = SizeRule(source.nbytes, cache_ram + (disk.budget if disk is not None else 0))
+        # what a peer may send (exchange.py): the dataset's own sizes, and no more than a peer holds (it
+        # serves from its arena, cached or staged samples, and its disk tier)
+        self.size_rule = SizeRule(
+            source.nbytes, shared.layout.arena + (disk.budget if disk is not None else 0)
+        )
         self.inflight: dict[int, int] = {}  # index -> estimated bytes, read asked and not yet placed
         self.inflight_bytes = 0
         self.results: dict[int, bytes | BaseException] = {}
