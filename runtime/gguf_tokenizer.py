@@ -1,7 +1,7 @@
 """A GGUF file's vocabulary: read and checked from its header, then built as a `tokenizers` Tokenizer that
 encodes as llama.cpp does on the same file.
 
-Two kinds are supported (`tokenizer.ggml.model`):
+Three kinds are supported (`tokenizer.ggml.model`):
 
 * "gpt2": byte-level BPE with merges; the split rule comes from `tokenizer.ggml.pre`
   (runtime/bpe_pretokenizers.py).
@@ -10,6 +10,7 @@ Two kinds are supported (`tokenizer.ggml.model`):
   highest-scoring piece merges first, until none is a piece; a character that is no piece becomes its
   UTF-8 bytes as <0xXX> tokens. That is BPE with the merges ranked by the score of the piece they
   make, which is how it is built here.
+* "gemma4": the same pieces, merged by the file's own ranked merges, line by line.
 
 Control and unknown tokens are special (typed text becomes them only where the caller allows it);
 user-defined tokens are always cut out of the text first, as llama.cpp does.
@@ -22,12 +23,18 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from runtime.bpe_pretokenizers import bpe_pretokenizer
+from runtime.bpe_pretokenizers import BPEPreTokenizer, bpe_pretokenizer
 from runtime.checkpoint_types import TokenizerSource
 from runtime.gguf_metadata import read_gguf_metadata
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
-SUPPORTED_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+SUPPORTED_MODELS = {
+    "gpt2": "byte-level BPE",
+    "llama": "SentencePiece",
+    "gemma4": "BPE over SentencePiece pieces",
+}
+GEMMA4_LINES = BPEPreTokenizer((r"[^\n]+|[\n]+",), add_bos=True)
+"""Gemma 4 merges each line and each run of newlines apart; llama.cpp always puts BOS first."""
 SPACE = "\u2581"
 """SentencePiece's visible space."""
 END_OF_GENERATION_TEXTS = frozenset(
@@ -82,8 +89,8 @@ def tokenizer_source(meta: dict, where: str) -> TokenizerSource:
             if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and tokens[i] not in ("<unk>", "<s>", "<|endoftext|>")
         ]
     pre = meta.get("tokenizer.ggml.pre")
-    if model == "gpt2":
-        rule = bpe_pretokenizer(pre)
+    if model in ("gpt2", "gemma4"):
+        rule = bpe_pretokenizer(pre) if model == "gpt2" else GEMMA4_LINES
         merges = meta.get("tokenizer.ggml.merges")
         if not merges:
             raise ValueError(f"model: {where!r} has a BPE vocabulary without tokenizer.ggml.merges")
@@ -108,7 +115,7 @@ def tokenizer_source(meta: dict, where: str) -> TokenizerSource:
         chat_template=meta.get("tokenizer.chat_template"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id", bos_default),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id", eos_default),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        add_bos_token=model == "gemma4" or bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
         model=model,
         pre=pre,
         scores=scores,
@@ -120,7 +127,8 @@ def tokenizer_source(meta: dict, where: str) -> TokenizerSource:
 
 
 def build_gguf_tokenizer(source: TokenizerSource) -> HFTokenizer:
-    tok = _sentencepiece(source) if source.model == "llama" else _byte_level_bpe(source)
+    build = {"llama": _sentencepiece, "gemma4": _sentencepiece_bpe}.get(source.model, _byte_level_bpe)
+    tok = build(source)
     types = source.token_types or [TOKEN_NORMAL] * len(source.tokens)
     added = [i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)]
     rstrip = set(source.rstrip_ids)
@@ -151,6 +159,21 @@ def _byte_level_bpe(source: TokenizerSource) -> HFTokenizer:
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(source: TokenizerSource) -> HFTokenizer:
+    """Gemma 4: pieces with U+2581 for spaces, merged by the file's ranked merges (not by score), each
+    line and each run of newlines apart; characters with no piece become <0xXX> byte tokens."""
+    vocab = {token: i for i, token in enumerate(source.tokens)}
+    merges = []
+    for m in source.merges:
+        cut = m.find(" ", 1)
+        merges.append((m[:cut], m[cut + 1 :]))
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(GEMMA4_LINES.patterns[0]), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     return tok
 
 

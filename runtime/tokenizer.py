@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import re
+import threading
 import uuid
 from functools import lru_cache
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from runtime.bpe_pretokenizers import bpe_pretokenizer
 from runtime.chat_template import NoChatTemplateError, render_chat, with_tools
 from runtime.checkpoint_types import TokenizerSource
-from runtime.gguf_tokenizer import SUPPORTED_MODELS, build_gguf_tokenizer
+from runtime.gguf_tokenizer import END_OF_GENERATION_TEXTS, SUPPORTED_MODELS, build_gguf_tokenizer
 
 
 class Tokenizer:
@@ -36,20 +37,35 @@ class Tokenizer:
             t.content: (t.lstrip, t.rstrip) for t in added.values() if t.special and (t.lstrip or t.rstrip)
         }
         self._special_re: re.Pattern | None = None  # built on first use: thousands of tokens take a moment
-        as_json = self._tok.to_str()
-        self._byte_level = json.loads(as_json).get("decoder", {}).get("type") == "ByteLevel"
-        # The same tokenizer, but special-token text in its input stays text (for what users typed).
-        self._text_tok = HFTokenizer.from_str(as_json)
-        self._text_tok.encode_special_tokens = True
+        self.eog_token_ids = sorted(
+            {i for i, t in added.items() if t.special and t.content in END_OF_GENERATION_TEXTS}
+            | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        )
+        """Tokens that end a generation (EOS and end-of-turn tokens such as Gemma's <end_of_turn>), as
+        llama.cpp's end-of-generation list finds them by their text."""
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        self._text_tok: HFTokenizer | None = None  # see _literal_tokenizer
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__, _special_re=None)
+        """Pickled for the server: the derived copies are rebuilt there when needed (a large vocabulary
+        takes seconds to load, and most servers never need the literal copy)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_special_re", "_text_tok", "_lock")}
 
     def __setstate__(self, state: dict) -> None:
-        """Unpickled (the engine core sends its tokenizer to the server): the tokenizers library does not
-        keep encode_special_tokens, so without this user text would be read as special tokens again."""
-        self.__dict__.update(state)
-        self._text_tok.encode_special_tokens = True
+        self.__dict__.update(state, _special_re=None, _text_tok=None, _lock=threading.Lock())
+
+    def _literal_tokenizer(self) -> HFTokenizer:
+        """The same tokenizer, but special-token text in its input stays text (for what users typed).
+        Built on first use: only a chat whose content spells a special token needs it. The flag is set on
+        a copy, never toggled on the shared one, as other threads encode with it at the same time (and the
+        tokenizers library does not keep the flag through pickling)."""
+        with self._lock:
+            if self._text_tok is None:
+                literal = HFTokenizer.from_str(self._tok.to_str())
+                literal.encode_special_tokens = True
+                self._text_tok = literal
+            return self._text_tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens written in the text (e.g. <|im_start|>) become their ids, as in transformers and
@@ -183,7 +199,7 @@ class Tokenizer:
                 strip_next = rstrip
                 pos = hit.end()
         texts = ["".join(r) for r in runs]
-        encoded = self._text_tok.encode_batch([t for t in texts if t], add_special_tokens=False)
+        encoded = self._literal_tokenizer().encode_batch([t for t in texts if t], add_special_tokens=False)
         parts = iter(encoded)
         ids: list[int] = []
         for i, t in enumerate(texts):

@@ -12,6 +12,7 @@ from runtime.chat_template import NoChatTemplateError
 from runtime.checkpoint import default_model_path
 from runtime.gguf_tokenizer import read_gguf_tokenizer
 from runtime.tokenizer import Tokenizer
+from tests.runtime.test_llamacpp_vocab import vocab_dir  # noqa: F401 (the fixture: llama.cpp's vocab files)
 
 LLAMA3_STYLE = """{{- bos_token }}
 {%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}
@@ -200,3 +201,27 @@ def test_special_token_scan_is_linear_in_the_chat(smollm):
         plain.append(best_of("im_start"))
         forged.append(best_of("<|im_start|>"))
     assert min(forged) < 4 * min(plain) + 0.05, (min(forged), min(plain))
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+@pytest.mark.parametrize("chat", range(len(CHATS)))
+def test_gemma4_template_renders_as_transformers(vocab_dir, transformers_tokenizer, chat, tools):  # noqa: F811
+    """A large real template (Gemma 4's, from llama.cpp's gemma-4 vocab file): macros, namespaces,
+    dictsort, tools and a generation prompt."""
+    from runtime.chat_template import render_chat
+    from runtime.gguf_metadata import read_gguf_metadata
+
+    template = read_gguf_metadata(vocab_dir / "ggml-vocab-gemma-4.gguf")["tokenizer.chat_template"]
+    ours = render_chat(
+        template, CHATS[chat], add_generation_prompt=True, bos_token="<bos>", eos_token="<eos>", tools=tools
+    )
+    theirs = transformers_tokenizer.apply_chat_template(
+        CHATS[chat],
+        chat_template=template,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+        bos_token="<bos>",
+    )
+    assert ours == theirs
+    assert ours.startswith("<bos>") and ours.endswith("<|turn>model\n<|channel>thought\n<channel|>")

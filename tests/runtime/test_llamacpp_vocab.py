@@ -38,6 +38,7 @@ VOCABS = [
     "deepseek-coder",
     "llama-spm",  # SentencePiece: Llama 2
     "phi-3",  # SentencePiece with Phi-3's special tokens
+    "gemma-4",  # SentencePiece pieces with BPE merges
 ]
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
