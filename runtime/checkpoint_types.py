@@ -18,7 +18,7 @@ DEFAULT_CONTEXT_LENGTH = 2048
 
 @dataclass
 class TokenizerSource:
-    """Either a tokenizer.json path, or the GGUF's BPE vocabulary and merges."""
+    """Either a tokenizer.json path, or a GGUF vocabulary (runtime/gguf_tokenizer.py reads and checks it)."""
 
     tokenizer_json: str | None = None
     tokens: list[str] = field(default_factory=list)
@@ -28,6 +28,18 @@ class TokenizerSource:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     add_bos_token: bool = False
+    model: str = "gpt2"
+    """GGUF tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece pieces and scores)."""
+    pre: str | None = None
+    """GGUF tokenizer.ggml.pre: which split rule a byte-level BPE uses (runtime/bpe_pretokenizers.py)."""
+    scores: list[float] = field(default_factory=list)
+    token_types: list[int] = field(default_factory=list)
+    """GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte."""
+    add_eos_token: bool = False
+    add_space_prefix: bool = False
+    """SentencePiece: a space is put before the text (and before text after a special token)."""
+    rstrip_ids: list[int] = field(default_factory=list)
+    """Special tokens that swallow the whitespace after them (Phi-3's, as llama.cpp and transformers do)."""
 
 
 @dataclass

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.checkpoint_types import DEFAULT_CONTEXT_LENGTH, DEFAULT_ROPE_THETA, Checkpoint, TokenizerSource
+from runtime.checkpoint_types import DEFAULT_CONTEXT_LENGTH, DEFAULT_ROPE_THETA, Checkpoint
+from runtime.gguf_tokenizer import read_gguf_tokenizer
 from runtime.model_config import ModelConfig
 from runtime.progress import Progress
 from runtime.quantization import GGUFBlocks
 
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
 GGUF_RMS_NORM_EPS = 1e-5
 """RMSNorm epsilon when the GGUF header does not say (llama.cpp's default)."""
 
@@ -42,6 +41,7 @@ _LAYER_NAMES = {
 def read_gguf(path: Path, name: str) -> Checkpoint:
     import gguf
 
+    source = read_gguf_tokenizer(path)  # checked from the header alone, before any weight is read
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # not a GGUF file, truncated, ...
@@ -61,7 +61,7 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
     tensors = {t.name: t for t in reader.tensors}
     config = ModelConfig(
         name=name,
-        vocab_size=int(meta("llama.vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))),
+        vocab_size=int(meta("llama.vocab_size", len(source.tokens))),
         hidden_size=hidden,
         intermediate_size=int(meta("llama.feed_forward_length")),
         num_layers=int(meta("llama.block_count")),
@@ -104,22 +104,6 @@ def read_gguf(path: Path, name: str) -> Checkpoint:
         weights[hf] = array
     progress.close()
 
-    tokens = [str(t) for t in meta("tokenizer.ggml.tokens")]
-    types = list(meta("tokenizer.ggml.token_type", []))
-    model_kind = meta("tokenizer.ggml.model")
-    if model_kind != "gpt2":
-        raise ValueError(
-            f"model: GGUF tokenizer {model_kind!r} is not supported (only byte-level BPE, 'gpt2')"
-        )
-    source = TokenizerSource(
-        tokens=tokens,
-        merges=[str(m) for m in meta("tokenizer.ggml.merges", [])],
-        special_ids=[i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)],
-        chat_template=meta("tokenizer.chat_template"),
-        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta("tokenizer.ggml.eos_token_id"),
-        add_bos_token=bool(meta("tokenizer.ggml.add_bos_token", False)),
-    )
     return Checkpoint(config, weights, source)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from runtime.checkpoint_types import DEFAULT_CONTEXT_LENGTH, DEFAULT_ROPE_THETA, Checkpoint, TokenizerSource
 from runtime.model_config import ModelConfig
+from runtime.tokenizer import check_tokenizer_source
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -33,6 +34,27 @@ def read_hf_dir(path: Path) -> Checkpoint:
         raise ValueError(f"model: no *.safetensors weights in {str(path)!r}")
     if not (path / "tokenizer.json").exists():
         raise ValueError(f"model: no tokenizer.json in {str(path)!r}")
+    tok_cfg_path = path / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
+    template = tok_cfg.get("chat_template")
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    gen_cfg_path = path / "generation_config.json"
+    if gen_cfg_path.exists():
+        gen_eos = json.loads(gen_cfg_path.read_text()).get("eos_token_id")
+        eos = gen_eos[0] if isinstance(gen_eos, list) else (gen_eos if gen_eos is not None else eos)
+    source = TokenizerSource(
+        tokenizer_json=str(path / "tokenizer.json"),
+        chat_template=template,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos,
+        add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
+        add_eos_token=bool(tok_cfg.get("add_eos_token", False)),
+    )
+    check_tokenizer_source(source)  # before any weight is read
     rope_scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
     if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) not in ("default", None):
         raise ValueError(f"model: rope scaling {rope_scaling!r} is not supported")
@@ -55,25 +77,6 @@ def read_hf_dir(path: Path) -> Checkpoint:
     for f in files:
         for name, array in _load_safetensors(f).items():
             weights[name] = array
-    tok_cfg_path = path / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
-    template = tok_cfg.get("chat_template")
-    if template is None and (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text()
-    eos = cfg.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0]
-    gen_cfg_path = path / "generation_config.json"
-    if gen_cfg_path.exists():
-        gen_eos = json.loads(gen_cfg_path.read_text()).get("eos_token_id")
-        eos = gen_eos[0] if isinstance(gen_eos, list) else (gen_eos if gen_eos is not None else eos)
-    source = TokenizerSource(
-        tokenizer_json=str(path / "tokenizer.json"),
-        chat_template=template,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos,
-        add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
-    )
     return Checkpoint(config, weights, source)
 
 

@@ -33,6 +33,13 @@ def reference():
     path = default_model_path()
     kwargs = dict(gguf_file=os.path.basename(path))
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), **kwargs)
+    # transformers' GGUF reader gives every byte-level BPE GPT-2's split and ignores tokenizer.ggml.pre
+    # ("smollm"): put back the digit split of SmolLM2's own tokenizer.json, which llama.cpp applies too
+    from tokenizers import pre_tokenizers
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **kwargs)
     model.eval()
     return tokenizer, model

@@ -71,3 +71,17 @@ def test_a_pickled_tokenizer_still_reads_typed_special_tokens_as_text(engine_fp3
     assert got == want
     start = ours.encode("<|im_start|>", add_special_tokens=False)
     assert len(start) == 1 and got.count(start[0]) == 3  # the template's own: system, user, generation prompt
+
+
+def test_hf_directory_with_a_bad_tokenizer_fails_before_its_weights(tmp_path):
+    """The weights file here is garbage too: the error must be the tokenizer's, so it was read first."""
+    import json
+
+    from runtime.hf_checkpoint import read_hf_dir
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8, "hidden_size": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "NoSuchModel"}}')
+    with pytest.raises(ValueError, match=r"cannot load the tokenizer '.*tokenizer\.json'"):
+        read_hf_dir(tmp_path)
