@@ -1,8 +1,10 @@
 """The two lanes of the suite: `make test` runs every test, `make test-fast` (`-m "not slow"`) leaves out
-the tests marked `slow`: those that load the real model, start a server, or start torchrun ranks.
+the tests marked `slow`: those that load the real model, start a server, torchrun ranks, spawned
+(not forked) worker processes, a program in a fresh interpreter, or a build of the C kernels.
 
 A test that asks for one of the fixtures below is marked `slow` here, whichever file it is in; a test
-that loads the model or starts a server by itself carries the mark in its module (`pytestmark`).
+that does one of the others by itself carries the mark, on its module (`pytestmark`) where every test
+of the module does.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ def test_offline_example_generates():
     assert len(words) > 1, f"no text generated: {out!r}"
 
 
+@pytest.mark.slow
 def test_loader_example_reads_storage_once_in_two_epochs():
     out = run_python(python_block("from loader import DataLoader"))
     stats = ast.literal_eval(out.strip().splitlines()[-1])
