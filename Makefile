@@ -51,10 +51,11 @@ lint: $(STAMP)
 test: $(STAMP) prometheus $(CRD_SCHEMAS) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests --ignore=tests/bench
 
-# The edit-test loop: the tests that need neither the real model nor a server (tests/conftest.py and the
-# test modules mark those `slow`); `make test` runs them all.
+# The edit-test loop: the tests not marked `slow` (tests/conftest.py and the test modules mark those that
+# load the real model or start servers, torchrun ranks, spawned workers or fresh interpreters). `make test`
+# runs every test.
 test-fast: $(STAMP) prometheus $(CRD_SCHEMAS)
-	$(PY) -m pytest -q -m "not slow" --durations=10 tests --ignore=tests/bench
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10 tests --ignore=tests/bench
 
 # xllamacpp (the `bench` extra) is llama.cpp as a prebuilt wheel; where none installs, the engine bench
 # says so and skips its llama.cpp column.
