@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.prescient-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve test lint bench prometheus crd-schemas clean
+.PHONY: install serve test test-fast lint bench prometheus crd-schemas clean
 
 install: $(STAMP)
 
@@ -50,6 +50,12 @@ lint: $(STAMP)
 # Two workers, a test file each (its module-scoped server or engine stays shared within the file).
 test: $(STAMP) prometheus $(CRD_SCHEMAS) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests --ignore=tests/bench
+
+# The edit-test loop: the tests not marked `slow` (tests/conftest.py and the test modules mark those that
+# load the real model or start servers, torchrun ranks, spawned workers or fresh interpreters). `make test`
+# runs every test.
+test-fast: $(STAMP) prometheus $(CRD_SCHEMAS)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10 tests --ignore=tests/bench
 
 # xllamacpp (the `bench` extra) is llama.cpp as a prebuilt wheel; where none installs, the engine bench
 # says so and skips its llama.cpp column.

@@ -14,6 +14,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from server.cli import parse_args
 from tests.server.conftest import ROOT
 
@@ -103,6 +105,7 @@ def test_dockerignore_keeps_out_the_venv_and_git_but_not_what_is_copied():
                 assert not ignored(source), f"{source} is copied but .dockerignore excludes it"
 
 
+@pytest.mark.slow  # builds the C kernels from scratch
 def test_the_kernel_prebuild_step_works(tmp_path):
     """The build stage's RUN that compiles the decode-attention kernel into PRESCIENT_CACHE, run here."""
     step = next(line for line in dockerfile() if line.startswith("RUN python -c"))

@@ -169,6 +169,7 @@ def test_plain_dataset_uncached_like_torch():
     dl.close()
 
 
+@pytest.mark.slow  # spawned workers
 def test_spawned_workers_attach_to_shared_memory(files):
     """With the spawn start method workers get a pickled view and open the segment by name."""
     workers = dict(num_workers=2, multiprocessing_context="spawn", persistent_workers=True)

@@ -187,6 +187,7 @@ FULL_DISK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a training program in a fresh interpreter
 def test_full_disk_tier_degrades_to_ram_with_a_warning(tmp_path):
     root = write_files(tmp_path / "data", 40)
     result = subprocess.run(

@@ -13,6 +13,8 @@ import pytest
 
 from tests.loader.conftest import write_files
 
+pytestmark = pytest.mark.slow  # real torchrun ranks
+
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_two_ranks_take_samples_from_each_other(tmp_path, workers):

@@ -18,6 +18,8 @@ import pytest
 from loader.peer_model import traffic
 from tests.loader.conftest import SAMPLE_BYTES, write_files
 
+pytestmark = pytest.mark.slow  # real torchrun ranks
+
 RANKS = 4
 
 

@@ -132,6 +132,7 @@ def running(pids: set[int]) -> set[int]:
     return alive
 
 
+@pytest.mark.slow  # training programs in fresh interpreters
 @pytest.mark.parametrize("ending", ["raise", "sigkill", "hang"])
 def test_released_when_the_process_dies(files, tmp_path, ending):
     """SIGKILL of the main process: its workers exit within seconds (idle in torch's loop, or waiting
@@ -220,6 +221,7 @@ SMALL_SHM_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # training programs in fresh interpreters
 def test_loaders_sharing_a_small_dev_shm_never_overcommit_it(tmp_path):
     """Two loaders on a 32 MiB /dev/shm (a private tmpfs in a mount namespace, as in a default Docker
     container): the second is sized against what the first reserved, both fill their caches, no

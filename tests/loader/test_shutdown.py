@@ -16,6 +16,8 @@ import pytest
 from loader import DataLoader, FileDataset
 from tests.loader.conftest import write_files
 
+pytestmark = pytest.mark.slow  # training programs in fresh interpreters
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROGRAM = """

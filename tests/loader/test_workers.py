@@ -203,6 +203,7 @@ class Noisy(tud.Dataset):
         return torch.tensor([float(index)]) + torch.rand(1)
 
 
+@pytest.mark.slow  # spawn and forkserver workers
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver", "spawn_object"])
 def test_multiprocessing_contexts_like_torch(context):
     def run(cls):

@@ -78,6 +78,7 @@ def test_capture_sizes_cover_every_step_up_to_the_largest():
     assert capture_sizes(512) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 192, 256, 320, 384, 448, 512]
 
 
+@pytest.mark.slow  # Triton's interpreter in a process of its own
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the test extra installs it)")
 @pytest.mark.skipif(
     OLD_INTERPRETER, reason="Triton's interpreter before 3.9 cannot loop to a bound read from memory"
@@ -111,6 +112,7 @@ def test_triton_decode_kernel_matches_sdpa_in_the_interpreter():
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
 
 
+@pytest.mark.slow  # Triton's interpreter in a process of its own
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the test extra installs it)")
 def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
     """The CUDA configuration on CPU, under the interpreter: a model whose element-wise layer work runs in the

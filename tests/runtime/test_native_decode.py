@@ -13,6 +13,8 @@ from runtime import Engine, SamplingParams
 from runtime.native_kernels import load
 from tests.runtime.conftest import CHATS
 
+pytestmark = pytest.mark.slow  # loads the real model
+
 
 def _generate(engine: Engine, prompts: list[str], c_loop: bool, monkeypatch) -> tuple[list, int]:
     """Greedy tokens and top-3 logprobs per prompt, with the C loop allowed or not; and how many steps it ran."""

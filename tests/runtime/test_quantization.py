@@ -96,6 +96,7 @@ def test_a_dense_copy_serves_many_rows_as_the_same_function():
         packed(many)
 
 
+@pytest.mark.slow  # loads the real model
 def test_dense_copies_are_capped_by_the_setting():
     """dense_copy_bytes: 0 keeps no copy; a cap of one layer's copies keeps the
     first layer's, not the LM head's; the CLI has the flag."""

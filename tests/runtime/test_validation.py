@@ -45,6 +45,7 @@ def test_unsupported_architecture(tmp_path):
         Engine.from_pretrained(str(tmp_path))
 
 
+@pytest.mark.slow  # loads the real model
 def test_bad_engine_arguments():
     with pytest.raises(ValueError, match="dtype"):
         Engine.from_pretrained(dtype="int3")

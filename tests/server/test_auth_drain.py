@@ -12,6 +12,8 @@ from openai import AuthenticationError, OpenAI
 
 from tests.server.conftest import MODEL, Server, running_server, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers
+
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):

@@ -7,8 +7,11 @@ import json
 import random
 
 import aiohttp
+import pytest
 
 from tests.server.conftest import MODEL, running_server, wait_idle
+
+pytestmark = pytest.mark.slow  # real servers
 
 
 async def stream_and_vanish(session: aiohttp.ClientSession, url: str, i: int, rng: random.Random) -> int:

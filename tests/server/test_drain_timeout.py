@@ -9,8 +9,11 @@ import signal
 import time
 
 import aiohttp
+import pytest
 
 from tests.server.conftest import Server
+
+pytestmark = pytest.mark.slow  # real servers
 
 
 def test_requests_outliving_the_drain_timeout_are_aborted_cleanly():

@@ -18,8 +18,11 @@ import urllib.error
 import urllib.request
 
 import openai
+import pytest
 
 from tests.server.conftest import MODEL, ROOT, running_server
+
+pytestmark = pytest.mark.slow  # real servers
 
 
 def _children(pid: int) -> list[int]:

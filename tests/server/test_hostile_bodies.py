@@ -15,6 +15,8 @@ import pytest
 from tests.server.conftest import running_server
 from tests.server.test_bad_inputs import CHAT, COMP, MSG, call
 
+pytestmark = pytest.mark.slow  # real servers
+
 HUGE_INT = "9" * 4300 + "1"  # beyond Python's int-from-string limit: json.loads itself raises ValueError
 BIG_INT = "9" * 4000  # within the limit: a real int, but no float holds it
 

@@ -14,6 +14,8 @@ import pytest
 
 from tests.server.conftest import running_server
 
+pytestmark = pytest.mark.slow  # real servers
+
 KEYS = {
     "sk-alpha": {"tenant": "alpha", "priority_range": [-5, 5]},
     "sk-beta": {"tenant": "beta"},
