@@ -229,18 +229,24 @@ def _config(arch: str, meta, tensors: dict, name: str, where: str) -> ModelConfi
         max_model_len=context,
         tie_word_embeddings="output.weight" not in tensors,
         architecture=arch,
-        quantization=_quantization(tensors),
+        quantization=_quantization(meta, tensors),
         **features,
     )
 
 
-def _quantization(tensors: dict) -> str:
-    """The type most of the matrices' bytes are in (a 'Q4_K_M' file is mostly Q4_K)."""
-    sizes = Counter()
-    for t in tensors.values():
-        if len(t.shape) == 2:
-            sizes[t.tensor_type.name] += int(t.n_bytes)
-    return sizes.most_common(1)[0][0] if sizes else "none"
+def _quantization(meta, tensors: dict) -> str:
+    """The file's quantization as llama.cpp names it (general.file_type: 'Q4_K_M', 'Q4_1', 'F16'), else
+    the type most of the matrices' bytes are in."""
+    import gguf
+
+    try:
+        return gguf.LlamaFileType(int(meta("general.file_type"))).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        sizes = Counter()
+        for t in tensors.values():
+            if len(t.shape) == 2:
+                sizes[t.tensor_type.name] += int(t.n_bytes)
+        return sizes.most_common(1)[0][0] if sizes else "none"
 
 
 def _factors(tensor, head_dim: int, where: str) -> tuple[float, ...]:

@@ -150,9 +150,18 @@ def _llama3_rope_freqs(head_dim: int, rope: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(model, family: str, path: Path, overrides: dict | None = None) -> Path:
-    """The model as llama.cpp's converter would write it (float32 tensors). overrides: header keys to set
-    instead of the true values (e.g. {'embedding_length': 8192}), for tests of broken files."""
+def write_gguf(
+    model,
+    family: str,
+    path: Path,
+    overrides: dict | None = None,
+    tokenizer_model: str = "gpt2",
+    edit=None,
+) -> Path:
+    """The model as llama.cpp's converter would write it (float32 tensors). For tests of broken or
+    unsupported files: overrides, header keys to set instead of the true values (e.g. {'embedding_length':
+    8192}); tokenizer_model, tokenizer.ggml.model; edit(writer), called before the tensors are written (to
+    add one)."""
     import gguf
 
     c = model.config
@@ -197,7 +206,7 @@ def write_gguf(model, family: str, path: Path, overrides: dict | None = None) ->
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         scale = c.max_position_embeddings / rope["original_max_position_embeddings"]
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(ORIGINAL_CONTEXT)))
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     tokens = _gpt2_vocab(c.vocab_size)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t.startswith("<") else 1 for t in tokens])
@@ -224,6 +233,8 @@ def write_gguf(model, family: str, path: Path, overrides: dict | None = None) ->
     if family == "phi3":
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if edit is not None:
+        edit(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
