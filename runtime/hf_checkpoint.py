@@ -123,7 +123,7 @@ def _config(cfg: dict, arch: str, name: str, has_lm_head: bool, where: str) -> M
     layers = cfg["num_hidden_layers"]
     context = int(cfg.get("max_position_embeddings", DEFAULT_CONTEXT_LENGTH))
     rope, local = _rope_parameters(cfg)
-    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+    if any(float(d.get("partial_rotary_factor") or 1.0) != 1.0 for d in (rope, cfg)):
         raise ValueError(
             f"model: {where}: partial rotary embeddings (partial_rotary_factor) are not supported"
         )
