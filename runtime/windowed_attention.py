@@ -63,15 +63,23 @@ def _chunk(q, k_cache, v_cache, table, lens, scale, window, softcap) -> torch.Te
 
 
 def _rows(q, k_cache, v_cache, tables, lens, scale, window, softcap) -> torch.Tensor:
-    """One row per table (decodes): each row's blocks gathered."""
+    """One row per table (decodes): each row's blocks gathered; with a window, only the blocks it covers
+    (a 512-token window over a 32k context reads 1/60 of the blocks)."""
+    block_size = k_cache.shape[1]
+    first = None
+    if window is not None and tables.shape[1] * block_size > window + block_size:
+        span = -(-window // block_size) + 1  # blocks a window can touch
+        first = ((lens - window).clamp(min=0) // block_size).clamp(max=tables.shape[1] - span)
+        tables = tables.gather(1, first.view(-1, 1) + torch.arange(span, device=tables.device))
+        first = first * block_size  # the position of each row's first gathered key
     keys = k_cache[tables].flatten(1, 2)  # [B, L, kv_heads, D]
     values = v_cache[tables].flatten(1, 2)
-    return _attend(q, keys, values, lens, scale, window, softcap)
+    return _attend(q, keys, values, lens, scale, window, softcap, first)
 
 
-def _attend(q, keys, values, lens, scale, window, softcap) -> torch.Tensor:
-    """q [N, heads, D]; keys, values [N or 1, L, kv_heads, D]; lens [N]: row i sees keys [lens_i - window,
-    lens_i) of its row of keys."""
+def _attend(q, keys, values, lens, scale, window, softcap, first=None) -> torch.Tensor:
+    """q [N, heads, D]; keys, values [N or 1, L, kv_heads, D]; lens [N]: row i sees positions
+    [lens_i - window, lens_i); first [N]: the position of each row's first key (None: 0)."""
     n, heads, d = q.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
@@ -82,6 +90,8 @@ def _attend(q, keys, values, lens, scale, window, softcap) -> torch.Tensor:
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     span = torch.arange(scores.shape[-1], device=q.device)
+    if first is not None:
+        span = span + first.view(-1, 1)
     lens = lens.view(-1, 1).to(span.device)
     visible = span < lens
     if window is not None:
