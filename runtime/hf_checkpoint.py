@@ -47,6 +47,8 @@ MODEL_TYPES = {
 """config.json's model_type -> the family (GGUF's architecture name)."""
 HF_RMS_NORM_EPS = 1e-6
 """RMSNorm epsilon when config.json does not say (transformers' LlamaConfig default)."""
+SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+"""Every n-th layer attends globally (configs without layer_types: transformers' rule per family)."""
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 """Gemma 3's sliding layers' RoPE base when config.json does not say (transformers' default)."""
 
@@ -140,6 +142,9 @@ def _config(cfg: dict, arch: str, name: str, has_lm_head: bool, where: str) -> M
         elif arch == "qwen2":  # layers from max_window_layers on slide (transformers' rule)
             first = cfg.get("max_window_layers", layers)
             features["sliding_layers"] = tuple(i >= first for i in range(layers))
+        elif arch in SLIDING_PATTERN:  # configs from before layer_types: every n-th layer is global
+            n = int(cfg.get("sliding_window_pattern") or SLIDING_PATTERN[arch])
+            features["sliding_layers"] = tuple(i % n < n - 1 for i in range(layers))
     if arch == "qwen2" or cfg.get("attention_bias"):
         features["qkv_bias"] = True
     if arch in ("qwen3", "gemma3"):
