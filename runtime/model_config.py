@@ -68,6 +68,14 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def card(self) -> dict[str, object]:
+        """What GET /v1/models reports of the model: its family, weight format and context length."""
+        return {
+            "architecture": self.architecture,
+            "quantization": self.quantization,
+            "context_length": self.max_model_len,
+        }
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of this layer (None: it sees every earlier key)."""
         if self.sliding_window is None or self.sliding_window >= self.max_model_len:
