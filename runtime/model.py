@@ -126,11 +126,18 @@ class LlamaModel:
         self.gemm_rows: dict[tuple[int, int], int | None] = {}
         """(out, in features) -> the C kernel's many-row loops serve from this many rows up (None: never)."""
 
+        reused = {"model.embed_tokens.weight"}  # the embedding and a tied LM head: read once for both
+        shared: dict[str, np.ndarray | GGUFBlocks] = {}
+
         def source(name: str) -> np.ndarray | GGUFBlocks:
             if name not in weights:
                 raise ValueError(f"model: checkpoint is missing the weight {name!r}")
             w = weights[name]
-            return w.load() if isinstance(w, DeferredTensor) else w  # read now, one tensor at a time
+            if not isinstance(w, DeferredTensor):
+                return w
+            if name not in shared:
+                shared[name] = w.load()  # read now, one tensor at a time
+            return shared.pop(name) if name not in reused else shared[name]
 
         def tensor(name: str) -> torch.Tensor:
             w = source(name)
@@ -178,6 +185,7 @@ class LlamaModel:
             self.embed = tensor("model.embed_tokens.weight")
             self.lm_head = self.embed if config.tie_word_embeddings else proj(["lm_head.weight"])
         self.norm = tensor("model.norm.weight")
+        shared.clear()
         self._choose_dense_rows()
         self._choose_native_rows()
         c = config

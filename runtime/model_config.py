@@ -26,9 +26,9 @@ class ModelConfig:
     """Context length in tokens (prompt + generated)."""
     tie_word_embeddings: bool
     architecture: str = "llama"
-    """The family as GGUF names it (llama, qwen2, qwen3, gemma2, gemma3, phi3): what GET /v1/models reports."""
+    """The family as GGUF names it (llama, qwen2, qwen3, gemma2, gemma3, phi3); GET /v1/models reports it."""
     quantization: str = "none"
-    """The checkpoint's weight format as read (a GGUF's most common matrix type, e.g. 'Q4_K'; 'none': float)."""
+    """The checkpoint's weight format as llama.cpp names it ('Q4_K_M', 'Q4_1'; 'none': a float checkpoint)."""
     rope_freq_factors: tuple[float, ...] | None = None
     """Each rotary frequency divided by its factor (head_dim / 2 of them): llama3 scaling (GGUF rope_freqs,
     or computed from config.json's rope_scaling), LongRoPE's short or long factors (Phi-3)."""

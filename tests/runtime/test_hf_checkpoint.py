@@ -1,4 +1,5 @@
-"""A Hugging Face Llama directory (config.json, safetensors, tokenizer.json) loads and matches transformers."""
+"""A Hugging Face directory (config.json, safetensors, tokenizer.json) loads and matches transformers; one
+whose config.json disagrees with its tensors, or asks for what is not supported, is refused naming it."""
 
 from __future__ import annotations
 
