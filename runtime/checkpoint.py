@@ -1,10 +1,10 @@
 """Find and read a checkpoint: the default GGUF, any GGUF file, or a Hugging Face directory.
 
-Whatever the source, the result is the same Checkpoint (checkpoint_types.py):
-a ModelConfig, float32 numpy weights under Hugging Face Llama names (Q/K rows in
-Hugging Face's half-split RoPE order), and what the tokenizer needs. The
-readers (gguf_checkpoint.py, hf_checkpoint.py) dequantize once, so the model
-only ever sees plain tensors.
+Whatever the source, the result is the same Checkpoint (checkpoint_types.py): a ModelConfig (the family's
+features as data), weights under Hugging Face Llama names (Q/K rows in Hugging Face's half-split RoPE
+order), and what the tokenizer needs. The readers (gguf_checkpoint.py, hf_checkpoint.py) check the header
+against every tensor's shape and type first, then hand the model each weight when it takes it (a GGUF's
+Q4_0 / Q4_1 / Q8_0 blocks as they are, anything else de-quantized to float32 one tensor at a time).
 """
 
 from __future__ import annotations

@@ -32,14 +32,16 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 @dataclass
 class ModelSettings:
     model: str | None = None
-    """A .gguf file or a Hugging Face Llama checkpoint directory (None: SmolLM2-135M-Instruct)."""
+    """A .gguf file or a Hugging Face checkpoint directory of a supported family: Llama (3.x too), Mistral,
+    Qwen 2/2.5/3, Gemma 2/3, Phi-3 (None: SmolLM2-135M-Instruct)."""
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
     """Weights and activations: 'auto' is bfloat16 where the hardware computes in it, else float32."""
     device: str | None = None
     """cpu or cuda (None: cuda if available)."""
     quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
     """auto: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast (bfloat16 on CPU); none:
-    dequantize; gguf: always packed; int8 / int4: quantize a float checkpoint on load."""
+    dequantize; gguf: always packed; int8 / int4: quantize a float checkpoint on load. A GGUF's other types
+    (K-quants, Q5_0, F16, ...) are de-quantized to the compute dtype one tensor at a time."""
     enforce_eager: bool = False
     """CUDA: run steps op by op instead of replaying the CUDA graphs captured at load for 1, 2, 4, 8, 16,
     .. 56 tokens, then every 64 up to max_num_batched_tokens or 512 (a graph is one launch for the whole step:

@@ -92,7 +92,7 @@ def tokenizer_source(meta: dict, where: str) -> TokenizerSource:
     if model in ("gpt2", "gemma4"):
         rule = bpe_pretokenizer(pre) if model == "gpt2" else GEMMA4_LINES
         merges = meta.get("tokenizer.ggml.merges")
-        if not merges:
+        if merges is None:  # an empty list is a vocabulary of single symbols
             raise ValueError(f"model: {where!r} has a BPE vocabulary without tokenizer.ggml.merges")
         scores: list[float] = []
         add_bos_default, add_space_prefix_default = rule.add_bos, False

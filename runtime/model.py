@@ -1,9 +1,13 @@
-"""Llama decoder (GQA, RoPE, RMSNorm, SwiGLU, optionally tied head) over a paged KV cache.
+"""The decoder (GQA, RoPE, RMSNorm, gated MLP, optionally tied head) over a paged KV cache.
 
-Tokens of all sequences in a step arrive flattened: input_ids [T], positions
-[T]; AttentionMetadata says which rows decode and which are prefill chunks.
-Q/K/V and gate/up projections are fused into one matmul each. Projection
-weights are dense tensors or packed quantized ones (runtime.quantization).
+One definition serves Llama, Mistral, Qwen 2/3, Gemma 2/3 and Phi-3: what differs is data in
+ModelConfig (biases, q/k norms, sandwich norms, GELU, embedding scale, sliding windows, soft-caps, RoPE
+scalings). Tokens of all sequences in a step arrive flattened: input_ids [T], positions [T];
+AttentionMetadata says which rows decode and which are prefill chunks. Q/K/V and gate/up projections are
+fused into one matmul each. Projection weights are dense tensors or packed quantized ones
+(runtime.quantization). A plain Llama layer runs its element-wise work in the fused layer ops (C on CPU,
+Triton on CUDA); every other feature runs in the PyTorch layer loop (forward), and a layer that slides or
+soft-caps attends in windowed_attention.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch.nn.functional as F
 
 from runtime import native_attention, native_layer_ops, triton_layer_ops
 from runtime.attention import AttentionMetadata, paged_attention, write_kv
+from runtime.checkpoint_types import DeferredTensor
 from runtime.kv_cache import KVCache
 from runtime.model_config import ModelConfig
 from runtime.native_decode import NativeDecode
@@ -27,6 +32,8 @@ from runtime.quantization import (
     measure_row_paths,
     weight_nbytes,
 )
+from runtime.rope_scaling import inverse_frequencies
+from runtime.windowed_attention import windowed_attention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,15 +49,24 @@ class RotaryEmbedding:
     """Half-split RoPE: cos/sin tables in float32 for every position, cast to the model dtype.
 
     rotate_half(x) * sin is computed as roll(x, D/2) * sin_signed, sin_signed = [-sin, sin] by halves (a
-    negation moves no rounding), so a step's rotation is a few whole-tensor ops over q and k together."""
+    negation moves no rounding), so a step's rotation is a few whole-tensor ops over q and k together.
+    inv_freq: the (scaled) inverse frequencies, rope_scaling.inverse_frequencies; attention_factor
+    multiplies cos and sin (LongRoPE)."""
 
-    def __init__(self, head_dim: int, max_len: int, theta: float, dtype: torch.dtype, device: torch.device):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_factor: float = 1.0,
+    ):
+        head_dim = 2 * inv_freq.shape[0]
         freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.half = head_dim // 2
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        self.cos = (emb.cos() * attention_factor).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * attention_factor).to(dtype=dtype, device=device)
         self.sin_signed = torch.cat((-self.sin[:, : self.half], self.sin[:, self.half :]), dim=-1)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,21 +80,33 @@ class RotaryEmbedding:
 
 
 class Layer:
-    def __init__(self, norm, proj):
-        """norm(suffix) -> dense tensor; proj(suffixes) -> one (fused) projection weight."""
-        self.input_norm = norm("input_layernorm.weight")
-        self.post_norm = norm("post_attention_layernorm.weight")
+    def __init__(self, config: ModelConfig, norm, proj):
+        """norm(suffixes) -> one dense tensor (concatenated); proj(suffixes) -> one (fused) projection
+        weight. Tensor names are Hugging Face Llama's, with the other families' extras under names of their
+        own (checkpoint_types.LAYER_TENSORS)."""
+        self.input_norm = norm(["input_layernorm.weight"])
+        self.post_norm = norm(["post_attention_layernorm.weight"])
+        """The MLP's input norm (Llama's name for it; Gemma's pre_feedforward_layernorm)."""
         self.qkv = proj(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"])
         self.o = proj(["self_attn.o_proj.weight"])
         self.gate_up = proj(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
         self.down = proj(["mlp.down_proj.weight"])
+        self.qkv_bias = (
+            norm(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
+            if config.qkv_bias
+            else None
+        )
+        self.q_norm = norm(["self_attn.q_norm.weight"]) if config.qk_norm else None
+        self.k_norm = norm(["self_attn.k_norm.weight"]) if config.qk_norm else None
+        self.attn_out_norm = norm(["attn_output_norm.weight"]) if config.sandwich_norms else None
+        self.mlp_out_norm = norm(["mlp_output_norm.weight"]) if config.sandwich_norms else None
 
 
 class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, np.ndarray | GGUFBlocks],
+        weights: dict[str, np.ndarray | GGUFBlocks | DeferredTensor],
         dtype: torch.dtype,
         device: torch.device,
         quantization: str = "none",
@@ -98,15 +126,26 @@ class LlamaModel:
         self.gemm_rows: dict[tuple[int, int], int | None] = {}
         """(out, in features) -> the C kernel's many-row loops serve from this many rows up (None: never)."""
 
+        reused = {"model.embed_tokens.weight"}  # the embedding and a tied LM head: read once for both
+        shared: dict[str, np.ndarray | GGUFBlocks] = {}
+
         def source(name: str) -> np.ndarray | GGUFBlocks:
             if name not in weights:
                 raise ValueError(f"model: checkpoint is missing the weight {name!r}")
-            return weights[name]
+            w = weights[name]
+            if not isinstance(w, DeferredTensor):
+                return w
+            if name not in shared:
+                shared[name] = w.load()  # read now, one tensor at a time
+            return shared.pop(name) if name not in reused else shared[name]
 
         def tensor(name: str) -> torch.Tensor:
             w = source(name)
             w = w.dequantize() if isinstance(w, GGUFBlocks) else w
             return torch.from_numpy(w).to(device=device, dtype=dtype)
+
+        def dense(names: list[str]) -> torch.Tensor:
+            return torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
 
         dense_budget = [dense_copy_bytes]  # bytes left for dense copies (None: no cap)
 
@@ -125,7 +164,8 @@ class LlamaModel:
         # the layers first: their dense copies serve every prefill row, the LM head's only sampled rows
         self.layers = [
             Layer(
-                lambda s, i=i: tensor(f"model.layers.{i}.{s}"),
+                config,
+                lambda names, i=i: dense([f"model.layers.{i}.{s}" for s in names]),
                 lambda names, i=i: proj([f"model.layers.{i}.{s}" for s in names]),
             )
             for i in range(config.num_layers)
@@ -145,19 +185,33 @@ class LlamaModel:
             self.embed = tensor("model.embed_tokens.weight")
             self.lm_head = self.embed if config.tie_word_embeddings else proj(["lm_head.weight"])
         self.norm = tensor("model.norm.weight")
+        shared.clear()
         self._choose_dense_rows()
         self._choose_native_rows()
-        self.rope = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, dtype, device)
+        c = config
+        inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_freq_factors, c.rope_linear_factor)
+        self.rope = RotaryEmbedding(inv_freq, c.max_model_len, dtype, device, c.rope_attention_factor)
+        self.local_rope = self.rope
+        """The sliding layers' RoPE (Gemma 3: its own base, unscaled)."""
+        if c.rope_theta_local is not None:
+            local = inverse_frequencies(c.head_dim, c.rope_theta_local)
+            self.local_rope = RotaryEmbedding(local, c.max_model_len, dtype, device)
+        self.windows = [c.layer_window(i) for i in range(c.num_layers)]
+        """Each layer's sliding window (None: full causal attention)."""
+        self.embed_scale = torch.tensor(c.embed_scale, dtype=dtype) if c.embed_scale != 1.0 else None
         self.layer_ops = None
-        """The layers' element-wise work fused: native_layer_ops (C, CPU) or triton_layer_ops (CUDA)."""
-        if native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0:
+        """The layers' element-wise work fused: native_layer_ops (C, CPU) or triton_layer_ops (CUDA); only
+        for plain Llama layers (ModelConfig.plain_llama)."""
+        if not c.plain_llama:
+            pass
+        elif native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0:
             self.layer_ops = native_layer_ops
         elif triton_layer_ops.usable(dtype, device) and config.head_dim & (config.head_dim - 1) == 0:
             self.layer_ops = triton_layer_ops
         self.native_decode = self.layer_ops is not None
         """Every step runs the layers' element-wise work in layer_ops (on CPU, steps that only decode their
         attention in C too); False: the PyTorch ops."""
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
         self._native_decode: tuple[KVCache, NativeDecode | None] | None = None
         """The KV cache the C layer loop was made for, and that loop (_decode_layers)."""
 
@@ -233,29 +287,46 @@ class LlamaModel:
             return self._forward_native(input_ids, positions, meta, kv)
         c = self.config
         t = input_ids.shape[0]
-        qk_heads = c.num_heads + c.num_kv_heads
-        cos, sin = self.rope.tables(positions)
-        half = self.rope.half
+        eps = c.rms_norm_eps
+        rope_tables = {id(r): (r, *r.tables(positions)) for r in (self.rope, self.local_rope)}
         h = self.embed[input_ids]
-        x = rms_norm(h, self.layers[0].input_norm, c.rms_norm_eps)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         for i, layer in enumerate(self.layers):
+            window = self.windows[i]
+            x = rms_norm(h, layer.input_norm, eps)
             qkv = linear(x, layer.qkv)
-            # q and k heads side by side: one rotation for both
-            qk = self.rope.rotate(
-                qkv[:, : c.q_size + c.kv_size].view(t, qk_heads, c.head_dim), cos, sin, half
-            )
-            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
+            k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
             v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+            rope, cos, sin = rope_tables[id(self.local_rope if window is not None else self.rope)]
+            if layer.q_norm is None:  # q and k heads side by side: one rotation for both
+                qk = rope.rotate(qkv[:, : c.q_size + c.kv_size].view(t, -1, c.head_dim), cos, sin, rope.half)
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            else:
+                q, k = rope.rotate(q, cos, sin, rope.half), rope.rotate(k, cos, sin, rope.half)
             k_cache, v_cache = kv.layer(i)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h += linear(attn.reshape(t, c.q_size), layer.o)
-            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            if window is None and c.attn_logit_softcap is None:
+                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            else:
+                attn = windowed_attention(q, k_cache, v_cache, meta, self.scale, window, c.attn_logit_softcap)
+            o = linear(attn.reshape(t, c.q_size), layer.o)
+            if layer.attn_out_norm is not None:
+                o = rms_norm(o, layer.attn_out_norm, eps)
+            h = h + o
+            x = rms_norm(h, layer.post_norm, eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            h += linear(F.silu(gate).mul_(up), layer.down)
-            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x = rms_norm(h, following, c.rms_norm_eps)
-        return x
+            act = F.gelu(gate, approximate="tanh") if c.hidden_act == "gelu_tanh" else F.silu(gate)
+            m = linear(act.mul_(up), layer.down)
+            if layer.mlp_out_norm is not None:
+                m = rms_norm(m, layer.mlp_out_norm, eps)
+            h = h + m
+        return rms_norm(h, self.norm, eps)
 
     def _forward_native(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
@@ -317,5 +388,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
-        return linear(hidden, self.lm_head).float()
+        """[N, hidden] -> float32 logits [N, vocab] (soft-capped where the model caps them)."""
+        logits = linear(hidden, self.lm_head).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
