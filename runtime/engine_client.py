@@ -4,7 +4,7 @@ The server holds one EngineClient and never reaches past it (no engine, model,
 scheduler or KV cache). AsyncEngine runs the engine on a thread of the
 server's process; EngineCoreClient speaks to an engine core in a process of
 its own. The surface is small and made of plain values (token ids,
-SamplingParams, OutputDelta, a stats dict), so the server cannot tell which.
+SamplingParams, OutputDelta, SchedulerStats), so the server cannot tell which.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Protocol
 
 from runtime.outputs import OutputDelta
 from runtime.tokenizer import Tokenizer
-from scheduler import SamplingParams
+from scheduler import SamplingParams, SchedulerStats
 
 
 class EngineClient(Protocol):
@@ -61,7 +61,7 @@ class EngineClient(Protocol):
     def abort_all(self, reason: str) -> int:
         """Abort every request in flight (each consumer gets RequestAbortedError); returns how many."""
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         """Scheduler gauges and counters as of the engine's last step (see Scheduler.stats)."""
 
     def check_health(self) -> None:
