@@ -2,7 +2,7 @@
 
 The event loop never runs the model. The engine thread runs the core loop
 (runtime/engine_core.py, run_core_loop) over a queue: the client half
-(runtime/engine_frontend.py) admits a request on the caller's side and puts
+(runtime/engine_client.py) admits a request on the caller's side and puts
 its AddRequest in the queue; the loop applies what it finds between steps and
 hands each StepOutput straight to the client half, which puts the deltas in
 their streams and wakes their readers with call_soon_threadsafe. A consumer
@@ -19,14 +19,14 @@ import queue
 import threading
 
 from runtime.engine import Engine
+from runtime.engine_client import EngineClient
 from runtime.engine_core import queue_receiver, run_core_loop
-from runtime.engine_frontend import EngineFrontend
 from runtime.engine_messages import Stop
 
 log = logging.getLogger("prescient.engine")
 
 
-class AsyncEngine(EngineFrontend):
+class AsyncEngine(EngineClient):
     """The EngineClient (runtime/engine_client.py) over an Engine in this process."""
 
     def __init__(self, engine: Engine, max_waiting: int | None = None):

@@ -268,7 +268,7 @@ class Engine:
             except Exception as exc:
                 log.exception("detokenizing request %s failed", request_id)
                 done.discard(request_id)
-                outputs.append(self._fail(request_id, exc))
+                outputs.append(self._fail(tracked.group_id, exc))
                 continue
             if tracked.detokenizer.stop_reason is not None:
                 self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
@@ -292,8 +292,9 @@ class Engine:
             return self.runner.execute(plan)
         except Exception as exc:
             if len(plan.scheduled) == 1:
-                log.exception("engine step failed; failing request %s", plan.scheduled[0][0].request_id)
-                failed.append(self._fail(plan.scheduled[0][0].request_id, exc))
+                request_id = plan.scheduled[0][0].request_id
+                log.exception("engine step failed; failing request %s", request_id)
+                failed.append(self._fail(self.outputs.tracked[request_id].group_id, exc))
                 return ModelRunnerOutput()
             log.exception("engine step of %d requests failed; running each alone", len(plan.scheduled))
         merged = ModelRunnerOutput()
@@ -314,7 +315,8 @@ class Engine:
         return merged
 
     def _fail(self, request_id: str, exc: BaseException) -> OutputDelta:
-        """Abort a request whose step raised; its delta is final and names the cause in `error`."""
+        """Abort a request (all its n sequences: request_id is the caller's) whose step raised; its delta is
+        final and names the cause in `error`."""
         out = self.abort_request(request_id)
         out.error = f"{type(exc).__name__} in the engine step"
         return out

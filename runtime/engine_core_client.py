@@ -1,6 +1,6 @@
 """The server's side of an engine core in its own process (runtime/engine_core.py has the protocol).
 
-It is the client half every engine client shares (runtime/engine_frontend.py:
+It is the client half every engine client shares (runtime/engine_client.py:
 admission, streams, per-tenant queue shares) over two pipes, so the server
 cannot tell it from AsyncEngine. Tokenization and request checks run here;
 the core only steps.
@@ -21,8 +21,8 @@ import queue
 import threading
 import time
 
+from runtime.engine_client import EngineClient
 from runtime.engine_core import CoreInfo, run_engine_core
-from runtime.engine_frontend import EngineFrontend
 from runtime.engine_messages import CoreFailed, StepOutput, Stop
 from runtime.errors import EngineDeadError
 
@@ -44,7 +44,7 @@ offline engine's at 1,000 spins: 0.78-0.96x the offline rate (median 0.88, 18 ro
 server test files under two pytest workers: 82-90 s against 71-79 s)."""
 
 
-class EngineCoreClient(EngineFrontend):
+class EngineCoreClient(EngineClient):
     def __init__(
         self,
         process: multiprocessing.process.BaseProcess,

@@ -1,6 +1,6 @@
 """The messages between an engine client and its engine core, whichever transport carries them.
 
-A client (runtime/engine_frontend.py) sends AddRequest, Abort and Stop; the
+A client (runtime/engine_client.py) sends AddRequest, Abort and Stop; the
 core (runtime/engine_core.py) answers each loop iteration that did anything
 with one StepOutput. In thread mode they go through a queue and a direct call,
 in process mode through two pipes (pickled); the types are the same. They are

@@ -13,6 +13,7 @@ again; a grammar no longer held here is compiled where it is asked for.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,7 +48,9 @@ class GrammarCompiler(GrammarBackend):
                 done.set_result(None)
                 return done
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="prescient-grammar")
+            self._pool = ThreadPoolExecutor(
+                1, thread_name_prefix="prescient-grammar", initializer=_yield_to_the_step
+            )
         return self._pool.submit(self._build, key, structured)
 
     def _build(self, key: tuple[str, str], structured: StructuredOutput) -> None:
@@ -66,3 +69,16 @@ class GrammarCompiler(GrammarBackend):
         for token in output_ids:
             matcher.consume_token(token)
         return matcher
+
+
+COMPILE_NICENESS = 10
+"""How much lower than the step loop the compile thread runs: on a host with few cores the step's own threads
+come first, and the compile takes what is left."""
+
+
+def _yield_to_the_step() -> None:
+    """Lower the compile thread's priority (Linux schedules threads one by one; elsewhere nothing changes)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):
+        pass

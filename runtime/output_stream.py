@@ -1,6 +1,6 @@
 """OutputStream: where one request's deltas wait for the coroutine that reads them.
 
-Both engine clients use it (runtime/engine_frontend.py). The producer (the engine thread for
+Both engine clients use it (runtime/engine_client.py). The producer (the engine thread for
 AsyncEngine, the event loop reading the core's pipe for EngineCoreClient) put()s each
 step's delta, or fail()s the stream with an exception; the consumer iterates
 deltas(). Whatever accumulated between two reads comes out coalesced, one delta

@@ -22,8 +22,9 @@ SCHEMA = {
         for i in range(BRANCHES)
     ]
 }
-STEP_GAP_BOUND_SECONDS = 2.0
-"""Longest a step may take while the grammar compiles (it took seconds when the compile ran in the step)."""
+COMPILE_TO_STEP = 3
+"""The compile must span at least this many of the plain stream's steps: compiled inside one step (as it was),
+that step alone would last the whole wait."""
 
 
 def test_a_stream_keeps_decoding_while_another_requests_grammar_compiles(engine_fp32):
@@ -43,10 +44,10 @@ def test_a_stream_keeps_decoding_while_another_requests_grammar_compiles(engine_
         steps.append(time.monotonic() - start)
     waited = sum(steps)
     assert constrained.output_token_ids, "the plain stream finished before the grammar compiled"
-    assert max(steps) < STEP_GAP_BOUND_SECONDS, (max(steps), waited)
+    # the longest gap between the plain stream's tokens is a fraction of the compile, not all of it
+    assert max(steps) * COMPILE_TO_STEP < waited, (max(steps), waited, len(steps))
     # the plain stream was served all along: a token per step in which it ran
     assert plain.num_output_tokens - before >= len(steps) - 2, (plain.num_output_tokens, before, len(steps))
-    assert waited > 3 * max(steps), "the compile must take longer than a step for this test to mean anything"
     engine.abort_request("plain")
     while engine.has_unfinished_requests():
         engine.step()
