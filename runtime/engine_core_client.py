@@ -33,15 +33,11 @@ STARTUP_TIMEOUT_SECONDS = 600.0
 STOP_TIMEOUT_SECONDS = 10.0
 """After asking the core to stop, wait this long before killing it."""
 CORE_GOMP_SPINCOUNT = "10000"
-"""How long the core's OpenMP threads spin before sleeping, unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set:
-10,000 pauses, ~0.26 ms on a 2-core AMD EPYC (26 ns a pause). libgomp's default (300,000, ~8 ms) is for a team
-that owns its cores; a team on a host whose CPUs are oversubscribed (other engines, other work) spins away the
-others' time slices: there one stream decoded at 0.3-0.9 tok/s with the default, 4-6 with 1,000 or 0. Too
-short a spin costs the other way: with the server's event loop and its clients on the same cores, a thread
-that slept mid-step waits for its core back, and 32 streams over HTTP ran their decode steps slower than the
-offline engine's at 1,000 spins: 0.78-0.96x the offline rate (median 0.88, 18 rounds) against 0.83-1.09x
-(median 0.94, 29 rounds) at 10,000, alternating. On an oversubscribed host 10,000 costs ~10% over 1,000 (four
-server test files under two pytest workers: 82-90 s against 71-79 s)."""
+"""How long the core's OpenMP threads spin before sleeping (about a quarter of a millisecond), unless
+OMP_WAIT_POLICY or GOMP_SPINCOUNT is set. libgomp's default (300,000) suits a team that owns its cores; where
+the cores are shared (other engines, the server's event loop and its clients) a long spin burns the others'
+time slices, and too short a one leaves a thread that slept mid-step waiting for its core back. The serve
+benchmark (tests/bench/bench_serve.py, 32 streams over HTTP against the offline engine) measures the choice."""
 
 
 class EngineCoreClient(EngineClient):
