@@ -1,8 +1,8 @@
 """Grammars compiled off the step: a request waits for its grammar while the others keep decoding.
 
-Building an llguidance matcher for a large schema takes seconds (a 3,000-branch
-`anyOf` took 6.5 s on a 2-core AMD EPYC), and the first constrained request
-also builds the llguidance tokenizer. Run inside the engine step, that stalls
+Building an llguidance matcher for a large schema takes seconds (thousands of
+`anyOf` branches), and the first constrained request also builds the
+llguidance tokenizer (tests/runtime/test_grammar_wait.py shows the effect). Run inside the engine step, that stalls
 every stream in the batch. So the engine hands each new constrained request's
 grammar to one compile thread (llguidance releases the GIL while it compiles)
 and gives the request to the scheduler only once its matcher is built, as
