@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 
 import torch
@@ -45,9 +44,6 @@ log = logging.getLogger("prescient.engine")
 MAX_GRAPH_TOKENS = 512
 """CUDA graphs are captured for steps of up to this many tokens: a larger step's own GPU work outweighs its
 launches, and every captured size costs capture time and graph memory."""
-GRAMMAR_WAIT_SECONDS = 0.05
-"""A step with nothing to run but grammars compiling waits this long for one (then returns to read new
-messages)."""
 
 
 class Engine:
@@ -87,8 +83,6 @@ class Engine:
         self.checks = RequestChecks(tokenizer, self.vocab_size, self.admission)
         self.scheduler = Scheduler(sched)
         self.grammar = GrammarCompiler(tokenizer, self.vocab_size)
-        self._compiling: dict[str, Future] = {}
-        """Requests waiting for their grammar (runtime/grammar_compiler.py): id -> its compile."""
         self.runner = ModelRunner(
             model,
             self.kv,
@@ -215,20 +209,17 @@ class Engine:
                     cache_salt=request.cache_salt,
                 )
             )
-        structured = params.structured_output
-        compiling = None if structured is None else self.grammar.compile(structured)
-        ready = compiling is None or compiling.done() and compiling.exception() is None
-        self.scheduler.add_request(request, admitted=True, ready=ready)  # refuses an id in use
-        self.outputs.add(request)
-        if not ready:
-            self._compiling[request_id] = compiling
+        self.scheduler.add_request(request, admitted=True, ready=params.structured_output is None)
+        self.outputs.add(request)  # the scheduler refused an id in use above
+        if params.structured_output is not None:
+            self.grammar.start(request_id, params.structured_output)
         return request
 
     def abort_request(self, request_id: str) -> OutputDelta | None:
         """Stop a request (all its n sequences) now and free its KV blocks; returns the final delta of
         its sequence 0 (None if unknown)."""
         first = None
-        self._compiling.pop(request_id, None)
+        self.grammar.forget(request_id)
         for tracked in self.outputs.pop_group(request_id):
             self.scheduler.abort_request(
                 tracked.request.request_id
@@ -249,8 +240,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             self.runner.update_states(plan)  # still forget what finished
-            if self._compiling and not outputs:
-                wait(self._compiling.values(), GRAMMAR_WAIT_SECONDS, FIRST_COMPLETED)
+            if not outputs:
+                self.grammar.wait()
             return outputs
         result = self._execute(plan, outputs)
         sampled = result.sampled
@@ -323,20 +314,16 @@ class Engine:
 
     def _admit_compiled(self) -> list[OutputDelta]:
         """Hand the scheduler the requests whose grammar is now compiled; fail those whose compile raised."""
-        failed = []
-        for request_id, compiling in list(self._compiling.items()):
-            if not compiling.done():
-                continue
-            del self._compiling[request_id]
-            exc = compiling.exception()
-            if exc is None:
-                self.scheduler.grammar_ready(request_id)
-            else:
-                log.error("compiling the grammar of request %s failed: %s", request_id, exc)
-                out = self.abort_request(request_id)
-                out.error = f"{type(exc).__name__} while compiling the grammar"
-                failed.append(out)
-        return failed
+        ready, failed = self.grammar.compiled()
+        for request_id in ready:
+            self.scheduler.grammar_ready(request_id)
+        outputs = []
+        for request_id, exc in failed:
+            log.error("compiling the grammar of request %s failed: %s", request_id, exc)
+            out = self.abort_request(request_id)
+            out.error = f"{type(exc).__name__} while compiling the grammar"
+            outputs.append(out)
+        return outputs
 
     def generate(
         self,

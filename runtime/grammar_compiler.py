@@ -16,13 +16,15 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import llguidance
 
 from runtime.structured_output import GrammarBackend
 from scheduler import StructuredOutput
 
+WAIT_SECONDS = 0.05
+"""wait() returns after this long even if no compile finished (the engine then reads new messages)."""
 COMPILED_GRAMMARS_KEPT = 32
 """Compiled matchers kept for reuse (least recently used dropped first): each new constrained request
 needs one until it is scheduled, and requests repeating a schema reuse theirs."""
@@ -36,6 +38,39 @@ class GrammarCompiler(GrammarBackend):
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._compiled_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._waiting: dict[str, Future] = {}
+        """Requests waiting for their grammar: request id -> its compile."""
+
+    # ---- requests waiting for their grammar (the engine's step loop) ------------------------------
+
+    def start(self, request_id: str, structured: StructuredOutput) -> None:
+        """The request waits for its grammar until compiled() names it."""
+        self._waiting[request_id] = self.compile(structured)
+
+    def forget(self, request_id: str) -> None:
+        """The request left (aborted) before its grammar was compiled."""
+        self._waiting.pop(request_id, None)
+
+    def compiled(self) -> tuple[list[str], list[tuple[str, BaseException]]]:
+        """The requests whose compile has ended since the last call: those ready, and those whose compile
+        raised (with the exception). Neither is waiting any more."""
+        ready, failed = [], []
+        for request_id, compiling in list(self._waiting.items()):
+            if compiling.done():
+                del self._waiting[request_id]
+                exc = compiling.exception()
+                if exc is None:
+                    ready.append(request_id)
+                else:
+                    failed.append((request_id, exc))
+        return ready, failed
+
+    def wait(self, timeout: float = WAIT_SECONDS) -> None:
+        """Until a waiting request's compile ends, or timeout seconds (at once if none waits)."""
+        if self._waiting:
+            wait(self._waiting.values(), timeout, FIRST_COMPLETED)
+
+    # ---- compiling ---------------------------------------------------------------------------------
 
     def compile(self, structured: StructuredOutput) -> Future:
         """Start compiling a grammar (done at once if it is held); the future's result is None, or the
