@@ -19,15 +19,24 @@ from runtime.attention import AttentionMetadata, PrefillChunk
 from runtime.checkpoint import load_checkpoint
 from runtime.config import EngineConfig
 from runtime.device import resolve_device, resolve_dtype
+from runtime.grammar_compiler import GrammarCompiler
 from runtime.kv_cache import KVCache, bytes_per_block
 from runtime.model import LlamaModel
-from runtime.model_runner import ModelRunner
+from runtime.model_runner import ModelRunner, ModelRunnerOutput
 from runtime.output_tracker import OutputTracker
 from runtime.outputs import OutputDelta, RequestOutput
 from runtime.quantization import resolve_quantization
-from runtime.structured_output import GrammarBackend, check_structured_output
+from runtime.request_checks import RequestChecks
 from runtime.tokenizer import Tokenizer
-from scheduler import InvalidRequestError, Request, SamplingParams, Scheduler
+from scheduler import (
+    InvalidRequestError,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from scheduler.runner_view import plans_alone
 from scheduler.sampling_params import SEED_RANGE
 
 log = logging.getLogger("prescient.engine")
@@ -71,8 +80,9 @@ class Engine:
         self.max_model_len = sched.max_model_len
         self.vocab_size = model.config.vocab_size
         self.admission = sched.admission  # the one rule, over this pool and context
+        self.checks = RequestChecks(tokenizer, self.vocab_size, self.admission)
         self.scheduler = Scheduler(sched)
-        self.grammar = GrammarBackend(tokenizer, self.vocab_size)
+        self.grammar = GrammarCompiler(tokenizer, self.vocab_size)
         self.runner = ModelRunner(
             model,
             self.kv,
@@ -129,7 +139,7 @@ class Engine:
     ) -> Request:
         """Admit and queue one request; raises InvalidRequestError (a ValueError) naming the field.
         cache_salt: the prefix-cache namespace (default: the tenant's own, see Request.cache_salt)."""
-        ids, params = self.admit(prompt, params or SamplingParams())
+        ids, params = self.checks.admit(prompt, params or SamplingParams(), weight=weight)
         return self.enqueue(
             request_id,
             ids,
@@ -144,15 +154,9 @@ class Engine:
     def admit(
         self, prompt: str | list[int], params: SamplingParams, *, clamp_max_tokens: bool = False
     ) -> tuple[list[int], SamplingParams]:
-        """The admission rule, where a request enters: its prompt ids and its params with max_tokens
-        resolved (None: as many as fit; clamp_max_tokens: a default lowered to what fits), or
-        InvalidRequestError naming the field. Reads only what never changes: safe from any thread."""
-        ids = self._prompt_ids(prompt)
-        check_structured_output(params.structured_output)
-        max_tokens = self.admission.admit(len(ids), params.max_tokens, clamp=clamp_max_tokens)
-        if max_tokens != params.max_tokens:  # min_tokens never above what may be generated
-            params = replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
-        return ids, params
+        """Its prompt ids and its params with max_tokens resolved, or InvalidRequestError naming the
+        field: RequestChecks.admit (runtime/request_checks.py), safe from any thread."""
+        return self.checks.admit(prompt, params, clamp_max_tokens=clamp_max_tokens)
 
     def enqueue(
         self,
@@ -166,10 +170,9 @@ class Engine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Queue a request that admit() accepted (an engine client admits on its caller's thread)."""
+        """Queue a request that admit() accepted (an engine client admits on its caller's thread). A request
+        with a grammar waits for its compile (off the step) before it is scheduled."""
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if not weight > 0:
-            raise InvalidRequestError("weight", f"must be positive, got {weight!r}")
         if params.n > 1 and self.outputs.collides(request_id, params.n):
             raise InvalidRequestError(
                 "request_id", f"{request_id!r} collides with another request's sequence ids"
@@ -206,31 +209,17 @@ class Engine:
                     cache_salt=request.cache_salt,
                 )
             )
-        self.scheduler.add_request(request, admitted=True)  # refuses an id in use
-        self.outputs.add(request)
+        self.scheduler.add_request(request, admitted=True, ready=params.structured_output is None)
+        self.outputs.add(request)  # the scheduler refused an id in use above
+        if params.structured_output is not None:
+            self.grammar.start(request_id, params.structured_output)
         return request
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            vocab = self.vocab_size
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise InvalidRequestError("prompt", f"token {i} is {t!r}, not a token id in [0, {vocab})")
-        else:
-            raise InvalidRequestError(
-                "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        return ids
 
     def abort_request(self, request_id: str) -> OutputDelta | None:
         """Stop a request (all its n sequences) now and free its KV blocks; returns the final delta of
         its sequence 0 (None if unknown)."""
         first = None
+        self.grammar.forget(request_id)
         for tracked in self.outputs.pop_group(request_id):
             self.scheduler.abort_request(
                 tracked.request.request_id
@@ -247,35 +236,30 @@ class Engine:
     def step(self) -> list[OutputDelta]:
         """Run one iteration; returns a delta for every sequence that got a token, released text or finished:
         only what is new, so a step costs the same whatever the outputs' lengths."""
+        outputs = self._admit_compiled()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             self.runner.update_states(plan)  # still forget what finished
-            return []
-        try:
-            result = self.runner.execute(plan)
-        except Exception as exc:  # the model or the sampler failed: fail this step's requests only
-            log.exception(
-                "engine step failed; failing its %d requests: %s",
-                len(plan.scheduled),
-                ", ".join(r.request_id for r, _ in plan.scheduled),
-            )
-            groups = dict.fromkeys(self.outputs.tracked[r.request_id].group_id for r, _ in plan.scheduled)
-            return [self._fail(group, exc) for group in groups]
+            if not outputs:
+                self.grammar.wait()
+            return outputs
+        result = self._execute(plan, outputs)
         sampled = result.sampled
         now = time.monotonic()
         self.outputs.add_prompt_logprobs(result.prompt_logprobs)
         finished = self.scheduler.update_from_output(plan, sampled)
         done = {r.request_id for r in finished}
-        outputs = []
         for request_id in sampled:
-            tracked = self.outputs.tracked[request_id]
+            tracked = self.outputs.tracked.get(request_id)
+            if tracked is None:  # a sibling of a sequence whose step failed: its request is gone
+                continue
             req = tracked.request
             try:
                 new_ids, new_text = tracked.take_new()
             except Exception as exc:
                 log.exception("detokenizing request %s failed", request_id)
                 done.discard(request_id)
-                outputs.append(self._fail(request_id, exc))
+                outputs.append(self._fail(tracked.group_id, exc))
                 continue
             if tracked.detokenizer.stop_reason is not None:
                 self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
@@ -290,11 +274,56 @@ class Engine:
             self.outputs.finish(request_id)
         return outputs
 
+    def _execute(self, plan: SchedulerOutput, failed: list[OutputDelta]) -> ModelRunnerOutput:
+        """Run the plan. If the step raises, run each of its requests alone, so that only the one(s) whose
+        own step raises fail (their final deltas go to `failed`) and the others go on as if nothing
+        happened: the runner rebuilds each one's state from the scheduler's, which the failed step did
+        not change."""
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:
+            if len(plan.scheduled) == 1:
+                request_id = plan.scheduled[0][0].request_id
+                log.exception("engine step failed; failing request %s", request_id)
+                failed.append(self._fail(self.outputs.tracked[request_id].group_id, exc))
+                return ModelRunnerOutput()
+            log.exception("engine step of %d requests failed; running each alone", len(plan.scheduled))
+        merged = ModelRunnerOutput()
+        for alone in plans_alone(plan):
+            request_id = alone.scheduled[0][0].request_id
+            tracked = self.outputs.tracked.get(request_id)
+            if tracked is None:  # failed already, with a sibling sequence of its request
+                continue
+            try:
+                result = self.runner.execute(alone)
+            except Exception as exc:
+                log.exception("request %s fails its step alone; failing it", request_id)
+                failed.append(self._fail(tracked.group_id, exc))
+                continue
+            merged.sampled.update(result.sampled)
+            merged.logprobs.update(result.logprobs)
+            merged.prompt_logprobs.update(result.prompt_logprobs)
+        return merged
+
     def _fail(self, request_id: str, exc: BaseException) -> OutputDelta:
-        """Abort a request whose step raised; its delta is final and names the cause in `error`."""
+        """Abort a request (all its n sequences: request_id is the caller's) whose step raised; its delta is
+        final and names the cause in `error`."""
         out = self.abort_request(request_id)
         out.error = f"{type(exc).__name__} in the engine step"
         return out
+
+    def _admit_compiled(self) -> list[OutputDelta]:
+        """Hand the scheduler the requests whose grammar is now compiled; fail those whose compile raised."""
+        ready, failed = self.grammar.compiled()
+        for request_id in ready:
+            self.scheduler.grammar_ready(request_id)
+        outputs = []
+        for request_id, exc in failed:
+            log.error("compiling the grammar of request %s failed: %s", request_id, exc)
+            out = self.abort_request(request_id)
+            out.error = f"{type(exc).__name__} while compiling the grammar"
+            outputs.append(out)
+        return outputs
 
     def generate(
         self,
@@ -331,7 +360,7 @@ class Engine:
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """float32 logits [len(prompt), vocab] of every prompt position, computed in a scratch KV
         pool outside the scheduler (for scoring and for checking against other implementations)."""
-        ids = self._prompt_ids(prompt)
+        ids = self.checks.prompt_ids(prompt)
         bs = self.kv.block_size
         num_blocks = (len(ids) + bs - 1) // bs
         scratch = KVCache(self.model.config, num_blocks, bs, self.model.dtype, self.model.device)
@@ -353,5 +382,5 @@ class Engine:
             f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}"
         )
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

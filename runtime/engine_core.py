@@ -1,32 +1,32 @@
-"""The engine core: the step loop as the main thread of a process of its own.
+"""The engine core: the loop that owns an Engine, applies the clients' messages and steps.
+
+One loop, two transports. run_core_loop reads AddRequest / Abort / Stop
+(runtime/engine_messages.py) from a `receive` function, applies them in order
+(so an add followed by its abort is added, then aborted), steps the engine and
+hands each iteration's StepOutput to an `emit` function. AsyncEngine runs it on
+a thread with a queue and a direct call; run_engine_core runs it as the main
+thread of a process of its own, over two pipes.
 
 Why a process. Served from a thread of the HTTP process, the engine shares one
 GIL with tokenization, JSON and SSE, and its OpenMP thread team belongs to a
-non-main thread (measured 1.5x slower on an Intel Xeon). Here the step loop is
-the core process's main thread, and the server process keeps HTTP,
-tokenization and the hand-off (runtime/engine_core_client.py), as vLLM v1 does.
+non-main thread (measured 1.5x slower on an Intel Xeon). As the core process's
+main thread the step loop has neither problem, and the server process keeps
+HTTP, tokenization and the hand-off (runtime/engine_core_client.py), as vLLM v1
+does.
 
-Protocol. Two one-way multiprocessing pipes; every message is a pickled tuple.
+Process protocol. Two one-way multiprocessing pipes, every message a pickled
+frozen dataclass:
 
-    server process (EngineCoreClient)                    core process (run_engine_core)
-    ---------------------------------                    ------------------------------
-                                          <- requests -  ("ready", CoreInfo)      model loaded
-                                                         ("failed", text, kind)   could not load; it exits
-    ("add", request_id, ids, params, options)           ->  options: Engine.add_request's keywords
-    ("abort", request_id)                                ->
-    ("stop",)                                            ->  exits after the step it is in
-                                          <- outputs -   ("step", [OutputDelta, ...], rejected, stats)
-                                                         one per loop iteration that did anything;
-                                                         rejected: [(request_id, ValueError text)]
-                                                         ("dead", text)  the loop itself failed; it exits
+    server process (EngineCoreClient)              core process (run_engine_core)
+    <- outputs -  CoreInfo                         model loaded, ready
+                  CoreFailed                       could not load; it exits
+    AddRequest, Abort, Stop  -> requests ->        applied between steps, in order
+    <- outputs -  StepOutput                       one per loop iteration that did anything
+                  CoreDead                         the loop itself failed; it exits
 
-The engine's own deltas (runtime/outputs.py) go over the pipe as they are:
-each carries only what is new for its sequence (tokens, text, times,
-logprobs), so a step costs the same whatever the outputs' lengths.
-Messages are read between steps, in order, so an add followed by its abort is
-added, then aborted. The core dies with the server: prctl(PR_SET_PDEATHSIG)
-where Linux has it, and in any case an end-of-file on the requests pipe or a
-changed parent pid, checked at least once a second, ends it.
+The core dies with the server: prctl(PR_SET_PDEATHSIG) where Linux has it,
+and in any case an end-of-file on the requests pipe or a changed parent pid,
+checked at least once a second, ends it.
 """
 
 from __future__ import annotations
@@ -34,14 +34,18 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from runtime.engine import Engine
+from runtime.engine_messages import Abort, AddRequest, CoreDead, CoreFailed, Rejected, StepOutput
 from runtime.outputs import OutputDelta
-from runtime.tokenizer import Tokenizer
+from runtime.request_checks import RequestChecks
+from scheduler import SchedulerStats
 
 log = logging.getLogger("prescient.engine_core")
 
@@ -49,24 +53,20 @@ IDLE_POLL_SECONDS = 1.0
 """While idle the core waits this long for a message before checking that its parent lives."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class CoreInfo:
-    """What the server process needs to know about the loaded engine (sent once, with "ready")."""
+    """What the server process needs to know about the loaded engine (sent once, when it is ready)."""
 
-    tokenizer: Tokenizer
-    admission: object
-    """The engine's AdmissionRule: the client admits requests with it on the server's side."""
+    checks: RequestChecks
+    """The engine's request checks (its tokenizer and admission rule): the client runs them."""
     description: str
     model_name: str
-    max_model_len: int
-    kv_capacity_tokens: int
-    vocab_size: int
     max_num_seqs: int
     num_blocks: int
     block_size: int
     dtype: str
     device: str
-    stats: dict
+    stats: SchedulerStats
 
 
 def run_engine_core(
@@ -82,83 +82,128 @@ def run_engine_core(
     try:
         engine = Engine.from_pretrained(**settings)
     except BaseException as exc:  # report why, so the server can exit with the message instead of hanging
-        outputs.send(("failed", str(exc), type(exc).__name__))
+        outputs.send(CoreFailed(str(exc), type(exc).__name__))
         return
     config = engine.scheduler.config
     outputs.send(
-        (
-            "ready",
-            CoreInfo(
-                tokenizer=engine.tokenizer,
-                admission=engine.admission,
-                description=engine.describe(),
-                model_name=engine.model_name,
-                max_model_len=engine.max_model_len,
-                kv_capacity_tokens=engine.admission.kv_capacity_tokens,
-                vocab_size=engine.model.config.vocab_size,
-                max_num_seqs=config.max_num_seqs,
-                num_blocks=engine.kv.num_blocks,
-                block_size=engine.kv.block_size,
-                dtype=str(engine.model.dtype).removeprefix("torch."),
-                device=str(engine.model.device),
-                stats=engine.stats(),
-            ),
+        CoreInfo(
+            checks=engine.checks,
+            description=engine.describe(),
+            model_name=engine.model_name,
+            max_num_seqs=config.max_num_seqs,
+            num_blocks=engine.kv.num_blocks,
+            block_size=engine.kv.block_size,
+            dtype=str(engine.model.dtype).removeprefix("torch."),
+            device=str(engine.model.device),
+            stats=engine.stats(),
         )
     )
     try:
-        _CoreLoop(engine, requests, outputs, parent_pid).run()
+        run_core_loop(engine, _pipe_receiver(requests), outputs.send, lambda: os.getppid() == parent_pid)
     except BaseException as exc:
         log.exception("engine core failed")
         try:
-            outputs.send(("dead", f"{type(exc).__name__} in the engine core"))
+            outputs.send(CoreDead(f"{type(exc).__name__} in the engine core"))
         except OSError:
             pass
 
 
-class _CoreLoop:
-    def __init__(self, engine, requests: Connection, outputs: Connection, parent_pid: int):
-        self.engine = engine
-        self.requests = requests
-        self.outputs = outputs
-        self.parent_pid = parent_pid
+def run_core_loop(
+    engine: Engine,
+    receive: Callable[[float | None], list | None],
+    emit: Callable[[StepOutput], None],
+    still_wanted: Callable[[], bool] | None = None,
+) -> None:
+    """Apply messages and step until Stop, the end of the messages, or (idle) still_wanted() is False.
 
-    def run(self) -> None:
-        engine = self.engine
-        while True:
-            busy = engine.has_unfinished_requests()
-            if not self.requests.poll(0 if busy else IDLE_POLL_SECONDS) and not busy:
-                if os.getppid() != self.parent_pid:
-                    return
-                continue
-            deltas: list[OutputDelta] = []
-            rejected: list[tuple[str, str]] = []
-            while self.requests.poll(0):
-                try:
-                    message = self.requests.recv()
-                except EOFError:  # the server closed its end (or died): nothing more will come
-                    return
-                if message[0] == "stop":
-                    return
-                self._handle(message, deltas, rejected)
-            if engine.has_unfinished_requests():
-                deltas += engine.step()
-            self.outputs.send(("step", deltas, rejected, engine.stats()))
-
-    def _handle(self, message: tuple, deltas: list[OutputDelta], rejected: list[tuple[str, str]]) -> None:
-        kind, request_id = message[0], message[1]
-        if kind == "abort":
-            self.engine.abort_request(request_id)
+    receive(timeout): the messages sent so far, in order, waiting up to timeout seconds for the first
+    (None: until one comes) and returning [] if none came, None if the sender closed its end.
+    emit: one StepOutput per iteration that did anything. still_wanted: asked every IDLE_POLL_SECONDS
+    while idle; without it an idle loop sleeps until a message comes."""
+    idle_wait = None if still_wanted is None else IDLE_POLL_SECONDS
+    while True:
+        busy = engine.has_unfinished_requests()
+        messages = receive(0 if busy else idle_wait)
+        if messages is None:
             return
-        _, request_id, ids, params, options = message
+        if not messages and not busy:
+            if still_wanted is not None and not still_wanted():
+                return
+            continue
+        deltas: list[OutputDelta] = []
+        rejected: list[Rejected] = []
+        for message in messages:
+            if type(message) is Abort:
+                engine.abort_request(message.request_id)
+            elif type(message) is AddRequest:
+                _add(engine, message, deltas, rejected)
+            else:  # Stop
+                return
+        if engine.has_unfinished_requests():
+            deltas += engine.step()
+        emit(StepOutput(deltas, rejected, engine.stats()))
+
+
+def _add(engine: Engine, add: AddRequest, deltas: list[OutputDelta], rejected: list[Rejected]) -> None:
+    try:
+        engine.enqueue(
+            add.request_id,
+            add.prompt_ids,
+            add.params,
+            tenant=add.tenant,
+            weight=add.weight,
+            priority=add.priority,
+            arrival_time=add.arrival_time,
+            cache_salt=add.cache_salt,
+        )
+    except ValueError as exc:
+        rejected.append(Rejected.of(add.request_id, exc))
+    except Exception as exc:  # a bug adding this one request: fail it, not the engine
+        log.exception("adding request %s failed", add.request_id)
+        engine.abort_request(add.request_id)
+        error = f"{type(exc).__name__} while adding the request"
+        deltas.append(
+            OutputDelta(
+                add.request_id,
+                finished=True,
+                finish_reason="abort",
+                arrival_time=add.arrival_time,
+                error=error,
+            )
+        )
+
+
+def _pipe_receiver(conn: Connection) -> Callable[[float], list | None]:
+    def receive(timeout: float) -> list | None:
+        if not conn.poll(timeout):
+            return []
+        messages = []
+        while True:
+            try:
+                messages.append(conn.recv())
+            except EOFError:  # the server closed its end (or died): nothing more will come
+                return None
+            if not conn.poll(0):
+                return messages
+
+    return receive
+
+
+def queue_receiver(inbox: queue.SimpleQueue) -> Callable[[float | None], list | None]:
+    """receive() over a queue between threads of one process."""
+
+    def receive(timeout: float | None) -> list | None:
+        if timeout == 0 and inbox.empty():
+            return []
         try:
-            self.engine.enqueue(request_id, ids, params, **options)
-        except ValueError as exc:
-            rejected.append((request_id, str(exc)))
-        except Exception as exc:  # a bug adding this one request: fail it, not the engine
-            log.exception("adding request %s failed", request_id)
-            self.engine.abort_request(request_id)
-            error = f"{type(exc).__name__} while adding the request"
-            deltas.append(OutputDelta(request_id, finished=True, finish_reason="abort", error=error))
+            messages = [inbox.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while not inbox.empty():
+            messages.append(inbox.get_nowait())
+        return messages
+
+    return receive
 
 
 def _die_with_parent() -> None:

@@ -114,11 +114,6 @@ class ModelRunner:
                 context = max_model_len or model.config.max_model_len
                 self.graphs = StepGraphs(model, kv, graph_tokens, max_num_seqs, context)
 
-    @property
-    def num_sequences(self) -> int:
-        """Requests whose state the runner holds."""
-        return len(self._seqs)
-
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the sampled tokens of sequences that reached their end, and logprobs asked for."""
         self.update_states(plan)

@@ -1,7 +1,7 @@
 """OutputStream: where one request's deltas wait for the coroutine that reads them.
 
-Both engine clients use it. The producer (the engine thread for AsyncEngine,
-the event loop reading the core's pipe for EngineCoreClient) put()s each
+Both engine clients use it (runtime/engine_client.py). The producer (the engine thread for
+AsyncEngine, the event loop reading the core's pipe for EngineCoreClient) put()s each
 step's delta, or fail()s the stream with an exception; the consumer iterates
 deltas(). Whatever accumulated between two reads comes out coalesced, one delta
 per sequence, so a slow reader costs O(new items) per read and one list of
@@ -20,10 +20,12 @@ from runtime.outputs import OutputDelta, coalesce
 
 
 class OutputStream:
-    __slots__ = ("loop", "event", "lock", "pending", "failure", "unfinished")
+    __slots__ = ("loop", "event", "lock", "pending", "failure", "unfinished", "tenant")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1):
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1, tenant: str = "default"):
         self.loop = loop
+        self.tenant = tenant
+        """Whose request this is (the engine client counts each tenant's requests in flight)."""
         self.event = asyncio.Event()  # only touched on `loop`
         self.lock = threading.Lock()
         self.pending: list[OutputDelta] = []

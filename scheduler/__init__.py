@@ -10,6 +10,7 @@ from scheduler.priority import PriorityPolicy
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams, StructuredOutput
 from scheduler.scheduler import Scheduler
+from scheduler.stats import SchedulerStats, TenantStats
 from scheduler.vtc import VTCPolicy
 
 __all__ = [
@@ -29,5 +30,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SchedulerStats",
+    "TenantStats",
     "VTCPolicy",
 ]

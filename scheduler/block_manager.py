@@ -151,12 +151,6 @@ class BlockManager:
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         return fresh + revived
 
-    def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        need = self.num_blocks_to_allocate(
-            request, request.num_computed_tokens + num_new_tokens, cached_blocks
-        )
-        return need <= len(self._free)
-
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Grow request.block_table to cover num_computed_tokens + num_new_tokens tokens.
 

@@ -15,6 +15,7 @@ from scheduler.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # queued, not yet schedulable: its grammar is compiling
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, its KV to be recomputed
     FINISHED_STOPPED = "stop"

@@ -33,18 +33,7 @@ class RunnerView:
             table = request.block_table
             known = sent.get(rid)
             if known is None:
-                out.new_requests.append(
-                    NewRequestData(
-                        rid,
-                        list(request.prompt_token_ids),
-                        list(request.output_token_ids),
-                        request.sampling_params,
-                        list(table),
-                        request.num_computed_tokens,
-                        request.eos_token_id,
-                        [(c.request_id, c.sampling_params) for c in request.forks],
-                    )
-                )
+                out.new_requests.append(new_request_data(request))
             else:
                 replaced = [(i, table[i]) for i in bm.rewritten.get(rid, ()) if i < known]
                 out.cached_requests.append(
@@ -55,3 +44,33 @@ class RunnerView:
         out.preempted_request_ids = [r.request_id for r in out.preempted]
         bm.rewritten.clear()
         out.finished_request_ids, self._finished = self._finished, []
+
+
+def new_request_data(request: Request) -> NewRequestData:
+    """The whole of a request as the runner is told of it: every token so far and every block."""
+    return NewRequestData(
+        request.request_id,
+        list(request.prompt_token_ids),
+        list(request.output_token_ids),
+        request.sampling_params,
+        list(request.block_table),
+        request.num_computed_tokens,
+        request.eos_token_id,
+        [(c.request_id, c.sampling_params) for c in request.forks],
+    )
+
+
+def plans_alone(plan: SchedulerOutput) -> list[SchedulerOutput]:
+    """The plan's scheduled requests one per plan, each told whole to the runner (which rebuilds its state
+    from it), the first carrying the plan's block copies: to run again, apart, a step that failed."""
+    alone = []
+    for request, n in plan.scheduled:
+        alone.append(
+            SchedulerOutput(
+                scheduled=[(request, n)],
+                new_requests=[new_request_data(request)],
+                num_scheduled_tokens={request.request_id: n},
+                block_copies=[] if alone else plan.block_copies,
+            )
+        )
+    return alone

@@ -30,6 +30,7 @@ from scheduler.policy import Policy
 from scheduler.priority import PriorityPolicy
 from scheduler.request import Request, RequestStatus
 from scheduler.runner_view import RunnerView
+from scheduler.stats import SchedulerStats
 from scheduler.tenants import Tenants
 from scheduler.vtc import VTCPolicy
 
@@ -63,14 +64,17 @@ class Scheduler:
         self.num_computed_tokens = 0  # tokens run through the model (prefill chunks and decodes)
         self.num_generated_tokens = 0  # tokens sampled
         self._tenants = Tenants(config.max_idle_tenants)
+        self._unready: dict[str, Request] = {}
+        """Requests waiting for their grammar (added with ready=False), not yet in the policy's queue."""
         self._runner_view = RunnerView()
         self._watermark_blocks = math.ceil(config.watermark * config.num_blocks - _FLOAT_SLACK)
 
     # ---- requests in and out --------------------------------------------------------------------
 
-    def add_request(self, request: Request, *, admitted: bool = False) -> None:
+    def add_request(self, request: Request, *, admitted: bool = False, ready: bool = True) -> None:
         """Queue a new request. InvalidRequestError if its id is in use or, unless `admitted` (the
-        engine ran the admission rule where the request entered), if it could never fit the KV pool."""
+        engine ran the admission rule where the request entered), if it could never fit the KV pool.
+        ready=False: it waits (counted, abortable) but is not scheduled until grammar_ready()."""
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         if not admitted:
@@ -81,10 +85,21 @@ class Scheduler:
                 f"{1 + len(request.forks)} sequences can never run at once; this "
                 f"engine runs at most max_num_seqs={self.config.max_num_seqs}",
             )
-        request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._tenants.busy(request.tenant).waiting += 1
-        self.policy.add(request)
+        if ready:
+            request.status = RequestStatus.WAITING
+            self.policy.add(request)
+        else:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._unready[request.request_id] = request
+
+    def grammar_ready(self, request_id: str) -> None:
+        """A request added with ready=False may be scheduled now (no-op if it has gone)."""
+        request = self._unready.pop(request_id, None)
+        if request is not None:
+            request.status = RequestStatus.WAITING
+            self.policy.add(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Drop a request now, freeing its blocks; None if it is unknown or already finished."""
@@ -119,6 +134,9 @@ class Scheduler:
         if request.status == _RUNNING:
             self.running.remove(request)
             tally.running -= 1
+        elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            del self._unready[request.request_id]
+            tally.waiting -= 1
         else:
             self.policy.remove(request)
             tally.waiting -= 1
@@ -143,7 +161,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self.policy.num_waiting()
+        return self.policy.num_waiting() + len(self._unready)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -317,7 +335,7 @@ class Scheduler:
 
     # ---- observability --------------------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         """Gauges and cumulative counters for metrics; O(running + tenants with requests + at most
         max_idle_tenants idle ones), cheap enough every step.
 
@@ -336,21 +354,21 @@ class Scheduler:
             (bm.ref_counts[b] - 1) * (bs - filled) for b, filled in partial.items()
         )  # forked, not full
         tenants = self._tenants.stats(self.policy.counters())
-        return {
-            "num_running": len(self.running),
-            "num_waiting": self.num_waiting,
-            "num_blocks": bm.num_blocks,
-            "num_free_blocks": bm.num_free_blocks,
-            "kv_usage": bm.usage,
-            "num_cached_blocks": bm.num_cached_blocks,
-            "live_token_slots": live,
-            "allocated_token_slots": bm.num_used_blocks * bs,
-            "prefix_cache_queries": self.prefix_queries,
-            "prefix_cache_hits": self.prefix_hits,
-            "num_preemptions": self.num_preemptions,
-            "computed_tokens": self.num_computed_tokens,
-            "generated_tokens": self.num_generated_tokens,
-            "policy": self.policy.name,
-            "tenants": tenants,
-            "retired_service_tokens": self.retired_service_tokens,
-        }
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            kv_usage=bm.usage,
+            num_cached_blocks=bm.num_cached_blocks,
+            live_token_slots=live,
+            allocated_token_slots=bm.num_used_blocks * bs,
+            prefix_cache_queries=self.prefix_queries,
+            prefix_cache_hits=self.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            computed_tokens=self.num_computed_tokens,
+            generated_tokens=self.num_generated_tokens,
+            policy=self.policy.name,
+            tenants=tenants,
+            retired_service_tokens=self.retired_service_tokens,
+        )

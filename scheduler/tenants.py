@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from scheduler.stats import TenantStats
+
 
 @dataclass
 class TenantTally:
@@ -58,14 +60,10 @@ class Tenants:
         self.retired_service_tokens += self._tallies.pop(forgotten).service_tokens
         return forgotten
 
-    def stats(self, counters: dict[str, float]) -> dict[str, dict]:
+    def stats(self, counters: dict[str, float]) -> dict[str, TenantStats]:
         return {
-            t: {
-                "counter": counters.get(t, 0.0),
-                "service_tokens": tally.service_tokens,
-                "waiting": tally.waiting,
-                "running": tally.running,
-                "since": tally.since,
-            }
+            t: TenantStats(
+                counters.get(t, 0.0), tally.service_tokens, tally.waiting, tally.running, tally.since
+            )
             for t, tally in self._tallies.items()
         }

@@ -142,3 +142,26 @@ async def test_request_arriving_while_the_engine_dies_gets_an_error(offline_engi
 
 async def _drain(outputs):
     return [out async for out in outputs]
+
+
+async def test_a_request_whose_step_raises_fails_alone_and_its_batch_finishes(faulty_engine):
+    """The step of a batch raises because of one request (the injected fault): the engine runs each of the
+    batch's requests alone, fails the one whose own step raises, and the others finish with every token."""
+    bridge = AsyncEngine(faulty_engine)
+    bridge.start()
+    try:
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        ARMED.clear()  # fire only once the whole batch is running together
+        tasks = [asyncio.create_task(_drain(bridge.generate(f"Count {i}:", params))) for i in range(3)]
+        poisoned = asyncio.create_task(_drain(bridge.generate(POISON + [40, 41], params, "poison-in-batch")))
+        while faulty_engine.scheduler.num_running < 4:
+            await asyncio.sleep(0.001)
+        ARMED.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, poisoned, return_exceptions=True), 120)
+        assert isinstance(results[-1], RequestFailedError), results[-1]
+        for outs in results[:-1]:
+            assert sum(len(o.new_token_ids) for o in outs) == 12 and outs[-1].finished, outs
+            assert all(o.error is None for o in outs)
+        assert bridge.error is None and bridge.num_in_flight == 0
+    finally:
+        await bridge.shutdown()
