@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -13,8 +16,10 @@ from runtime import EngineClient, RequestOutput
 from server.auth import Tenant
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
+from server.schema_check import for_log
 
 log = logging.getLogger("prescient.server")
+T = TypeVar("T")
 
 
 class ServerState:
@@ -70,7 +75,7 @@ class ServerState:
             "%s %s tenant=%s prompt=%d completion=%d cached=%d finish=%s ttft=%s e2e=%.3fs",
             request.method,
             request.path,
-            tenant,
+            for_log(tenant),
             len(out.prompt_token_ids),
             len(out.token_ids),
             out.num_cached_tokens,
@@ -80,14 +85,48 @@ class ServerState:
         )
 
 
-async def read_json(request: web.Request) -> dict:
-    """The body as a JSON object, or a 400/413 naming what is wrong."""
+OFF_LOOP_BYTES = 16_384
+"""A request whose body is longer than this (bytes, however it was sent: with a Content-Length or chunked)
+is decoded, checked, rendered, tokenized and detokenized on a worker thread: work that grows with the body
+never runs on the event loop, so /health and every other stream keep their latency while it is done
+(tests/server/test_loop_stalls.py bounds /health's wait). Below it the work is too small to matter and a
+thread hop would cost more than it saves."""
+
+
+async def off_loop(size: int, work: Callable[..., T], *args) -> T:
+    """work(*args), on a worker thread when `size` (the body's bytes) is over OFF_LOOP_BYTES."""
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, work, *args)
+    return work(*args)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The raw body of a JSON request, or a 415 (not sent as application/json) or 413 (too large).
+
+    Only application/json is read: a web page may POST text/plain or a form to a local server without a
+    CORS preflight, and must not be able to make it work."""
+    if request.content_type != "application/json":
+        raise APIError(
+            415,
+            f"Send the body as JSON with 'Content-Type: application/json' (got {for_log(request.content_type)}).",
+            code="unsupported_media_type",
+        )
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise APIError(
             413, f"Request body too large: the limit is {request.app['max_body_bytes']} bytes."
         ) from exc
+
+
+async def read_json(request: web.Request) -> dict:
+    """The body as a JSON object, or a 4xx naming what is wrong; a big body is decoded off the loop."""
+    raw = await read_body(request)
+    return await off_loop(len(raw), parse_json, raw)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A body as a JSON object, or a 400 naming what is wrong."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
