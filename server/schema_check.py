@@ -27,6 +27,7 @@ _NAMES = {
     "object": "an object",
     "null": "null",
 }
+_INTEGER = {"type": "integer"}
 
 
 def check(value, schema: dict, path: str) -> None:
@@ -59,8 +60,8 @@ def check(value, schema: dict, path: str) -> None:
             _fail(schema, value, path, "must be a non-empty array" if schema["minItems"] == 1 else None)
         if len(value) > schema.get("maxItems", len(value)):
             _fail(schema, value, path, f"may hold at most {schema['maxItems']} items, got {len(value)}")
-        if "items" in schema:
-            for i, item in enumerate(value):
+        if "items" in schema and not (schema["items"] == _INTEGER and all(type(v) is int for v in value)):
+            for i, item in enumerate(value):  # (an array of token ids is checked at C speed above)
                 check(item, schema["items"], f"{path}[{i}]")
     elif isinstance(value, dict):
         check_object(value, schema, path)

@@ -117,16 +117,16 @@ async def detokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
     raw = await read_body(request)
-    return web.json_response({"prompt": await off_loop(len(raw), _detokenize, state, raw)})
+    return web.Response(body=await off_loop(len(raw), _detokenize, state, raw), content_type=JSON)
 
 
-def _detokenize(state: ServerState, raw: bytes) -> str:
+def _detokenize(state: ServerState, raw: bytes) -> bytes:
     tokens = DETOKENIZE.read(parse_json(raw))["tokens"]
     vocab = state.client.vocab_size
-    bad = [t for t in tokens if not 0 <= t < vocab]
-    if bad:
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+        bad = [t for t in tokens if not 0 <= t < vocab]
         raise bad_request(f"'tokens' contains ids outside [0, {vocab}): {bad[:5]}", "tokens")
-    return state.client.tokenizer.decode(tokens)
+    return json.dumps({"prompt": state.client.tokenizer.decode(tokens)}).encode()
 
 
 async def version(request: web.Request) -> web.Response:
