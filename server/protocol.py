@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 
 from scheduler import SamplingParams, StructuredOutput
+from scheduler.sampling_params import GREEDY_TEMPERATURE
 from server.errors import bad_request
 from server.request_fields import CHAT, COMPLETION, MAX_N, MAX_SCHEMA_CHARS
 from server.schema_check import _show
@@ -112,7 +113,8 @@ def _sampling(
     try:  # SamplingParams holds the rules of the engine itself (e.g. at most 16 stop strings)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(v["temperature"]),
+            # below GREEDY_TEMPERATURE is greedy: sent as 0, so that no step divides logits by it
+            temperature=0.0 if v["temperature"] < GREEDY_TEMPERATURE else float(v["temperature"]),
             top_p=float(v["top_p"]),
             top_k=v["top_k"],
             seed=v["seed"],
