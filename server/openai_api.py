@@ -261,7 +261,7 @@ async def _generate(request: web.Request, state: ServerState, prepared: Prepared
 
     # a reply with logprobs grows with tokens x alternatives: built on a worker thread when it is big
     tokens = sum(len(c.out.token_ids) + (len(c.prompt_ids) if req.echo else 0) for c in returned)
-    entries = tokens * (1 + (req.params.logprobs or 0) if req.logprobs_requested else 1)
+    entries = tokens * ((1 + (req.params.logprobs or 0)) if req.logprobs_requested else 1)
     text = await off_loop(entries * REPLY_BYTES_PER_ENTRY, reply)
     return web.Response(body=text, content_type="application/json")
 

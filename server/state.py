@@ -14,7 +14,7 @@ from typing import TypeVar
 from aiohttp import web
 
 from runtime import EngineClient, RequestOutput
-from server.auth import Tenant
+from server.auth import Tenant, user_tenant
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
 from server.schema_check import for_log
@@ -40,7 +40,7 @@ class ServerState:
             self.model_name,
             client.max_model_len,
             client.stats,
-            {t.name for t in (api_keys or {}).values() if t is not None},
+            {t.name for t in (api_keys or {}).values() if t is not None} | {user_tenant(api_keys, None).name},
             tenant_metrics=tenant_metrics,
         )
         self.metrics_auth = False
