@@ -16,9 +16,11 @@ sequence token, so the sequence ends with finish_reason "stop".
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
-from functools import lru_cache
+from collections import OrderedDict
+from collections.abc import Callable
 
 import llguidance
 import torch
@@ -36,8 +38,46 @@ JSON_WHITESPACE = r"\x0A?[\x20\x09]{0,24}"
 lets a small model loop on blank lines until max_tokens; this keeps pretty-printed JSON possible."""
 
 
-@lru_cache(maxsize=256)
-def _grammar(kind: str, spec: str) -> str:
+class _GrammarCache:
+    """Values made from a client's spec, keyed by the spec's kind and SHA-256 (never by the spec's text,
+    which may be large) and bounded by the bytes of the values kept: the least recently used go first.
+    Safe from any thread; two threads missing the same key both compute it, and one value is kept."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._values: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, spec: str, make: Callable[[str, str], str]) -> str:
+        key = (kind, hashlib.sha256(spec.encode("utf-8", "surrogatepass")).digest())
+        with self._lock:
+            if key in self._values:
+                self._values.move_to_end(key)
+                return self._values[key]
+        value = make(kind, spec)  # outside the lock: a compile may take a while
+        with self._lock:
+            if key not in self._values and _cost(value) <= self.max_bytes:
+                self._values[key] = value
+                self.bytes += _cost(value)
+                while self.bytes > self.max_bytes:
+                    self.bytes -= _cost(self._values.popitem(last=False)[1])
+        return value
+
+
+def _cost(value: str) -> int:
+    """Bytes an entry holds, about: its text and its key (an empty text still counts)."""
+    return len(value) + 128
+
+
+GRAMMAR_CACHE_BYTES = 64 << 20
+"""Compiled grammar text kept per process (the server's, and the engine core's), least recently used
+dropped first; the server caps a schema at server.request_fields.MAX_SCHEMA_CHARS."""
+_grammars = _GrammarCache(GRAMMAR_CACHE_BYTES)
+_problems = _GrammarCache(1 << 20)
+
+
+def _make_grammar(kind: str, spec: str) -> str:
     """llguidance's grammar text for a spec (raises ValueError on input it cannot read)."""
     options = {"whitespace_pattern": JSON_WHITESPACE}
     if kind == "json_object":
@@ -49,14 +89,21 @@ def _grammar(kind: str, spec: str) -> str:
     raise ValueError(f"unknown structured output kind {kind!r}")
 
 
-@lru_cache(maxsize=256)
-def _problem(kind: str, spec: str) -> str:
-    """'' when the spec compiles, else llguidance's reason."""
+def _grammar(kind: str, spec: str) -> str:
+    return _grammars.get(kind, spec, _make_grammar)
+
+
+def _make_problem(kind: str, spec: str) -> str:
     try:
         grammar = _grammar(kind, spec)
     except Exception as exc:  # whatever the compiler makes of a client's schema is the client's error
         return str(exc) or type(exc).__name__
     return llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def _problem(kind: str, spec: str) -> str:
+    """'' when the spec compiles, else llguidance's reason."""
+    return _problems.get(kind, spec, _make_problem)
 
 
 def check_structured_output(structured: StructuredOutput | None) -> None:

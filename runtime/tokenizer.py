@@ -78,7 +78,11 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Long id lists go through decode_batch, which lets the GIL go (decode() keeps it: decoding
+        400,000 ids on a worker thread froze the server's event loop for half a second)."""
+        if len(ids) < 16_384:
+            return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def tokenizer_json(self) -> str:
         """The whole tokenizer as tokenizer.json text (what grammar engines read)."""

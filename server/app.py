@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 import uuid
@@ -96,6 +97,11 @@ def build_app(
 
     async def lifetime(app: web.Application):
         client.start()
+        # What start-up made (modules, the tokenizer's vocabulary, ...) lives as long as the server: out
+        # of the collector's sight, a full collection no longer walks it, which a big request body (a
+        # JSON decode makes an object per value, and holds the GIL meanwhile) would otherwise trigger
+        # again and again while the event loop waits (tests/server/test_loop_stalls.py).
+        gc.freeze()
         logger = asyncio.create_task(_log_throughput(state, throughput_log_seconds))
         yield
         logger.cancel()

@@ -5,7 +5,8 @@ The keys file is a JSON object {"sk-...": {"tenant": "a", "weight": 2}}; optiona
 tenant's cache is its own) and "priority_range": [-10, 100] (the request priorities it may use; by
 default [0, 2**20]: a client may only make its own requests less urgent).
 Keys given with --api-key (repeatable) authenticate without naming a tenant. Without keys, or with
-such a key, the tenant is the request's `user` field, else "default". /health, /version,
+such a key, the tenant is the request's `user` field, else "default"; beside a key file it is
+"user:<user>", so that a `user` never shares a keyed tenant's prefix cache or counter. /health, /version,
 /openapi.json and (unless --metrics-auth) /metrics stay open, as in vLLM.
 """
 
@@ -19,6 +20,9 @@ from pathlib import Path
 from server.errors import APIError
 
 PRIORITY_MAX = 1 << 20
+USER_TENANTS = "user:"
+"""Beside a key file, the tenants that callers name with `user` are named with this prefix (which the
+file's tenants may not use)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,11 @@ def load_api_keys(path: str | Path) -> dict[str, Tenant]:
     for key, entry in raw.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("tenant"), str) or not entry["tenant"]:
             raise ValueError(f"--api-keys: key {key[:6]!r}...: needs a non-empty string 'tenant'")
+        if entry["tenant"].startswith(USER_TENANTS):
+            raise ValueError(
+                f"--api-keys: tenant {entry['tenant']!r}: names beginning with {USER_TENANTS!r} are the "
+                f"tenants callers name with `user` (with a key of --api-key); choose another name"
+            )
         weight = entry.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
             raise ValueError(f"--api-keys: tenant {entry['tenant']!r}: weight must be a positive number")
@@ -92,7 +101,18 @@ def _priority_range(entry: dict) -> tuple[int, int]:
 def authenticate(
     keys: dict[str, Tenant | None] | None, authorization: str | None, user: str | None
 ) -> Tenant:
-    return check_key(keys, authorization) or Tenant(user if isinstance(user, str) and user else "default")
+    return check_key(keys, authorization) or user_tenant(keys, user)
+
+
+def user_tenant(keys: dict[str, Tenant | None] | None, user: str | None) -> Tenant:
+    """The tenant of a caller whose key names none (no keys, or a key of --api-key): its `user`, else
+    "default". Beside a key file such a tenant is "user:<user>", in a namespace of its own: a `user`
+    that spells a keyed tenant's name must not share its prefix cache (and learn its prompts from
+    cache hits) nor be billed to its counter."""
+    name = user if isinstance(user, str) and user else "default"
+    if keys and any(tenant is not None for tenant in keys.values()):
+        name = USER_TENANTS + name
+    return Tenant(name)
 
 
 def check_key(keys: dict[str, Tenant | None] | None, authorization: str | None) -> Tenant | None:

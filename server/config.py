@@ -19,7 +19,8 @@ class ServerConfig:
     """Model id reported by /v1/models (default: the checkpoint's name)."""
     api_key: list[str] = field(default_factory=list)
     """A key clients must send as 'Authorization: Bearer KEY' (repeat the flag for several); the tenant is
-    then the request's `user` field, as without keys. Beside --api-keys, whose keys name their tenants."""
+    then the request's `user` field, as without keys. Beside --api-keys, whose keys name their tenants, it is
+    "user:" + `user`, so that no `user` is billed as (or shares the prefix cache of) a key file's tenant."""
     api_keys: str | None = None
     """A JSON file {"KEY": {"tenant": "...", "weight": 1}}; without it (and --api-key) no key is needed."""
     metrics_auth: bool = False

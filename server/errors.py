@@ -17,6 +17,7 @@ Codes a client may see:
 | 404 | unknown_url | no such route |
 | 405 | method_not_allowed | the route exists, the method does not |
 | 413 | request_too_large | the body exceeds --max-body-bytes |
+| 415 | unsupported_media_type | the body is not sent as application/json |
 | 429 | rate_limit_exceeded | the waiting queue is full (Retry-After says when to retry) |
 | 500 | engine_error, engine_dead, internal_error | the engine failed this request, stopped, or a bug |
 | 503 | draining, shutdown | the server is shutting down (retry on another replica) |
@@ -32,6 +33,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -42,6 +44,7 @@ _CODES = {
     404: "unknown_url",
     405: "method_not_allowed",
     413: "request_too_large",
+    415: "unsupported_media_type",
     429: "rate_limit_exceeded",
     500: "internal_error",
     503: "service_unavailable",

@@ -6,8 +6,18 @@ chat also gives the bytes themselves, so a client can join them.
 
 from __future__ import annotations
 
+import math
+
 from runtime.logprobs import TokenLogprob
 from runtime.tokenizer import Tokenizer
+
+LOWEST_LOGPROB = -9999.0
+"""What a logprob of -inf (a token the step's processing banned) is reported as: JSON has no -Infinity
+(nor NaN), so a client's parser would refuse the whole reply. vLLM reports the same value."""
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOWEST_LOGPROB
 
 
 def _text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -29,9 +39,9 @@ def completion_logprobs(
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        out["token_logprobs"].append(score.logprob)
-        top = {_text(tokenizer, t): lp for t, lp in score.top}
-        top.setdefault(text, score.logprob)
+        out["token_logprobs"].append(_finite(score.logprob))
+        top = {_text(tokenizer, t): _finite(lp) for t, lp in score.top}
+        top.setdefault(text, _finite(score.logprob))
         out["top_logprobs"].append(top)
     return out
 
@@ -47,7 +57,11 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], scores: list[Token
 
     def entry(token_id: int, logprob: float) -> dict:
         raw = tokenizer.token_bytes(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return {
+            "token": raw.decode("utf-8", errors="replace"),
+            "logprob": _finite(logprob),
+            "bytes": list(raw),
+        }
 
     content = []
     for token_id, score in zip(token_ids, scores):

@@ -23,6 +23,7 @@ def _post(summary: str, schema: dict, ok: str) -> dict:
                 "400": _ERROR,
                 "401": _ERROR,
                 "413": _ERROR,
+                "415": _ERROR,
                 "429": _ERROR,
                 "503": _ERROR,
             },

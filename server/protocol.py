@@ -12,8 +12,9 @@ import json
 from dataclasses import dataclass
 
 from scheduler import SamplingParams, StructuredOutput
+from scheduler.sampling_params import GREEDY_TEMPERATURE
 from server.errors import bad_request
-from server.request_fields import CHAT, COMPLETION, MAX_N
+from server.request_fields import CHAT, COMPLETION, MAX_N, MAX_SCHEMA_CHARS
 from server.schema_check import _show
 from server.tool_calls import ToolRequest, parse_tools
 
@@ -76,7 +77,9 @@ def _logprobs(v: dict, chat: bool) -> int | None:
     return (v["top_logprobs"] or 0) if v["logprobs"] else None
 
 
-def _sampling(v: dict, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
+def _sampling(
+    v: dict, default_max_tokens: int | None, chat: bool = False, tools: ToolRequest | None = None
+) -> SamplingParams:
     max_tokens = _max_tokens(v, zero_allowed=not chat and v.get("echo", False))
     stop = v["stop"]
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -96,7 +99,6 @@ def _sampling(v: dict, default_max_tokens: int | None, chat: bool = False) -> Sa
     logprobs = _logprobs(v, chat)
     echo = not chat and v.get("echo", False)
     structured = _response_format(v["response_format"])
-    tools = parse_tools(v) if chat else None
     if tools is not None and tools.constrained:
         if structured is not None:
             raise bad_request(
@@ -111,7 +113,8 @@ def _sampling(v: dict, default_max_tokens: int | None, chat: bool = False) -> Sa
     try:  # SamplingParams holds the rules of the engine itself (e.g. at most 16 stop strings)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(v["temperature"]),
+            # below GREEDY_TEMPERATURE is greedy: sent as 0, so that no step divides logits by it
+            temperature=0.0 if v["temperature"] < GREEDY_TEMPERATURE else float(v["temperature"]),
             top_p=float(v["top_p"]),
             top_k=v["top_k"],
             seed=v["seed"],
@@ -149,8 +152,14 @@ def _response_format(response_format: dict | None) -> StructuredOutput | None:
             "response_format.json_schema",
             "missing_required_parameter",
         )
-    schema = spec.get("schema") or {"type": "object"}
-    return StructuredOutput("json_schema", json.dumps(schema), source="response_format.json_schema")
+    schema = json.dumps(spec.get("schema") or {"type": "object"})
+    if len(schema) > MAX_SCHEMA_CHARS:
+        raise bad_request(
+            f"'response_format.json_schema.schema' is {len(schema):,} characters as JSON, more than the "
+            f"{MAX_SCHEMA_CHARS:,} allowed",
+            "response_format.json_schema.schema",
+        )
+    return StructuredOutput("json_schema", schema, source="response_format.json_schema")
 
 
 def _common(v: dict, prompts: list, default_max_tokens: int | None, chat: bool) -> GenerationRequest:
@@ -159,7 +168,8 @@ def _common(v: dict, prompts: list, default_max_tokens: int | None, chat: bool) 
     if options and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     given = v["max_tokens"] is not None or v.get("max_completion_tokens") is not None
-    params = _sampling(v, default_max_tokens, chat)
+    tools = parse_tools(v) if chat else None
+    params = _sampling(v, default_max_tokens, chat, tools)
     echo = not chat and v.get("echo", False)
     return GenerationRequest(
         prompt=prompts[0],
@@ -178,7 +188,7 @@ def _common(v: dict, prompts: list, default_max_tokens: int | None, chat: bool) 
         # completions' `logprobs: 0` asks for the chosen tokens' logprobs with no alternatives (0 == False
         # in Python, so test identity); chat's `logprobs: false` asks for none
         logprobs_requested=v["logprobs"] is not None and v["logprobs"] is not False,
-        tools=parse_tools(v) if chat else None,
+        tools=tools,
     )
 
 

@@ -18,7 +18,7 @@ import copy
 import logging
 
 from scheduler.sampling_params import MAX_LOGPROBS, SEED_RANGE
-from server.schema_check import check_object
+from server.schema_check import check_object, for_log
 
 log = logging.getLogger("prescient.server")
 
@@ -26,9 +26,32 @@ MAX_N = 16
 """Most choices (n, best_of) per prompt."""
 MAX_PROMPTS = 64
 """Most prompts in one batched completions request."""
+MAX_TOOLS = 128
+"""Most functions in `tools`, as OpenAI allows."""
+MAX_MESSAGES = 2048
+"""Most chat messages in one request, as OpenAI allows."""
+MAX_LOGIT_BIAS = 300
+"""Most token ids in `logit_bias`, as OpenAI allows."""
+MAX_USER_CHARS = 256
+"""Longest `user` (it names a tenant: kept in memory, in metrics labels and in logs)."""
+MAX_SCHEMA_CHARS = 131_072
+"""Longest JSON schema (response_format.json_schema.schema, or the tools a forced call is constrained
+to), as JSON text: it is compiled into a grammar and cached by the server and the engine."""
+MAX_ECHO_LOGPROBS = 65_536
+"""Most prompt logprob entries one completions request may ask echo to return: prompt tokens x
+(1 + logprobs) x n, summed over its prompts. Echo costs no decoding, so without a bound a small request
+would ask for a reply a hundred times its size."""
+MAX_LOGGED_NAMES = 10
+"""Unknown field names written to the log per request."""
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
-TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer"}, "title": "an array of token ids"}
+TOKENS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "integer"},
+    "title": "an array of token ids",
+    "description": "At most the model's context (max_model_len of GET /v1/models) ids, each in the vocabulary",
+}
 
 
 def _none_but(value_schema: dict, why: str) -> dict:
@@ -75,7 +98,9 @@ SAMPLING = {
     },
     "user": {
         "type": "string",
-        "description": "End user; without API keys it names the tenant for fair scheduling",
+        "maxLength": MAX_USER_CHARS,
+        "description": "End user; without API keys (or with a key of --api-key) it names the tenant for fair "
+        "scheduling; beside --api-keys such tenants are counted apart from the key file's",
     },
     "priority": {
         "type": "integer",
@@ -85,9 +110,10 @@ SAMPLING = {
     "logit_bias": {
         "type": "object",
         "default": {},
+        "maxProperties": MAX_LOGIT_BIAS,
         "propertyNames": {"pattern": r"^-?[0-9]+$", "title": "token ids (integers written as strings)"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-        "description": "Token id (as a string) -> bias added to its logit",
+        "description": "Token id (as a string, in the vocabulary) -> bias added to its logit",
     },
     "min_tokens": {
         "type": "integer",
@@ -113,7 +139,8 @@ SAMPLING = {
                     "description": {"type": "string"},
                     "schema": {
                         "type": "object",
-                        "description": "The JSON Schema the output validates against",
+                        "description": "The JSON Schema the output validates against; at most "
+                        f"{MAX_SCHEMA_CHARS:,} characters as JSON text",
                     },
                     "strict": {"type": "boolean"},
                 },
@@ -163,7 +190,8 @@ COMPLETION_ONLY = {
         "type": "integer",
         "minimum": 0,
         "maximum": MAX_LOGPROBS,
-        "description": "Logprob of each token and of this many most likely alternatives",
+        "description": "Logprob of each token and of this many most likely alternatives; with echo, "
+        f"prompt tokens x (1 + logprobs) x n summed over the prompts is at most {MAX_ECHO_LOGPROBS:,}",
     },
     "best_of": {
         "type": "integer",
@@ -237,7 +265,7 @@ MESSAGE = {
 }
 
 CHAT_ONLY = {
-    "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+    "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": MESSAGE},
     "max_tokens": {
         "type": "integer",
         "minimum": 1,
@@ -253,9 +281,11 @@ CHAT_ONLY = {
     },
     "tools": {
         "type": "array",
+        "maxItems": MAX_TOOLS,
         "items": TOOL,
         "description": "Functions the model may call; rendered through the chat template's tools variable, "
-        "or a system message when it has none",
+        "or a system message when it has none. With tool_choice required or named, the schema of the "
+        f"calls allowed is at most {MAX_SCHEMA_CHARS:,} characters as JSON text",
     },
     "tool_choice": {
         "oneOf": [
@@ -292,9 +322,11 @@ class RequestBody:
         """Each declared field's value (its default where absent or null), or a 400 naming the first
         field that does not fit its schema. Undeclared fields are logged and left out."""
         check_object(body, {"properties": self.properties, "required": self.required}, "")
-        ignored = sorted(name for name in body if name not in self.properties)
-        if ignored:
-            log.warning("%s: ignored fields not supported by this server: %s", self.route, ", ".join(ignored))
+        ignored = [name for name in body if name not in self.properties]
+        if ignored:  # the client's names, escaped and cut short: a log line per request, never a flood
+            shown = ", ".join(for_log(name) for name in sorted(ignored)[:MAX_LOGGED_NAMES])
+            more = f" and {len(ignored) - MAX_LOGGED_NAMES} more" if len(ignored) > MAX_LOGGED_NAMES else ""
+            log.warning("%s: ignored fields not supported by this server: %s%s", self.route, shown, more)
         out = {}
         for name, schema in self.properties.items():
             value = body.get(name)

@@ -3,8 +3,9 @@
 The request fields (server/request_fields.py) are declared once, as JSON Schema; /openapi.json publishes
 those schemas and this module enforces them, so what is documented and what is accepted cannot drift.
 It reads the subset the fields use: type (a name or a list), enum, const, minimum, maximum,
-exclusiveMinimum, minLength, pattern, minItems, maxItems, items, properties, required,
-additionalProperties (a schema), propertyNames and oneOf. `title`, where a schema has one, is the phrase
+exclusiveMinimum, minLength, maxLength, pattern, minItems, maxItems, items, properties, required,
+maxProperties, additionalProperties (a schema), propertyNames and oneOf. Counts and lengths are checked
+before the items, so an oversized value is refused without walking it. `title`, where a schema has one, is the phrase
 an error uses for what the value must be.
 
 A null property counts as absent (clients such as LangChain send `"stop": null`), so a required one that
@@ -26,6 +27,7 @@ _NAMES = {
     "object": "an object",
     "null": "null",
 }
+_INTEGER = {"type": "integer"}
 
 
 def check(value, schema: dict, path: str) -> None:
@@ -49,6 +51,8 @@ def check(value, schema: dict, path: str) -> None:
     elif isinstance(value, str):
         if len(value) < schema.get("minLength", 0):
             _fail(schema, value, path, "must not be empty" if schema["minLength"] == 1 else None)
+        if len(value) > schema.get("maxLength", len(value)):
+            _fail(schema, value, path, f"may be at most {schema['maxLength']} characters, got {len(value)}")
         if "pattern" in schema and not re.search(schema["pattern"], value):
             _fail(schema, value, path)
     elif isinstance(value, list):
@@ -56,8 +60,8 @@ def check(value, schema: dict, path: str) -> None:
             _fail(schema, value, path, "must be a non-empty array" if schema["minItems"] == 1 else None)
         if len(value) > schema.get("maxItems", len(value)):
             _fail(schema, value, path, f"may hold at most {schema['maxItems']} items, got {len(value)}")
-        if "items" in schema:
-            for i, item in enumerate(value):
+        if "items" in schema and not (schema["items"] == _INTEGER and all(type(v) is int for v in value)):
+            for i, item in enumerate(value):  # (an array of token ids is checked at C speed above)
                 check(item, schema["items"], f"{path}[{i}]")
     elif isinstance(value, dict):
         check_object(value, schema, path)
@@ -65,6 +69,8 @@ def check(value, schema: dict, path: str) -> None:
 
 def check_object(value: dict, schema: dict, path: str) -> None:
     properties = schema.get("properties", {})
+    if len(value) > schema.get("maxProperties", len(value)):
+        _fail(schema, value, path, f"may hold at most {schema['maxProperties']} entries, got {len(value)}")
     prefix = f"{path}." if path else ""
     for name, item in value.items():
         if item is None:
@@ -205,3 +211,9 @@ def _show(value) -> str:
     """A client's value for an error message, cut short (an integer may have thousands of digits)."""
     text = repr(value)
     return text if len(text) <= 40 else text[:20] + "..." + text[-8:]
+
+
+def for_log(text: str) -> str:
+    """A client's string (a field name, a `user`) for a log line: as it is when short and printable, else
+    escaped and cut short (a newline or a terminal escape in it must not forge or hide log lines)."""
+    return text if len(text) <= 40 and text.isprintable() else _show(text)

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import json.scanner
 import logging
 import math
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from aiohttp import web
 
 from runtime import EngineClient, RequestOutput
-from server.auth import Tenant
+from server.auth import Tenant, user_tenant
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
+from server.schema_check import for_log
 
 log = logging.getLogger("prescient.server")
+T = TypeVar("T")
 
 
 class ServerState:
@@ -34,7 +40,7 @@ class ServerState:
             self.model_name,
             client.max_model_len,
             client.stats,
-            {t.name for t in (api_keys or {}).values() if t is not None},
+            {t.name for t in (api_keys or {}).values() if t is not None} | {user_tenant(api_keys, None).name},
             tenant_metrics=tenant_metrics,
         )
         self.metrics_auth = False
@@ -70,7 +76,7 @@ class ServerState:
             "%s %s tenant=%s prompt=%d completion=%d cached=%d finish=%s ttft=%s e2e=%.3fs",
             request.method,
             request.path,
-            tenant,
+            for_log(tenant),
             len(out.prompt_token_ids),
             len(out.token_ids),
             out.num_cached_tokens,
@@ -80,16 +86,61 @@ class ServerState:
         )
 
 
-async def read_json(request: web.Request) -> dict:
-    """The body as a JSON object, or a 400/413 naming what is wrong."""
+OFF_LOOP_BYTES = 16_384
+"""A request whose body is longer than this (bytes, however it was sent: with a Content-Length or chunked)
+is decoded, checked, rendered, tokenized and detokenized on a worker thread: work that grows with the body
+never runs on the event loop, so /health and every other stream keep their latency while it is done
+(tests/server/test_loop_stalls.py bounds /health's wait). Below it the work is too small to matter and a
+thread hop would cost more than it saves."""
+
+
+async def off_loop(size: int, work: Callable[..., T], *args) -> T:
+    """work(*args), on a worker thread when `size` (the body's bytes) is over OFF_LOOP_BYTES."""
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, work, *args)
+    return work(*args)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The raw body of a JSON request, or a 415 (not sent as application/json) or 413 (too large).
+
+    Only application/json is read: a web page may POST text/plain or a form to a local server without a
+    CORS preflight, and must not be able to make it work."""
+    if request.content_type != "application/json":
+        raise APIError(
+            415,
+            f"Send the body as JSON with 'Content-Type: application/json' (got {for_log(request.content_type)}).",
+            code="unsupported_media_type",
+        )
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise APIError(
             413, f"Request body too large: the limit is {request.app['max_body_bytes']} bytes."
         ) from exc
+
+
+async def read_json(request: web.Request) -> dict:
+    """The body as a JSON object, or a 4xx naming what is wrong; a big body is decoded off the loop."""
+    raw = await read_body(request)
+    return await off_loop(len(raw), parse_json, raw)
+
+
+YIELDING_JSON_BYTES = 262_144
+"""Bodies longer than this are decoded with json's Python scanner (strings still decoded in C), which
+lets the GIL go every few milliseconds: the C scanner holds it for the whole decode, and a 4 MiB body of
+40,000 small objects (tools) held it, on a worker thread, for 0.1-0.27 s on a busy 2-core EPYC, so
+/health waited as long. The Python scanner takes 1-2 s for that body, on the worker; a body made of long
+strings (a prompt, messages) decodes as fast either way."""
+
+
+def parse_json(raw: bytes) -> dict:
+    """A body as a JSON object, or a 400 naming what is wrong."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+        if len(raw) > YIELDING_JSON_BYTES:
+            body = _YIELDING.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+        else:
+            body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
         raise bad_request(
             f"The body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})",
@@ -116,3 +167,12 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):  # 1e400 parses as inf
         raise ValueError(f"the number {text[:40]} is out of range; send a finite number")
     return value
+
+
+def _yielding_decoder() -> json.JSONDecoder:
+    decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)
+    return decoder
+
+
+_YIELDING = _yielding_decoder()

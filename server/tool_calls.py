@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from runtime.structured_output import JSON_WHITESPACE
 from scheduler import StructuredOutput
 from server.errors import bad_request
+from server.request_fields import MAX_SCHEMA_CHARS
+from server.schema_check import _show
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -60,9 +62,15 @@ class ToolRequest:
             if self.choice == "required" or f["name"] == self.name
         ]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+        text = json.dumps({**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}})
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise bad_request(
+                f"the schema of the calls 'tool_choice' allows is {len(text):,} characters as JSON, more "
+                f"than the {MAX_SCHEMA_CHARS:,} allowed; send fewer or smaller tools, or name one",
+                "tools",
+            )
         tags = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
-        grammar = f"start: {tags[0]} call {tags[1]}\ncall: %json {json.dumps(schema)}"
+        grammar = f"start: {tags[0]} call {tags[1]}\ncall: %json {text}"
         return StructuredOutput("lark", grammar, source="tools")
 
 
@@ -85,7 +93,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
         raise bad_request("send 'tools' or the deprecated 'functions', not both", "functions")
     if not isinstance(tools, list):
         raise bad_request("'tools' must be an array of function tools", "tools")
-    names = []
+    names: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if (
@@ -98,12 +106,12 @@ def parse_tools(body: dict) -> ToolRequest | None:
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise bad_request(
-                f"'{where}.function.name' must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
+                f"'{where}.function.name' must be 1-64 letters, digits, '_', '.' or '-', got {_show(name)}",
                 f"{where}.function.name",
             )
         if name in names:
             raise bad_request(f"'{where}.function.name' {name!r} is given twice", f"{where}.function.name")
-        names.append(name)
+        names.add(name)
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise bad_request(
@@ -132,9 +140,16 @@ def parse_tools(body: dict) -> ToolRequest | None:
         )
     if named not in names:
         raise bad_request(
-            f"'tool_choice' names {named!r}, which is not among 'tools' ({', '.join(names)})", "tool_choice"
+            f"'tool_choice' names {_show(named)}, which is not among 'tools' (" + _listed(tools) + ")",
+            "tool_choice",
         )
     return ToolRequest(tools, "named", named)
+
+
+def _listed(tools: list[dict], most: int = 8) -> str:
+    """The first few tool names, for an error message (a request may send up to 128)."""
+    names = [t["function"]["name"] for t in tools[:most]]
+    return ", ".join(names) + (f", ... {len(tools) - most} more" if len(tools) > most else "")
 
 
 def extract_tool_calls(text: str, tools: ToolRequest) -> tuple[str | None, list[dict]]:

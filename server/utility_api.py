@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
-from functools import partial
+import json
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.auth import authenticate, check_key
 from server.errors import APIError, bad_request
-from server.openai_api import OFF_LOOP_CHARS
 from server.protocol import parse_messages
 from server.request_fields import DETOKENIZE, TOKENIZE
-from server.state import ServerState, read_json
+from server.state import ServerState, off_loop, parse_json, read_body
+
+JSON = "application/json"
 
 
 def _model_card(state: ServerState) -> dict:
@@ -70,33 +70,35 @@ async def metrics(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     """{"prompt": str} or {"messages": [...]} -> {"tokens": [...], "count": n, "max_model_len": L}.
     add_special_tokens: the tokenizer's BOS (default true for a prompt, false for messages, whose chat
-    template writes its own), as vLLM's /tokenize."""
+    template writes its own), as vLLM's /tokenize. A big body is read and tokenized off the loop."""
     state: ServerState = request.app["state"]
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
-    v = TOKENIZE.read(await read_json(request))
+    raw = await read_body(request)
+    return web.Response(body=await off_loop(len(raw), _tokenize_reply, state, raw), content_type=JSON)
+
+
+def _tokenize_reply(state: ServerState, raw: bytes) -> bytes:
+    tokens = _tokenize(state, raw)
+    reply = {"tokens": tokens, "count": len(tokens), "max_model_len": state.client.max_model_len}
+    return json.dumps(reply).encode()
+
+
+def _tokenize(state: ServerState, raw: bytes) -> list[int]:
+    v = TOKENIZE.read(parse_json(raw))
     tok = state.client.tokenizer
-    if v["messages"] is not None:
-        messages = parse_messages(v["messages"])
-        work = partial(_encode_chat, tok, messages, v["add_generation_prompt"], v["add_special_tokens"])
-    elif v["prompt"] is not None:
-        add = True if v["add_special_tokens"] is None else v["add_special_tokens"]
-        work = partial(tok.encode, v["prompt"], add_special_tokens=add)
-    else:
-        raise bad_request(
-            "send 'prompt' (a string) or 'messages' (an array of {role, content})",
-            "prompt",
-            "missing_required_parameter",
-        )
-    try:  # a big body is tokenized on a worker thread, as for generation
-        tokens = (
-            await asyncio.get_running_loop().run_in_executor(None, work)
-            if (request.content_length or 0) > OFF_LOOP_CHARS
-            else work()
-        )
+    try:
+        if v["messages"] is not None:
+            messages = parse_messages(v["messages"])
+            return _encode_chat(tok, messages, v["add_generation_prompt"], v["add_special_tokens"])
+        if v["prompt"] is not None:
+            add = True if v["add_special_tokens"] is None else v["add_special_tokens"]
+            return tok.encode(v["prompt"], add_special_tokens=add)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
-    return web.json_response(
-        {"tokens": tokens, "count": len(tokens), "max_model_len": state.client.max_model_len}
+    raise bad_request(
+        "send 'prompt' (a string) or 'messages' (an array of {role, content})",
+        "prompt",
+        "missing_required_parameter",
     )
 
 
@@ -111,14 +113,20 @@ def _encode_chat(tok, messages: list[dict], add_generation_prompt: bool, add_spe
 
 
 async def detokenize(request: web.Request) -> web.Response:
+    """{"tokens": [...]} -> {"prompt": text}; a big body is read and decoded off the loop."""
     state: ServerState = request.app["state"]
     authenticate(state.api_keys, request.headers.get("Authorization"), None)
-    tokens = DETOKENIZE.read(await read_json(request))["tokens"]
+    raw = await read_body(request)
+    return web.Response(body=await off_loop(len(raw), _detokenize, state, raw), content_type=JSON)
+
+
+def _detokenize(state: ServerState, raw: bytes) -> bytes:
+    tokens = DETOKENIZE.read(parse_json(raw))["tokens"]
     vocab = state.client.vocab_size
-    bad = [t for t in tokens if not 0 <= t < vocab]
-    if bad:
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+        bad = [t for t in tokens if not 0 <= t < vocab]
         raise bad_request(f"'tokens' contains ids outside [0, {vocab}): {bad[:5]}", "tokens")
-    return web.json_response({"prompt": state.client.tokenizer.decode(tokens)})
+    return json.dumps({"prompt": state.client.tokenizer.decode(tokens)}).encode()
 
 
 async def version(request: web.Request) -> web.Response:

@@ -14,13 +14,36 @@ import aiohttp
 
 from tests.server.conftest import MODEL, wait_idle
 
-HOSTILE = [
-    b'{"prompt": "x", "temperature": NaN}',
-    b'{"prompt": "x", "top_p": 1e400}',
-    b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
-    b'{"prompt": "\xff\xfe"}',
-    json.dumps({"prompt": "x", "stop": ["s"] * 1000}).encode(),
-    b'{"prompt": "x", "max_tokens": -1}',
+COMP, CHAT, JSON_TYPE = "/v1/completions", "/v1/chat/completions", "application/json"
+HOSTILE = [  # (path, body, Content-Type): each gets a 4xx
+    (COMP, b'{"prompt": "x", "temperature": NaN}', JSON_TYPE),
+    (COMP, b'{"prompt": "x", "top_p": 1e400}', JSON_TYPE),
+    (COMP, b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", JSON_TYPE),
+    (COMP, b'{"prompt": "\xff\xfe"}', JSON_TYPE),
+    (COMP, json.dumps({"prompt": "x", "stop": ["s"] * 1000}).encode(), JSON_TYPE),
+    (COMP, b'{"prompt": "x", "max_tokens": -1}', JSON_TYPE),
+    # the caps (server/request_fields.py)
+    (COMP, json.dumps({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}).encode(), JSON_TYPE),
+    (COMP, json.dumps({"prompt": "x", "logit_bias": {"999999": 1}}).encode(), JSON_TYPE),
+    (COMP, json.dumps({"prompt": "x", "user": "u" * 100_000}).encode(), JSON_TYPE),
+    (COMP, json.dumps({"prompt": [100] * 40_000, "max_tokens": 1}).encode(), JSON_TYPE),
+    (
+        COMP,
+        json.dumps({"prompt": [100] * 4000, "echo": True, "logprobs": 20, "max_tokens": 1}).encode(),
+        JSON_TYPE,
+    ),
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}] * 2049}).encode(), JSON_TYPE),
+    (
+        CHAT,
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(2000)],
+            }
+        ).encode(),
+        JSON_TYPE,
+    ),
+    (COMP, b'{"prompt": "x", "max_tokens": 1}', "text/plain"),
 ]
 
 
@@ -32,9 +55,8 @@ def rss_bytes(pid: int) -> int:
 async def client(session: aiohttp.ClientSession, url: str, i: int, rng: random.Random) -> str:
     kind = rng.choices(["normal", "vanish", "stall", "hostile"], weights=[4, 4, 2, 2])[0]
     if kind == "hostile":
-        async with session.post(
-            url + "/v1/completions", data=rng.choice(HOSTILE), headers={"Content-Type": "application/json"}
-        ) as resp:
+        path, data, content_type = rng.choice(HOSTILE)
+        async with session.post(url + path, data=data, headers={"Content-Type": content_type}) as resp:
             assert 400 <= resp.status < 500, resp.status
         return kind
     chat = rng.random() < 0.5
