@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vector_exp.h"
 
 #define MAX_ROUNDS 64
