@@ -211,6 +211,8 @@ def _choose() -> tuple[ctypes.CDLL, Level, str]:
                 log.warning("native kernels: %s; using the %s level", "; ".join(problems)[:300], level.name)
             return lib, level, f"prebuilt in {build_dir()}"
     lib = _open(_build_at_first_use(allowed[0]))
+    if problems:
+        log.warning("native kernels: %s; built the %s level here", "; ".join(problems)[:300], allowed[0].name)
     if not lib.prescient_cpu_supports():
         raise KernelsUnavailable(f"this CPU cannot run the {allowed[0].name} kernels")
     return lib, allowed[0], "built at first use (run `make install` to build every level ahead)"
