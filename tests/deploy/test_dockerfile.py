@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 from runtime import native_kernels
 from server.cli import parse_args
@@ -125,7 +126,10 @@ def test_the_kernel_build_step_works(tmp_path):
     it builds every level of this machine's architecture, and the loader then finds them prebuilt."""
     step = next(line for line in dockerfile() if "runtime.build_kernels" in line)
     command = step[len("RUN ") :]
-    env = dict(os.environ, PRESCIENT_KERNELS_DIR=str(tmp_path), PYTHONPATH=ROOT)
+    path = (
+        os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    )  # `python`: this venv's, as the image's
+    env = dict(os.environ, PRESCIENT_KERNELS_DIR=str(tmp_path), PYTHONPATH=ROOT, PATH=path)
     result = subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     manifest = json.loads((tmp_path / "manifest.json").read_text())
