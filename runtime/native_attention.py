@@ -5,8 +5,8 @@ through the decode kernel row by row where that one does not take the shape (att
 Pure PyTorch has to gather each sequence's KV blocks into a contiguous copy
 before its matmuls; for decode that copy costs more than the attention math.
 The kernel reads the pool in place. It lives in the library native_kernels
-builds on first use; where that cannot be had, attention.py keeps the
-PyTorch path.
+builds once per instruction-set level; where none can be had, attention.py
+keeps the PyTorch path.
 """
 
 from __future__ import annotations

@@ -374,6 +374,7 @@ def build(out_dir: Path | None = None, names: list[str] | None = None, echo=prin
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "manifest.json").unlink(missing_ok=True)
     seconds: dict[str, float] = {}
+    warned: dict[str, str] = {}
     for level in chosen:
         started = time.monotonic()
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
@@ -384,9 +385,14 @@ def build(out_dir: Path | None = None, names: list[str] | None = None, echo=prin
         echo(
             f"kernels {level.name:8s} {' '.join(level.cflags) or '(default target)':45s} {seconds[level.name]:6.1f} s"
         )
+        warned[level.name] = warnings.strip()
         if warnings.strip():
             echo(warnings.rstrip())
-    manifest = {"sources": sources_hash(), "levels": {name: round(s, 1) for name, s in seconds.items()}}
+    manifest = {
+        "sources": sources_hash(),
+        "levels": {name: round(s, 1) for name, s in seconds.items()},
+        "warnings": warned,  # the compiler's -Wall output per level: empty (tested)
+    }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     runnable = [level.name for level in cpu_levels() if level.name in seconds]
     echo(

@@ -37,6 +37,7 @@ def driver(tmp_path_factory):
         text=True,
     )
     assert built.returncode == 0, built.stderr
+    assert "warning" not in built.stderr, built.stderr  # -Wall clean here too
     return out
 
 
