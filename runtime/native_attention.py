@@ -5,8 +5,8 @@ through the decode kernel row by row where that one does not take the shape (att
 Pure PyTorch has to gather each sequence's KV blocks into a contiguous copy
 before its matmuls; for decode that copy costs more than the attention math.
 The kernel reads the pool in place. It lives in the library native_kernels
-builds on first use; where that cannot be had, attention.py keeps the
-PyTorch path.
+builds once per instruction-set level; where none can be had, attention.py
+keeps the PyTorch path.
 """
 
 from __future__ import annotations
@@ -66,9 +66,13 @@ def decode_attention(
 
 
 def prefill_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Shapes the prefill kernel takes (head_dim 64 or 128, up to 16 query heads a KV head); usable() too."""
+    """Shapes the prefill kernel takes (head_dim 64 or 128, up to 16 query heads a KV head, which fit one
+    vector's lanes or fill several: lanes 16 on AVX-512, 8 on AVX2, 4 on the generic level); usable() too."""
     heads, kv_heads, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
-    return d in (64, 128) and heads % kv_heads == 0 and heads // kv_heads <= 16 and usable(q, k_cache)
+    if not (d in (64, 128) and heads % kv_heads == 0 and heads // kv_heads <= 16 and usable(q, k_cache)):
+        return False
+    group, lanes = heads // kv_heads, load().prescient_vector_lanes()
+    return group <= lanes or group % lanes == 0
 
 
 def prefill_attention(

@@ -4,8 +4,8 @@
  *
  * Activations are float32 or bfloat16 (`bf16`), rows contiguous. Each function rounds to the model dtype
  * where the PyTorch path (runtime/model.py) does, with the arithmetic in float32 between roundings.
- * The inner loops run 16 floats at a time (GCC vector extensions: AVX-512, two AVX2 halves, or NEON) with a
- * scalar tail; rows are shared out over `num_threads` OpenMP threads once a call has enough work.
+ * The inner loops run W floats at a time (GCC vector extensions of the build level's register width,
+ * vector_exp.h) with a scalar tail; rows are shared out over `num_threads` OpenMP threads once a call has enough work.
  */
 #include <math.h>
 #include <stdint.h>

@@ -22,14 +22,14 @@ typedef struct {
     int64_t gemm_rows;         /* the many-row kernel from this many rows (-1: never) */
 } projection_t;
 
-typedef struct {
+typedef struct decode_layer {
     projection_t qkv, o, gate_up, down;
     const void *post_norm;     /* post-attention RMSNorm weight */
     const void *next_norm;     /* the next layer's input norm, or the final norm after the last layer */
     void *k_cache, *v_cache;   /* [blocks, block_size, KVH, D] in the model dtype */
 } decode_layer_t;
 
-typedef struct {
+typedef struct decode_model {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
     int bf16;                  /* the model dtype: bfloat16 (1) or float32 (0); K/V likewise */
@@ -37,7 +37,7 @@ typedef struct {
 
 /* Scratch and the step's inputs, rows M; h holds the embeddings on entry, x receives the final normalised
  * hidden states. */
-typedef struct {
+typedef struct decode_step {
     int64_t M, max_blocks;
     const int64_t *positions, *slots, *block_tables, *context_lens;
     const void *cos, *sin_signed, *first_norm;

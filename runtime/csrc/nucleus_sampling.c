@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vector_exp.h"
 
 #define MAX_ROUNDS 64
@@ -37,7 +38,7 @@ static int64_t first_max(const float *x, int64_t V) {
     return best;
 }
 
-/* 16 hashes at a time (a 32-bit integer finalizer): the counter-based noise of a race. */
+/* W hashes at a time (a 32-bit integer finalizer): the counter-based noise of a race. */
 static inline vu vhash(vu x) {
     x ^= x >> 16;
     x *= 0x7feb352du;

@@ -11,12 +11,12 @@
  *   block_tables  [B, max_blocks] (int64), context_lens [B] (int64)
  *   out           [B, H, D] float32
  *
- * Two implementations, both with GCC vector extensions (mapped to AVX2/AVX-512 or NEON): the fast path at
- * the end of the file (head_dim 64 or 128, up to 8 query heads a KV head: every model this engine serves
- * today) and the generic kernels here (D % 16 == 0, H / KVH <= MAX_GROUP). The generic ones run dot
- * products 8 cached positions at a time so that 8 independent accumulators hide the FMA latency; the
- * weighted sum of V keeps a 16-wide slice of every group's output in registers while it walks the
- * positions. A prefill chunk takes its own kernel where the shape allows (paged_prefill_attention_*, the
+ * Two implementations, both with GCC vector extensions of the build's register width (W lanes, vector_exp.h:
+ * AVX-512, AVX2, SSE2 or NEON): the fast path at the end of the file (head_dim 64 or 128, up to 8 query heads
+ * a KV head: every model this engine serves today) and the generic kernels here (D % 16 == 0, H / KVH <=
+ * MAX_GROUP). The generic ones run dot products 8 cached positions at a time so that 8 independent
+ * accumulators hide the FMA latency; the weighted sum of V keeps a W-wide slice of every group's output in
+ * L1 while it walks the positions. A prefill chunk takes its own kernel where the shape allows (paged_prefill_attention_*, the
  * last section), which shares each cached element among many query rows.
  */
 #include <math.h>
@@ -26,26 +26,12 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "vector_exp.h"
 
 #define MAX_GROUP 16
 #define TILE 8
 
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
-typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-
-static inline v8f load_f32(const void *p) { return *(const v8f *)p; }
-
-static inline v8f load_bf16(const void *p) {
-    v8u32 wide = __builtin_convertvector(*(const v8u16 *)p, v8u32) << 16;
-    v8f out;
-    memcpy(&out, &wide, sizeof out);
-    return out;
-}
-
-static inline float hsum(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+static inline vf vload_f32(const float *p) { return *(const vf *)p; }
 
 /* exp(x) for x <= 0 (softmax after subtracting the max), vectorizable; relative error ~2e-7. */
 static inline float exp_nonpositive(float x) {
@@ -71,7 +57,7 @@ static inline float exp_nonpositive(float x) {
 static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *block_tables,                \
           const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,              \
           int64_t block_size, int64_t max_blocks, float scale, int num_threads) {                              \
-    const int64_t G = H / KVH, C = D / 8, row = KVH * D;                                                       \
+    const int64_t G = H / KVH, C = D / W, row = KVH * D;                                                       \
     /* a task is one sequence (its cached rows are read whole, in order) unless too few to share out */      \
     const int64_t heads_per_task = B >= 2 * num_threads ? KVH : 1;                                             \
     const int64_t tasks_per_seq = KVH / heads_per_task;                                                        \
@@ -102,11 +88,11 @@ static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const i
                     for (int64_t g = 0; g < G; g++) {                                                          \
                         const int64_t i = (h - h0) * G + g;                                                    \
                         const float *qi = qs + i * D;                                                          \
-                        v8f a[TILE];                                                                           \
-                        for (int j = 0; j < TILE; j++) a[j] = (v8f){0};                                        \
+                        vf a[TILE];                                                                            \
+                        for (int j = 0; j < TILE; j++) a[j] = (vf){0};                                         \
                         for (int64_t c = 0; c < C; c++) {                                                      \
-                            const v8f qv = load_f32(qi + 8 * c);                                               \
-                            for (int j = 0; j < n; j++) a[j] += qv * LOAD(k_pool + rows[t0 + j] + h * D + 8 * c); \
+                            const vf qv = vload_f32(qi + W * c);                                               \
+                            for (int j = 0; j < n; j++) a[j] += qv * LOAD(k_pool + rows[t0 + j] + h * D + W * c); \
                         }                                                                                      \
                         float *si = scores + i * ctx;                                                          \
                         for (int j = 0; j < n; j++) {                                                          \
@@ -131,10 +117,10 @@ static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const i
                 for (int64_t h = h0; h < h1; h++) {                                                            \
                     const ELEM *v = v_pool + rows[t] + h * D;                                                  \
                     for (int64_t c = 0; c < C; c++) {                                                          \
-                        const v8f vc = LOAD(v + 8 * c);                                                        \
+                        const vf vc = LOAD(v + W * c);                                                         \
                         for (int64_t g = 0; g < G; g++) {                                                      \
                             const int64_t i = (h - h0) * G + g;                                                \
-                            v8f *ai = (v8f *)(acc + i * D + 8 * c);                                            \
+                            vf *ai = (vf *)(acc + i * D + W * c);                                              \
                             *ai += scores[i * ctx + t] * vc;                                                   \
                         }                                                                                      \
                     }                                                                                          \
@@ -152,16 +138,20 @@ static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const i
     }                                                                                                          \
 }
 
-DEFINE_KERNEL(generic_f32, float, load_f32)
-DEFINE_KERNEL(generic_bf16, uint16_t, load_bf16)
+DEFINE_KERNEL(generic_f32, float, vload_f32)
+DEFINE_KERNEL(generic_bf16, uint16_t, vload_bf16)
 
-/* --- The fast path: 16 floats at a time; a task per sequence (all its KV heads) or per (sequence, KV head). ---
+/* --- The fast path: W floats at a time; a task per sequence (all its KV heads) or per (sequence, KV head). ---
  *
- * Scores: each cached key is loaded (and widened) once for its group of G query heads and multiplied into G
- * accumulators; QK_TILE positions at a time, so G x QK_TILE independent sums hide the FMA latency. The
- * weighted sum of V keeps all G outputs (G x D floats) in registers while it walks the positions, one KV head
- * after another. G and D / 16 are compile-time constants in each instance (always_inline + a switch), so the
- * accumulators are registers. Taken where D / 16 is 4 or 8 and G <= 8; other shapes run the kernels above.
+ * Scores: each cached key is loaded (and widened) once for a group of query heads and multiplied into their
+ * accumulators; QK_TILE positions at a time, so heads x QK_TILE independent sums hide the FMA latency. The
+ * weighted sum of V keeps a slice of all G outputs in registers while it walks the positions, one KV head
+ * after another. G and C = D / W are compile-time constants in each instance (always_inline + a switch), so
+ * the accumulators are registers: at most ACC_REGS of them (vector_exp.h), so that a build for 16 registers
+ * (AVX2, SSE2) neither spills nor takes minutes to compile. The key walk takes KEY_GROUP(G) query heads a
+ * pass over the keys (all G where they fit) and the value walk VALUE_SLICE(G, C) vectors of each output a
+ * pass over the values; each sum still runs over the positions in order, so the results do not depend on the
+ * split. Taken where D is 64 or 128 and G <= 8; other shapes run the kernels above.
  *
  * A task takes all of a sequence's KV heads when there are SEQUENCE_TASKS_PER_THREAD sequences a thread:
  * its key walk then reads whole rows (every head's part, contiguous) instead of one head's 2 lines at a 6-line
@@ -170,10 +160,23 @@ DEFINE_KERNEL(generic_bf16, uint16_t, load_bf16)
  * 8 sequences 1.16x. Below 4 sequences a thread the tasks stay one per KV head (the same speed as before), so
  * that one or two sequences still keep both threads busy. */
 
-#define VW 16
 #define QK_TILE 4
 #define PREFETCH_ROWS 32 /* two blocks ahead: a sequence's blocks lie anywhere in the pool once it has been reused */
 #define SEQUENCE_TASKS_PER_THREAD 4
+
+/* Query heads a pass of the key walk: the largest divisor of G whose QK_TILE accumulators each fit. */
+#define KEY_HEADS (ACC_REGS / QK_TILE)
+#define FITS_DIVIDES(d, G) ((d) <= KEY_HEADS && (G) % (d) == 0)
+#define KEY_GROUP(G)                                                                                            \
+    ((G) <= KEY_HEADS ? (G)                                                                                     \
+     : FITS_DIVIDES(6, G) ? 6                                                                                   \
+     : FITS_DIVIDES(4, G) ? 4                                                                                   \
+     : FITS_DIVIDES(3, G) ? 3                                                                                   \
+     : FITS_DIVIDES(2, G) ? 2                                                                                   \
+                          : 1)
+/* Vectors of each of the G outputs a pass of the value walk: C (all) where G x C fit, else a power of two. */
+#define VALUE_SLICE(G, C)                                                                                       \
+    ((G) * (C) <= ACC_REGS ? (C) : (G) * 8 <= ACC_REGS ? 8 : (G) * 4 <= ACC_REGS ? 4 : (G) * 2 <= ACC_REGS ? 2 : 1)
 
 /* Ask for the cache lines of position t's row from element offset `off` (`bytes` of it: the task's heads),
  * when t < ctx, into L2 (prefetcht1). Decode attention is bound by memory latency, not bandwidth: a block lies
@@ -188,53 +191,50 @@ DEFINE_KERNEL(generic_bf16, uint16_t, load_bf16)
             for (size_t b = 0; b < (bytes); b += 64) __builtin_prefetch(line + b, 0, 2);                       \
         }                                                                                                       \
     } while (0)
-typedef float vf16 __attribute__((vector_size(4 * VW), aligned(4)));
-typedef uint16_t vh16 __attribute__((vector_size(2 * VW), aligned(2)));
-typedef uint32_t vu16 __attribute__((vector_size(4 * VW)));
-typedef int32_t vi16 __attribute__((vector_size(4 * VW)));
 
-static inline vf16 load16_f32(const float *p) { return *(const vf16 *)p; }
-#ifdef __AVX512F__
-#include <immintrin.h>
-/* One 16-lane zero-extend and a shift. GCC 12 (-march=native on Zen 4, which it tunes as Zen 3) lowers the
- * generic conversion below to two 8-lane extends and an insert; this form: decode attention 1.10x with K/V in
- * cache, 1.02-1.06x from DRAM (32 sequences, 30 layers' pools; same results bit for bit). */
-static inline vf16 load16_bf16(const uint16_t *p) {
-    return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+/* The sums of a0..a3's lanes, the sum of a_j in lane HSUM_X4_LANE(j): a transposing tree, ~3 shuffles and
+ * adds per sum. */
+#if W == 16
+#define HSUM_X4_LANE(j) (4 * (j))
+static inline vf hsum_x4(vf a0, vf a1, vf a2, vf a3) {
+    const vf b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vf b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vf c = __builtin_shufflevector(b01, b23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                 __builtin_shufflevector(b01, b23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vf d = c + __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return d + __builtin_shufflevector(d, d, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+}
+#elif W == 8
+#define HSUM_X4_LANE(j) (2 * (j))
+static inline vf hsum_x4(vf a0, vf a1, vf a2, vf a3) {
+    const vf b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf c = __builtin_shufflevector(b01, b23, 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(b01, b23, 2, 3, 6, 7, 10, 11, 14, 15);
+    return c + __builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6);
 }
 #else
-static inline vf16 load16_bf16(const uint16_t *p) {
-    return (vf16)(__builtin_convertvector(*(const vh16 *)p, vu16) << 16);
+#define HSUM_X4_LANE(j) (j)
+static inline vf hsum_x4(vf a0, vf a1, vf a2, vf a3) {
+    const vf b01 = __builtin_shufflevector(a0, a1, 0, 4, 1, 5) + __builtin_shufflevector(a0, a1, 2, 6, 3, 7);
+    const vf b23 = __builtin_shufflevector(a2, a3, 0, 4, 1, 5) + __builtin_shufflevector(a2, a3, 2, 6, 3, 7);
+    return __builtin_shufflevector(b01, b23, 0, 1, 4, 5) + __builtin_shufflevector(b01, b23, 2, 3, 6, 7);
 }
 #endif
 
-static inline float hsum16(vf16 v) {
-    float s = 0.f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
-}
-
-/* the sums of a0..a3's lanes in lanes 0, 4, 8, 12: a transposing tree, ~3 shuffles and adds per sum */
-static inline vf16 hsum16_x4(vf16 a0, vf16 a1, vf16 a2, vf16 a3) {
-    const vf16 b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                     __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const vf16 b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                     __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const vf16 c = __builtin_shufflevector(b01, b23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                   __builtin_shufflevector(b01, b23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    const vf16 d = c + __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    return d + __builtin_shufflevector(d, d, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-}
-
-/* exp(x) for x <= 0, 16 at a time (the scalar exp_nonpositive's polynomial) */
-static inline vf16 vexp_nonpositive(vf16 x) {
-    vi16 under = x < -87.f;
-    x = (vf16)(((vi16)x & ~under) | ((vi16)((vf16){0} - 87.f) & under));
-    const vf16 t = x * 1.44269504088896341f;
-    vi16 n = __builtin_convertvector(t, vi16);
-    n += (vi16)(__builtin_convertvector(n, vf16) > t);
-    const vf16 f = (t - __builtin_convertvector(n, vf16)) * 0.69314718055994531f;
-    vf16 p = (vf16){0} + 1.f / 5040.f;
+/* exp(x) for x <= 0, W at a time (the scalar exp_nonpositive's polynomial) */
+static inline vf vexp_nonpositive(vf x) {
+    vi under = x < -87.f;
+    x = (vf)(((vi)x & ~under) | ((vi)((vf){0} - 87.f) & under));
+    const vf t = x * 1.44269504088896341f;
+    vi n = __builtin_convertvector(t, vi);
+    n += (vi)(__builtin_convertvector(n, vf) > t);
+    const vf f = (t - __builtin_convertvector(n, vf)) * 0.69314718055994531f;
+    vf p = (vf){0} + 1.f / 5040.f;
     p = p * f + 1.f / 720.f;
     p = p * f + 1.f / 120.f;
     p = p * f + 1.f / 24.f;
@@ -242,16 +242,17 @@ static inline vf16 vexp_nonpositive(vf16 x) {
     p = p * f + 0.5f;
     p = p * f + 1.f;
     p = p * f + 1.f;
-    return (vf16)((vi16)(p * (vf16)((n + 127) << 23)) & ~under);
+    return (vf)((vi)(p * (vf)((n + 127) << 23)) & ~under);
 }
 
-#define DEFINE_GROUP_TASK(NAME, ELEM, LOAD16)                                                                   \
+#define DEFINE_GROUP_TASK(NAME, ELEM, LOADW)                                                                    \
 static inline __attribute__((always_inline)) void NAME(                                                         \
     const int G, const int C, const int64_t nh, const float *q, const ELEM *k_pool, const ELEM *v_pool,        \
     const int64_t *rows, int64_t ctx, int64_t h0, float *qs, float *scores, float *out, float scale) {          \
     /* q, out: the nh x G query heads of KV heads h0 .. h0 + nh - 1 [nh G, D]; rows[t]: offset of position t's  \
      * row in the pools; qs: scratch for the scaled queries; scores: [nh G, ctx] */                             \
-    const int64_t D = C * VW, heads = nh * G, off = h0 * D;                                                     \
+    const int64_t D = C * W, heads = nh * G, off = h0 * D;                                                      \
+    const int KG = KEY_GROUP(G), VS = VALUE_SLICE(G, C);                                                        \
     const size_t span = (size_t)(nh * D) * sizeof(ELEM);                                                        \
     for (int64_t i = 0; i < heads * D; i++) qs[i] = q[i] * scale;                                               \
     float maxs[heads];                                                                                          \
@@ -264,24 +265,26 @@ static inline __attribute__((always_inline)) void NAME(                         
             prefetch_row(v_pool, rows, t0 + j, ctx, off, span);                                                 \
         }                                                                                                       \
         for (int64_t h = 0; h < nh; h++) {                                                                      \
-            const float *qh = qs + h * G * D;                                                                   \
-            vf16 a[G][QK_TILE];                                                                                 \
-            for (int g = 0; g < G; g++)                                                                         \
-                for (int j = 0; j < QK_TILE; j++) a[g][j] = (vf16){0};                                          \
-            for (int j = 0; j < QK_TILE; j++) {                                                                 \
-                const ELEM *k = k_pool + rows[t0 + j] + off + h * D;                                            \
-                for (int c = 0; c < C; c++) {                                                                   \
-                    const vf16 kc = LOAD16(k + c * VW);                                                         \
-                    for (int g = 0; g < G; g++) a[g][j] += load16_f32(qh + g * D + c * VW) * kc;               \
-                }                                                                                               \
-            }                                                                                                   \
-            for (int g = 0; g < G; g++) {                                                                       \
-                const vf16 s = hsum16_x4(a[g][0], a[g][1], a[g][2], a[g][3]);                                   \
-                float *sg = scores + (h * G + g) * ctx;                                                         \
-                float *m = maxs + h * G + g;                                                                    \
+            for (int g0 = 0; g0 < G; g0 += KG) {                                                                \
+                const float *qh = qs + (h * G + g0) * D;                                                        \
+                vf a[KG][QK_TILE];                                                                              \
+                for (int g = 0; g < KG; g++)                                                                    \
+                    for (int j = 0; j < QK_TILE; j++) a[g][j] = (vf){0};                                        \
                 for (int j = 0; j < QK_TILE; j++) {                                                             \
-                    sg[t0 + j] = s[4 * j];                                                                      \
-                    *m = s[4 * j] > *m ? s[4 * j] : *m;                                                         \
+                    const ELEM *k = k_pool + rows[t0 + j] + off + h * D;                                        \
+                    for (int c = 0; c < C; c++) {                                                               \
+                        const vf kc = LOADW(k + c * W);                                                         \
+                        for (int g = 0; g < KG; g++) a[g][j] += vload_f32(qh + g * D + c * W) * kc;            \
+                    }                                                                                           \
+                }                                                                                               \
+                for (int g = 0; g < KG; g++) {                                                                  \
+                    const vf s = hsum_x4(a[g][0], a[g][1], a[g][2], a[g][3]);                                   \
+                    float *sg = scores + (h * G + g0 + g) * ctx;                                                \
+                    float *m = maxs + h * G + g0 + g;                                                           \
+                    for (int j = 0; j < QK_TILE; j++) {                                                         \
+                        sg[t0 + j] = s[HSUM_X4_LANE(j)];                                                        \
+                        *m = s[HSUM_X4_LANE(j)] > *m ? s[HSUM_X4_LANE(j)] : *m;                                 \
+                    }                                                                                           \
                 }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
@@ -291,53 +294,51 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int64_t h = 0; h < nh; h++) {                                                                      \
             const float *qh = qs + h * G * D;                                                                   \
             const ELEM *k = k_pool + rows[t0] + off + h * D;                                                    \
-            vf16 a[G];                                                                                          \
-            for (int g = 0; g < G; g++) a[g] = (vf16){0};                                                       \
-            for (int c = 0; c < C; c++) {                                                                       \
-                const vf16 kc = LOAD16(k + c * VW);                                                             \
-                for (int g = 0; g < G; g++) a[g] += load16_f32(qh + g * D + c * VW) * kc;                      \
-            }                                                                                                   \
             for (int g = 0; g < G; g++) {                                                                       \
-                const float s = hsum16(a[g]);                                                                   \
+                vf a = {0};                                                                                     \
+                for (int c = 0; c < C; c++) a += vload_f32(qh + g * D + c * W) * LOADW(k + c * W);              \
+                const float s = hsum(a);                                                                        \
                 scores[(h * G + g) * ctx + t0] = s;                                                             \
-                maxs[h * G + g] = s > maxs[h * G + g] ? s : maxs[h * G + g];                                   \
+                maxs[h * G + g] = s > maxs[h * G + g] ? s : maxs[h * G + g];                                    \
             }                                                                                                   \
         }                                                                                                       \
     }                                                                                                           \
     float inv[heads];                                                                                           \
     for (int64_t i = 0; i < heads; i++) {                                                                       \
         float *s = scores + i * ctx;                                                                            \
-        vf16 sum = {0};                                                                                         \
+        vf sum = {0};                                                                                           \
         int64_t t = 0;                                                                                          \
-        for (; t + VW <= ctx; t += VW) {                                                                        \
-            const vf16 e = vexp_nonpositive(load16_f32(s + t) - maxs[i]);                                      \
-            *(vf16 *)(s + t) = e;                                                                               \
+        for (; t + W <= ctx; t += W) {                                                                          \
+            const vf e = vexp_nonpositive(vload_f32(s + t) - maxs[i]);                                          \
+            *(vf *)(s + t) = e;                                                                                 \
             sum += e;                                                                                           \
         }                                                                                                       \
-        float total = hsum16(sum);                                                                              \
+        float total = hsum(sum);                                                                                \
         for (; t < ctx; t++) { s[t] = exp_nonpositive(s[t] - maxs[i]); total += s[t]; }                         \
         inv[i] = 1.f / total;                                                                                   \
     }                                                                                                           \
     for (int64_t h = 0; h < nh; h++) { /* the values of each KV head, from L2 since the key walk */            \
         const float *sh = scores + h * G * ctx;                                                                 \
-        vf16 acc[G][C];                                                                                         \
-        for (int g = 0; g < G; g++)                                                                             \
-            for (int c = 0; c < C; c++) acc[g][c] = (vf16){0};                                                  \
-        for (int64_t t = 0; t < ctx; t++) {                                                                     \
-            const ELEM *v = v_pool + rows[t] + off + h * D;                                                     \
-            for (int c = 0; c < C; c++) {                                                                       \
-                const vf16 vc = LOAD16(v + c * VW);                                                             \
-                for (int g = 0; g < G; g++) acc[g][c] += sh[g * ctx + t] * vc;                                  \
+        for (int c0 = 0; c0 < C; c0 += VS) {                                                                    \
+            vf acc[G][VS];                                                                                      \
+            for (int g = 0; g < G; g++)                                                                         \
+                for (int c = 0; c < VS; c++) acc[g][c] = (vf){0};                                               \
+            for (int64_t t = 0; t < ctx; t++) {                                                                 \
+                const ELEM *v = v_pool + rows[t] + off + h * D + c0 * W;                                        \
+                for (int c = 0; c < VS; c++) {                                                                  \
+                    const vf vc = LOADW(v + c * W);                                                             \
+                    for (int g = 0; g < G; g++) acc[g][c] += sh[g * ctx + t] * vc;                              \
+                }                                                                                               \
             }                                                                                                   \
+            for (int g = 0; g < G; g++)                                                                         \
+                for (int c = 0; c < VS; c++)                                                                    \
+                    *(vf *)(out + (h * G + g) * D + (c0 + c) * W) = acc[g][c] * inv[h * G + g];                 \
         }                                                                                                       \
-        for (int g = 0; g < G; g++)                                                                             \
-            for (int c = 0; c < C; c++)                                                                         \
-                *(vf16 *)(out + (h * G + g) * D + c * VW) = acc[g][c] * inv[h * G + g];                        \
     }                                                                                                           \
 }
 
-DEFINE_GROUP_TASK(group_task_f32, float, load16_f32)
-DEFINE_GROUP_TASK(group_task_bf16, uint16_t, load16_bf16)
+DEFINE_GROUP_TASK(group_task_f32, float, vload_f32)
+DEFINE_GROUP_TASK(group_task_bf16, uint16_t, vload_bf16)
 
 #define GROUP_CASES(TASK, C)                                                                                    \
     switch (G) {                                                                                                \
@@ -367,7 +368,7 @@ static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const i
     const int64_t tasks = B * per_seq;                                                                          \
     _Pragma("omp parallel num_threads(tasks < num_threads ? (int)tasks : num_threads)")                        \
     {                                                                                                           \
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(nh * G * max_ctx + VW));                       \
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(nh * G * max_ctx + W));                       \
         float *qs = (float *)malloc(sizeof(float) * (size_t)(nh * G * D));                                      \
         int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(max_ctx + 1));                            \
         _Pragma("omp for schedule(dynamic, 1)")                                                                 \
@@ -381,7 +382,7 @@ static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const i
             const float *qg = q + (b * H + h * G) * D;                                                          \
             float *og = out + (b * H + h * G) * D;                                                              \
             if (ctx == 0) { memset(og, 0, sizeof(float) * (size_t)(nh * G * D)); continue; }                   \
-            if (D == 4 * VW) { GROUP_CASES(TASK, 4) } else { GROUP_CASES(TASK, 8) }                             \
+            if (D == 64) { GROUP_CASES(TASK, 64 / W) } else { GROUP_CASES(TASK, 128 / W) }                             \
         }                                                                                                       \
         free(scores);                                                                                           \
         free(qs);                                                                                               \
@@ -394,7 +395,7 @@ DEFINE_FAST_KERNEL(fast_bf16, uint16_t, group_task_bf16)
 #undef ARGS
 
 static int fast_path(int64_t H, int64_t KVH, int64_t D) {
-    return (D == 4 * VW || D == 8 * VW) && H % KVH == 0 && H / KVH <= 8;
+    return (D == 64 || D == 128) && H % KVH == 0 && H / KVH <= 8;
 }
 
 void paged_decode_attention_f32(const float *q, const float *k_pool, const float *v_pool,
@@ -416,26 +417,28 @@ void paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const u
 /* --- Prefill: a chunk's causal attention, query rows and heads across the vector lanes. ---
  *
  * A chunk of n new rows over a sequence of ctx cached positions (the chunk's own K/V included, its
- * queries at positions ctx - n .. ctx - 1). A task is LANES / G consecutive rows x one KV head: their
- * R x G query vectors sit in the lanes of one vector (transposed once per task), so each cached
+ * queries at positions ctx - n .. ctx - 1). A task is R = W / GL consecutive rows x one KV head x GL of its G
+ * query heads (GL = G where G <= W, else W; the caller checks that W divides G then): their
+ * R x GL query vectors sit in the lanes of one vector (transposed once per task), so each cached
  * element multiplies all of them at once (a broadcast and one FMA) and no dot product needs a horizontal
  * sum. Each KV head's K and V are first widened into float32 scratch in position order, once a call. Scores are kept
  * per position as a vector over the lanes; the softmax runs lane-wise; the weighted sum of V walks the
- * positions with 16 output dimensions' lane vectors in registers. The rows of a task differ only in
+ * positions with PF_DIMS output dimensions' lane vectors in registers. The rows of a task differ only in
  * their last few visible positions, which are masked lane by lane. */
 
 #define PF_TILE 4
+#define PF_DIMS (ACC_REGS >= 16 ? 16 : 8) /* output dimensions a pass: lane vectors kept in registers */
 
 static inline __attribute__((always_inline)) void prefill_task(
-    int64_t D, int64_t L, const float *kf, const float *vf, const vf16 *qt, vf16 *s, const vf16 *mask_from,
-    int64_t first_masked, vf16 *acc_out) {
+    int64_t D, int64_t L, const float *kf, const float *vals, const vf *qt, vf *s, const vf *mask_from,
+    int64_t first_masked, vf *acc_out) {
     /* scores s[t] = sum_d qt[d] * kf[t][d] */
     int64_t t = 0;
     for (; t + PF_TILE <= L; t += PF_TILE) {
-        vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         const float *k0 = kf + t * D;
         for (int64_t d = 0; d < D; d++) {
-            const vf16 qd = qt[d];
+            const vf qd = qt[d];
             a0 += qd * k0[d];
             a1 += qd * k0[D + d];
             a2 += qd * k0[2 * D + d];
@@ -444,39 +447,39 @@ static inline __attribute__((always_inline)) void prefill_task(
         s[t] = a0, s[t + 1] = a1, s[t + 2] = a2, s[t + 3] = a3;
     }
     for (; t < L; t++) {
-        vf16 a = {0};
+        vf a = {0};
         for (int64_t d = 0; d < D; d++) a += qt[d] * kf[t * D + d];
         s[t] = a;
     }
     /* causal mask: position t >= first_masked is hidden from the lanes whose mask_from[t - first_masked]
      * is all ones (their rows end before it) */
     for (t = first_masked; t < L; t++)
-        s[t] = (vf16)(((vi16)mask_from[t - first_masked] & (vi16)((vf16){0} - INFINITY)) |
-                      (~(vi16)mask_from[t - first_masked] & (vi16)s[t]));
-    vf16 m = (vf16){0} - INFINITY;
-    for (t = 0; t < L; t++) m = (vf16)(((vi16)(s[t] > m) & (vi16)s[t]) | (~(vi16)(s[t] > m) & (vi16)m));
-    vf16 sum = {0};
+        s[t] = (vf)(((vi)mask_from[t - first_masked] & (vi)((vf){0} - INFINITY)) |
+                      (~(vi)mask_from[t - first_masked] & (vi)s[t]));
+    vf m = (vf){0} - INFINITY;
+    for (t = 0; t < L; t++) m = (vf)(((vi)(s[t] > m) & (vi)s[t]) | (~(vi)(s[t] > m) & (vi)m));
+    vf sum = {0};
     for (t = 0; t < L; t++) {
         s[t] = vexp_nonpositive(s[t] - m);
         sum += s[t];
     }
-    const vf16 inv = 1.f / sum;
-    /* out[d] (a lane vector) = sum_t s[t] * vf[t][d], 16 dimensions at a time */
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        vf16 o[16];
-        for (int j = 0; j < 16; j++) o[j] = (vf16){0};
+    const vf inv = 1.f / sum;
+    /* out[d] (a lane vector) = sum_t s[t] * vals[t][d], PF_DIMS dimensions at a time */
+    for (int64_t d0 = 0; d0 < D; d0 += PF_DIMS) {
+        vf o[PF_DIMS];
+        for (int j = 0; j < PF_DIMS; j++) o[j] = (vf){0};
         for (t = 0; t < L; t++) {
-            const vf16 p = s[t];
-            const float *v = vf + t * D + d0;
-            for (int j = 0; j < 16; j++) o[j] += p * v[j];
+            const vf p = s[t];
+            const float *v = vals + t * D + d0;
+            for (int j = 0; j < PF_DIMS; j++) o[j] += p * v[j];
         }
-        for (int j = 0; j < 16; j++) acc_out[d0 + j] = o[j] * inv;
+        for (int j = 0; j < PF_DIMS; j++) acc_out[d0 + j] = o[j] * inv;
     }
 }
 
 /* A task of the batched call: LANES / G rows (from `row`) of one chunk x one KV head, over `visible` positions. */
 typedef struct {
-    int64_t chunk, row, h, visible;
+    int64_t chunk, row, h, g0, visible;
 } prefill_task_t;
 
 static int longer_first(const void *a, const void *b) {
@@ -489,16 +492,16 @@ static int longer_first(const void *a, const void *b) {
  * longest first: a step of 4 chunks of 128 rows once made 4 calls of 78 tasks, in each of which 2 threads
  * finished unevenly and waited. q and out [rows, H, D] are float32, or bfloat16 where io_bf16 (read and
  * rounded here, in the tasks' transposes: torch's conversions before and after took ~13% of the call). */
-#define DEFINE_PREFILL(NAME, ELEM, LOAD16)                                                                      \
+#define DEFINE_PREFILL(NAME, ELEM, LOADW)                                                                      \
 void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *tables, int64_t max_blocks,    \
           const int64_t *spans, int64_t num_chunks, void *out, int io_bf16, int64_t H, int64_t KVH, int64_t D, \
           int64_t block_size, float scale, int num_threads) {                                                  \
-    const int64_t G = H / KVH, R = VW / G, row = KVH * D;                                                       \
+    const int64_t G = H / KVH, GL = G <= W ? G : W, R = W / GL, row = KVH * D;                                   \
     int64_t total_ctx = 0, tasks = 0, max_ctx = 0;                                                              \
     for (int64_t c = 0; c < num_chunks; c++) {                                                                  \
         const int64_t n = spans[3 * c + 1], ctx = spans[3 * c + 2];                                             \
         total_ctx += ctx;                                                                                       \
-        tasks += (n + R - 1) / R * KVH;                                                                         \
+        tasks += (n + R - 1) / R * KVH * (G / GL);                                                              \
         if (ctx > max_ctx) max_ctx = ctx;                                                                       \
     }                                                                                                           \
     /* rows[p]: pool offset of the p-th position of all chunks in turn (chunk c's from base[c]) */             \
@@ -515,7 +518,8 @@ void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *
         }                                                                                                       \
         for (int64_t r0 = 0; r0 < n; r0 += R)                                                                   \
             for (int64_t h = 0; h < KVH; h++)                                                                   \
-                list[k++] = (prefill_task_t){c, r0, h, ctx - n + (n - r0 < R ? n : r0 + R)};                    \
+                for (int64_t g0 = 0; g0 < G; g0 += GL)                                                          \
+                    list[k++] = (prefill_task_t){c, r0, h, g0, ctx - n + (n - r0 < R ? n : r0 + R)};            \
     }                                                                                                           \
     base[num_chunks] = total_ctx;                                                                               \
     qsort(list, (size_t)tasks, sizeof *list, longer_first);                                                     \
@@ -531,48 +535,48 @@ void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *
             while (base[c + 1] <= p) c++;                                                                       \
             const int64_t ctx = spans[3 * c + 2], t = p - base[c];                                              \
             for (int64_t h = 0; h < KVH; h++)                                                                   \
-                for (int64_t d = 0; d < D; d += VW) {                                                           \
+                for (int64_t d = 0; d < D; d += W) {                                                           \
                     const int64_t at = (base[c] * KVH + h * ctx + t) * D + d;                                   \
-                    *(vf16 *)(kf + at) = LOAD16(k_pool + rows[p] + h * D + d);                                  \
-                    *(vf16 *)(vfb + at) = LOAD16(v_pool + rows[p] + h * D + d);                                 \
+                    *(vf *)(kf + at) = LOADW(k_pool + rows[p] + h * D + d);                                  \
+                    *(vf *)(vfb + at) = LOADW(v_pool + rows[p] + h * D + d);                                 \
                 }                                                                                               \
         }                                                                                                       \
-        vf16 *qt = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)D);                                         \
-        vf16 *s = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)(max_ctx + 1));                              \
-        vf16 *acc = (vf16 *)aligned_alloc(64, sizeof(vf16) * (size_t)D);                                        \
-        vf16 mask_from[VW];                                                                                     \
+        vf *qt = (vf *)aligned_alloc(64, sizeof(vf) * (size_t)D);                                         \
+        vf *s = (vf *)aligned_alloc(64, sizeof(vf) * (size_t)(max_ctx + 1));                              \
+        vf *acc = (vf *)aligned_alloc(64, sizeof(vf) * (size_t)D);                                        \
+        vf mask_from[W];                                                                                     \
         _Pragma("omp for schedule(dynamic, 1)")                                                                 \
         for (int64_t i = 0; i < tasks; i++) {                                                                   \
             const prefill_task_t task = list[i];                                                                \
-            const int64_t c = task.chunk, h = task.h, r0 = task.row, L = task.visible;                          \
+            const int64_t c = task.chunk, h = task.h, g0 = task.g0, r0 = task.row, L = task.visible;            \
             const int64_t first = spans[3 * c], n = spans[3 * c + 1], ctx = spans[3 * c + 2];                   \
             const int64_t nr = n - r0 < R ? n - r0 : R;                                                         \
             const int64_t first_masked = L - nr + 1;             /* the first row sees up to here */           \
             for (int64_t d = 0; d < D; d++) {                                                                   \
-                vf16 col = {0};                                                                                 \
+                vf col = {0};                                                                                 \
                 for (int64_t r = 0; r < nr; r++)                                                                \
-                    for (int64_t g = 0; g < G; g++) {                                                           \
-                        const int64_t at = ((first + r0 + r) * H + h * G + g) * D + d;                          \
-                        col[r * G + g] = (io_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at]) * scale; \
+                    for (int64_t g = 0; g < GL; g++) {                                                          \
+                        const int64_t at = ((first + r0 + r) * H + h * G + g0 + g) * D + d;                     \
+                        col[r * GL + g] = (io_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at]) * scale; \
                     }                                                                                           \
                 qt[d] = col;                                                                                    \
             }                                                                                                   \
             for (int64_t t = first_masked; t < L; t++) {          /* hidden from rows ending before t */       \
-                vi16 m = {0};                                                                                   \
+                vi m = {0};                                                                                   \
                 for (int64_t r = 0; r < nr; r++)                                                                \
                     if (ctx - n + r0 + r + 1 <= t)                                                              \
-                        for (int64_t g = 0; g < G; g++) m[r * G + g] = -1;                                      \
-                mask_from[t - first_masked] = (vf16)m;                                                          \
+                        for (int64_t g = 0; g < GL; g++) m[r * GL + g] = -1;                                    \
+                mask_from[t - first_masked] = (vf)m;                                                          \
             }                                                                                                   \
             const int64_t at = (base[c] * KVH + h * ctx) * D;                                                   \
             prefill_task(D, L, kf + at, vfb + at, qt, s, mask_from, first_masked, acc);                         \
             for (int64_t r = 0; r < nr; r++)                                                                    \
-                for (int64_t g = 0; g < G; g++) {                                                               \
-                    const int64_t at = ((first + r0 + r) * H + h * G + g) * D;                                  \
+                for (int64_t g = 0; g < GL; g++) {                                                              \
+                    const int64_t at = ((first + r0 + r) * H + h * G + g0 + g) * D;                             \
                     if (io_bf16)                                                                                \
-                        for (int64_t d = 0; d < D; d++) ((uint16_t *)out)[at + d] = f32_to_bf16(acc[d][r * G + g]); \
+                        for (int64_t d = 0; d < D; d++) ((uint16_t *)out)[at + d] = f32_to_bf16(acc[d][r * GL + g]); \
                     else                                                                                        \
-                        for (int64_t d = 0; d < D; d++) ((float *)out)[at + d] = acc[d][r * G + g];             \
+                        for (int64_t d = 0; d < D; d++) ((float *)out)[at + d] = acc[d][r * GL + g];            \
                 }                                                                                               \
         }                                                                                                       \
         free(qt);                                                                                               \
@@ -586,5 +590,5 @@ void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *
     free(list);                                                                                                 \
 }
 
-DEFINE_PREFILL(paged_prefill_attention_f32, float, load16_f32)
-DEFINE_PREFILL(paged_prefill_attention_bf16, uint16_t, load16_bf16)
+DEFINE_PREFILL(paged_prefill_attention_f32, float, vload_f32)
+DEFINE_PREFILL(paged_prefill_attention_bf16, uint16_t, vload_bf16)

@@ -377,7 +377,7 @@ static inline void store_row32(const float *src, void *out, int64_t at, int out_
 /* The fused epilogue: out[at .. at + 32) = dtype(dtype(silu(gate)) * up) of 32 columns' gate and up sums, each
  * first rounded to the dtype as store_row32 stores them, then as the layer ops' silu_mul computes it. */
 static inline void store_silu32(const float *gate, const float *up, void *out, int64_t at, int out_bf16) {
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < 32 / W; h++) {
         vf g, u;
         memcpy(&g, gate + h * W, sizeof g);
         memcpy(&u, up + h * W, sizeof u);

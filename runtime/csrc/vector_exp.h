@@ -1,12 +1,30 @@
-/* What the C kernels share for 16 floats at a time (GCC vector extensions: AVX-512, two AVX2 halves, or NEON):
- * the vector types, a horizontal sum, exp and log, bfloat16 rounding and SiLU(gate) x up; and how many
- * OpenMP threads a call is worth. */
+/* What the C kernels share for one register of floats at a time (GCC vector extensions): the vector types, a
+ * horizontal sum, exp and log, bfloat16 rounding and SiLU(gate) x up; and how many OpenMP threads a call is
+ * worth.
+ *
+ * W, the lanes of a vector, is the width of the registers the build targets (its -march): 16 with AVX-512,
+ * 8 with AVX/AVX2, 4 otherwise (SSE2 on x86-64, NEON on aarch64, or any other target's lowering). A vector type
+ * wider than the target's registers is lowered by GCC into register-sized pieces, and the kernels' fully
+ * unrolled accumulator arrays then grow past what its register allocator and scheduler handle in reasonable
+ * time (paged_decode_attention.c with 16-lane vectors did not compile in 20 minutes at -O3 -march=x86-64-v3).
+ * ACC_REGS is how many vector accumulators a kernel may keep live: about three quarters of the registers. */
 #ifndef PRESCIENT_VECTOR_EXP_H
 #define PRESCIENT_VECTOR_EXP_H
 
 #include <stdint.h>
 
+#if defined(__AVX512F__)
 #define W 16
+#elif defined(__AVX__)
+#define W 8
+#else
+#define W 4
+#endif
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define ACC_REGS 24 /* 32 vector registers */
+#else
+#define ACC_REGS 12 /* 16 vector registers */
+#endif
 /* Below this many elements a call runs on the caller's thread alone. At 32 rows of this model the layer ops
  * were under the earlier 65,536 and ran on one thread; with 8,192 (2-core AMD EPYC, microbenchmark, medians
  * of five): residual add + RMSNorm 32 x 576 16.3 -> 10.0 us, RoPE + KV write 32 rows 16.3 -> 10.5 us,
@@ -49,7 +67,7 @@ static inline vf vexp(vf x) {
     return p * (vf)((n + 127) << 23);
 }
 
-/* log(x) for finite x > 0, 16 at a time: x = m 2^e with m in [sqrt(1/2), sqrt(2)), log(m) by Cephes' logf
+/* log(x) for finite x > 0, W at a time: x = m 2^e with m in [sqrt(1/2), sqrt(2)), log(m) by Cephes' logf
  * polynomial; relative error ~1e-7. */
 static inline vf vlog(vf x) {
     const vu bits = (vu)x;
@@ -75,18 +93,38 @@ static inline vf vlog(vf x) {
     return m + y + ef * 0.693359375f;
 }
 
-/* 16 bfloat16 widened to floats, and 16 floats' top halves narrowed to bfloat16 bits (the caller rounds first).
- * With AVX-512 one zero-extend and one narrowing move: GCC 12 (-march=native on Zen 4, tuned as Zen 3) lowers
- * the generic conversions to two 8-lane extends and an insert, and to a two-table word permute (vpermt2w);
- * on 540 rows (2-core AMD EPYC, same results) add_rms_norm ran 1.19x and rope_write_kv 1.17x as fast with these. */
+/* W bfloat16 widened to floats, and W floats' top halves narrowed to bfloat16 bits (the caller rounds first).
+ * On x86 in intrinsics: with AVX-512 one zero-extend and one narrowing move, where GCC 12 (-march=native on
+ * Zen 4, tuned as Zen 3) lowers the generic conversions to two 8-lane extends and an insert, and to a two-table
+ * word permute (vpermt2w); on 540 rows (2-core AMD EPYC, same results) add_rms_norm ran 1.19x and
+ * rope_write_kv 1.17x as fast with these. With AVX2 and SSE2 a zero-extend (or an interleave with zeros) and
+ * a shift, and a signed pack of the arithmetically shifted bits (exact: each value fits 16 signed bits). */
 typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2)));
-#if defined(__AVX512F__) && W == 16
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__SSE2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 static inline vf vload_bf16(const uint16_t *p) {
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
 static inline void vstore_bf16_bits(uint16_t *p, vu bits) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)bits, 16)));
+}
+#elif defined(__AVX2__)
+static inline vf vload_bf16(const uint16_t *p) {
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+}
+static inline void vstore_bf16_bits(uint16_t *p, vu bits) {
+    const __m256i high = _mm256_srai_epi32((__m256i)bits, 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packs_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
+}
+#elif defined(__SSE2__) && W == 4
+static inline vf vload_bf16(const uint16_t *p) {
+    return (vf)_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p));
+}
+static inline void vstore_bf16_bits(uint16_t *p, vu bits) {
+    const __m128i high = _mm_srai_epi32((__m128i)bits, 16);
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi32(high, high));
 }
 #else
 static inline vf vload_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16); }

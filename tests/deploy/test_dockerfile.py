@@ -1,6 +1,6 @@
 """The image installs and runs what `make serve` does. Docker cannot run on these machines, so the image is
 never built here: the Dockerfile is read, compared with the Makefile, and its one build-time Python step
-(prebuilding the decode-attention kernel) is run for real outside Docker.
+(building the C kernels for every instruction-set level) is run for real outside Docker.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from runtime import native_kernels
 from server.cli import parse_args
 from tests.server.conftest import ROOT
 
@@ -105,12 +106,37 @@ def test_dockerignore_keeps_out_the_venv_and_git_but_not_what_is_copied():
                 assert not ignored(source), f"{source} is copied but .dockerignore excludes it"
 
 
-@pytest.mark.slow  # builds the C kernels from scratch
-def test_the_kernel_prebuild_step_works(tmp_path):
-    """The build stage's RUN that compiles the decode-attention kernel into PRESCIENT_CACHE, run here."""
-    step = next(line for line in dockerfile() if line.startswith("RUN python -c"))
-    code = shlex.split(step[len("RUN ") :])[2]
-    env = dict(os.environ, PRESCIENT_CACHE=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+def test_the_build_stage_builds_every_kernel_level_and_the_final_stage_picks_one_at_run_time():
+    """The C kernels are built in the build stage for every instruction-set level (not for the builder's CPU),
+    into the installed package that the final stage copies; nothing there fixes the level, so the engine
+    picks the best one the node's CPU runs when it starts."""
+    build, final = stages()[0], stages()[-1]
+    step = next(line for line in build if "runtime.build_kernels" in line)
+    assert "--level" not in step and "--out" not in step, "every level, into the installed package"
+    assert re.search(r"RUN cd / && python -m runtime\.build_kernels$", step), "run from /, not from /src"
+    install = next(i for i, line in enumerate(build) if re.search(r"pip install [^&]*\s\.(\s|$)", line))
+    assert build.index(step) > install, "after the project is installed"
+    assert not any("march=native" in line or "PRESCIENT_ISA" in line for line in stages()[0] + final)
+    copied = [line for line in final if line.startswith("COPY ")]
+    assert any(line.split()[-2:] == ["/opt/venv", "/opt/venv"] for line in copied), (
+        "the venv, builds included"
+    )
+
+
+@pytest.mark.slow  # builds every kernel level
+def test_the_kernel_build_step_works(tmp_path):
+    """The build stage's kernel step, run here as written (output redirected to a temporary directory):
+    it builds every level of this machine's architecture, and the loader then finds them prebuilt."""
+    step = next(line for line in dockerfile() if "runtime.build_kernels" in line)
+    command = step[len("RUN ") :]
+    path = (
+        os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    )  # `python`: this venv's, as the image's
+    env = dict(os.environ, PRESCIENT_KERNELS_DIR=str(tmp_path), PYTHONPATH=ROOT, PATH=path)
+    result = subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert list((tmp_path / "kernels").glob("*.so"))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert set(manifest["levels"]) == {level.name for level in native_kernels.levels()}
+    for level in native_kernels.levels():
+        assert (tmp_path / native_kernels.library_name(level)).stat().st_size > 10_000
+    assert "gets the" in result.stdout

@@ -7,6 +7,7 @@ import torch
 
 from runtime import native_attention
 from runtime.attention import AttentionMetadata, PrefillChunk, paged_attention, write_kv
+from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
 
 HEADS, KV_HEADS, D, BS, NUM_BLOCKS = 9, 3, 64, 16, 64
 
@@ -114,6 +115,7 @@ def test_prefill_chunks_after_cached_prefix_match_dense(native, monkeypatch):
     ],  # the last two: the kernel's generic loops
 )
 @pytest.mark.parametrize("batch", [70, 3])  # a task per sequence (all its KV heads), a task per KV head
+@pytest.mark.usefixtures("kernel_level")
 def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads, d, batch):
     """The C kernel's grouped fast path (head_dim 64 or 128, up to 8 query heads a KV head) and its generic
     loops (other shapes) against the PyTorch decode path, bfloat16 KV, sequences of 1-300 tokens."""
@@ -142,6 +144,7 @@ def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads
     [(9, 3, 64, 37, 37), (9, 3, 64, 12, 50), (4, 4, 64, 21, 40), (16, 1, 128, 5, 70), (8, 4, 64, 1, 9)],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.usefixtures("kernel_level")
 def test_native_prefill_matches_dense_across_head_shapes(heads, kv_heads, d, n, ctx, dtype):
     """The C prefill kernel (query rows x heads across the vector lanes, the last rows' positions masked
     lane by lane) against dense causal attention, three sequences' chunks in one call as a step has them

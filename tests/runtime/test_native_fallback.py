@@ -1,9 +1,13 @@
-"""The native kernels never stop startup: every way it can fail to build or load ends on the PyTorch
-path with exactly one warning line. Real processes, a real compiler, a real noexec mount where one can be made."""
+"""The native kernels never stop startup: every way they can fail to build or load ends on the next level down
+or the PyTorch path with exactly one warning line, and a hung compiler is killed with all its children. Real
+processes, a real compiler (a fake one only where it must hang or fail), a real noexec mount where one can be
+made. PRESCIENT_KERNELS_DIR points at an empty directory where a test needs the build at first use."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +15,8 @@ import textwrap
 import time
 
 import pytest
+
+from runtime import native_kernels
 
 pytestmark = pytest.mark.slow  # builds the C kernels from scratch or loads the real model
 
@@ -21,11 +27,11 @@ PROBE = textwrap.dedent("""
     from runtime import native_kernels
     lib = native_kernels.load()
     print("KERNEL", "native" if lib is not None else "pytorch")
-    print("TARGET", native_kernels._target())
+    print("LEVEL", native_kernels.chosen_level())
 """)
 
 
-def probe(env: dict, script: str = PROBE, timeout: float = 120) -> tuple[str, list[str], float]:
+def probe(env: dict, script: str = PROBE, timeout: float = 180) -> tuple[str, list[str], float]:
     started = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-c", script],
@@ -33,7 +39,7 @@ def probe(env: dict, script: str = PROBE, timeout: float = 120) -> tuple[str, li
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PRESCIENT_NATIVE": "1", **env},
+        env={**os.environ, "PRESCIENT_NATIVE": "1", "PRESCIENT_ISA": "", **env},
     )
     assert out.returncode == 0, out.stderr
     kernel = next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("KERNEL"))
@@ -50,37 +56,90 @@ needs_cc = pytest.mark.skipif(
 def test_unwritable_cache_directory(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    kernel, warnings, _ = probe({"PRESCIENT_CACHE": str(blocker / "cache")})
+    kernel, warnings, _ = probe(
+        {"PRESCIENT_KERNELS_DIR": str(tmp_path / "no-build"), "PRESCIENT_CACHE": str(blocker / "cache")}
+    )
     assert kernel == "pytorch"
     assert len(warnings) == 1 and "not writable" in warnings[0] and "PRESCIENT_CACHE" in warnings[0]
 
 
-def test_hung_compiler_times_out(tmp_path):
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie waits for a reaper, but runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _hung_compiler(tmp_path) -> tuple[os.PathLike, os.PathLike]:
+    """A fake compiler (a hung one cannot be had for real) that starts a child, as cc starts cc1, and sleeps;
+    each process of it appends "pid pgid" to a file."""
+    pids = tmp_path / "compiler-pids"
     hung = tmp_path / "hung-cc"
-    hung.write_text("#!/bin/sh\nsleep 600\n")
+    hung.write_text(
+        "#!/bin/sh\n"
+        f"sh -c 'echo $$ $(ps -o pgid= -p $$) >> {pids}; sleep 600' &\n"
+        f"echo $$ $(ps -o pgid= -p $$) >> {pids}\n"
+        "sleep 600\n"
+    )
     hung.chmod(0o755)
+    return hung, pids
+
+
+def test_hung_compiler_is_killed_with_its_children(tmp_path):
+    hung, pids = _hung_compiler(tmp_path)
     kernel, warnings, seconds = probe(
-        {"PRESCIENT_CACHE": str(tmp_path / "cache"), "CC": str(hung), "PRESCIENT_NATIVE_BUILD_TIMEOUT": "2"}
+        {
+            "PRESCIENT_KERNELS_DIR": str(tmp_path / "no-build"),
+            "PRESCIENT_CACHE": str(tmp_path / "cache"),
+            "CC": str(hung),
+            "PRESCIENT_NATIVE_BUILD_TIMEOUT": "2",
+        }
     )
     assert kernel == "pytorch"
     assert len(warnings) == 1 and "did not finish in 2 s" in warnings[0]
     assert seconds < 60
+    started = [tuple(map(int, line.split())) for line in pids.read_text().splitlines()]
+    groups = {pgid for _, pgid in started}
+    assert len(started) >= 2 and all(pid != os.getpid() for pid, _ in started)  # compilers and their children
+    assert os.getpgid(0) not in groups  # each compiler led a group of its own
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid, _ in started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid, _ in started if _alive(pid)], "a compiler process outlived the build"
+    for pgid in groups:  # and no process at all is left in the compilers' groups
+        members = [p for p in os.listdir("/proc") if p.isdigit() and _alive(int(p)) and _pgid(int(p)) == pgid]
+        assert members == [], f"process group {pgid} still has {members}"
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def test_failing_compiler_is_one_line(tmp_path):
     broken = tmp_path / "broken-cc"
     broken.write_text("#!/bin/sh\necho 'line one' >&2\necho 'x.c:1: error: nothing works' >&2\nexit 1\n")
     broken.chmod(0o755)
-    kernel, warnings, _ = probe({"PRESCIENT_CACHE": str(tmp_path / "cache"), "CC": str(broken)})
+    kernel, warnings, _ = probe(
+        {
+            "PRESCIENT_KERNELS_DIR": str(tmp_path / "no-build"),
+            "PRESCIENT_CACHE": str(tmp_path / "cache"),
+            "CC": str(broken),
+        }
+    )
     assert kernel == "pytorch"
     assert len(warnings) == 1 and "error: nothing works" in warnings[0]
 
 
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory):
-    """A cache directory holding a good build of the kernel (built once for the module)."""
+    """A cache directory holding a good build at first use of the best level (built once for the module)."""
     cache = tmp_path_factory.mktemp("built")
-    kernel, _, _ = probe({"PRESCIENT_CACHE": str(cache)})
+    kernel, _, _ = probe({"PRESCIENT_KERNELS_DIR": str(cache / "no-build"), "PRESCIENT_CACHE": str(cache)})
     assert kernel == "native"
     return cache
 
@@ -91,7 +150,9 @@ def test_corrupt_cached_library_is_rebuilt(tmp_path, built_cache):
     shutil.copytree(built_cache, cache)
     target = next((cache / "kernels").glob("*.so"))
     target.write_bytes(b"\x7fELF but truncated garbage")
-    kernel, warnings, _ = probe({"PRESCIENT_CACHE": str(cache)})
+    kernel, warnings, _ = probe(
+        {"PRESCIENT_KERNELS_DIR": str(tmp_path / "no-build"), "PRESCIENT_CACHE": str(cache)}
+    )
     assert kernel == "native" and warnings == []
     assert target.stat().st_size > 1000
 
@@ -102,7 +163,12 @@ def test_corrupt_library_and_no_compiler_fall_back(tmp_path, built_cache):
     shutil.copytree(built_cache, cache)
     next((cache / "kernels").glob("*.so")).write_bytes(b"garbage")
     kernel, warnings, _ = probe(
-        {"PRESCIENT_CACHE": str(cache), "CC": "/nonexistent/cc", "PATH": str(tmp_path)}
+        {
+            "PRESCIENT_KERNELS_DIR": str(tmp_path / "no-build"),
+            "PRESCIENT_CACHE": str(cache),
+            "CC": "/nonexistent/cc",
+            "PATH": str(tmp_path),
+        }
     )  # no cc, no gcc on this PATH
     assert kernel == "pytorch" and len(warnings) == 1 and "no C compiler" in warnings[0]
 
@@ -127,9 +193,11 @@ def test_noexec_cache_directory(tmp_path):
     script = PROBE.replace('"', '\\"')
     command = (
         f"mount -t tmpfs -o noexec,size=16m tmpfs {mount_point} && "
-        f'PRESCIENT_CACHE={mount_point} PRESCIENT_NATIVE=1 {sys.executable} -c "{script}"'
+        f"PRESCIENT_KERNELS_DIR={mount_point} PRESCIENT_CACHE={mount_point} PRESCIENT_NATIVE=1 "
+        "PRESCIENT_NATIVE_BUILD_TIMEOUT=600 "
+        f'{sys.executable} -c "{script}"'
     )
-    out = subprocess.run(prefix + [command], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(prefix + [command], cwd=ROOT, capture_output=True, text=True, timeout=700)
     assert out.returncode == 0, out.stderr
     assert "KERNEL pytorch" in out.stdout
     warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
@@ -137,9 +205,7 @@ def test_noexec_cache_directory(tmp_path):
 
 
 def test_engine_starts_and_generates_with_a_hung_compiler(tmp_path):
-    hung = tmp_path / "hung-cc"
-    hung.write_text("#!/bin/sh\nsleep 600\n")
-    hung.chmod(0o755)
+    hung, _ = _hung_compiler(tmp_path)
     script = PROBE + textwrap.dedent("""
         from runtime import Engine, SamplingParams
         engine = Engine.from_pretrained(dtype="float32", device="cpu", kv_cache_bytes=16 << 20)
@@ -148,8 +214,113 @@ def test_engine_starts_and_generates_with_a_hung_compiler(tmp_path):
         print("GENERATED", engine.runner.decode_backend)
     """)
     kernel, warnings, _ = probe(
-        {"PRESCIENT_CACHE": str(tmp_path / "cache"), "CC": str(hung), "PRESCIENT_NATIVE_BUILD_TIMEOUT": "1"},
+        {
+            "PRESCIENT_KERNELS_DIR": str(tmp_path / "no-build"),
+            "PRESCIENT_CACHE": str(tmp_path / "cache"),
+            "CC": str(hung),
+            "PRESCIENT_NATIVE_BUILD_TIMEOUT": "1",
+        },
         script=script,
         timeout=300,
     )
     assert kernel == "pytorch" and len(warnings) == 1
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory):
+    """A directory with every level built as `make install` builds it: the package's own when it is current."""
+    manifest = native_kernels.build_dir() / "manifest.json"
+    if (
+        manifest.exists()
+        and "warnings" in json.loads(manifest.read_text())
+        and all(native_kernels._prebuilt(level) is not None for level in native_kernels.levels())
+    ):
+        return native_kernels.build_dir()
+    out = tmp_path_factory.mktemp("prebuilt")
+    native_kernels.build(out, echo=lambda line: None)
+    return out
+
+
+RUNNABLE = [level.name for level in native_kernels.cpu_levels()]
+
+
+@pytest.mark.parametrize("cap", RUNNABLE)
+def test_the_best_prebuilt_level_is_chosen_and_prescient_isa_caps_it(prebuilt, cap, tmp_path):
+    kernel, warnings, _ = probe({"PRESCIENT_KERNELS_DIR": str(prebuilt), "PRESCIENT_CACHE": str(tmp_path)})
+    assert kernel == "native" and warnings == []
+    assert _level(prebuilt, {}) == RUNNABLE[-1]  # the best this CPU runs
+    assert _level(prebuilt, {"PRESCIENT_ISA": cap}) == cap
+    assert not (tmp_path / "kernels").exists()  # nothing compiled
+
+
+def _level(prebuilt, env: dict) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "runtime.build_kernels", "--which"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "PRESCIENT_NATIVE": "1",
+            "PRESCIENT_ISA": "",
+            "PRESCIENT_KERNELS_DIR": str(prebuilt),
+            **env,
+        },
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_damaged_level_falls_to_the_next_level_down_with_one_warning(prebuilt, tmp_path):
+    damaged = tmp_path / "build"
+    shutil.copytree(prebuilt, damaged)
+    best = native_kernels.cpu_levels()[-1]
+    (damaged / native_kernels.library_name(best)).write_bytes(b"\x7fELF but truncated garbage")
+    kernel, warnings, _ = probe(
+        {"PRESCIENT_KERNELS_DIR": str(damaged), "PRESCIENT_CACHE": str(tmp_path / "c")}
+    )
+    assert kernel == "native" and len(warnings) == 1 and native_kernels.library_name(best) in warnings[0]
+    below = RUNNABLE[-2] if len(RUNNABLE) > 1 else best.name  # one level only: built here instead
+    assert _level(damaged, {"PRESCIENT_CACHE": str(tmp_path / "c")}) == below
+
+
+def test_sources_edited_after_the_build_are_built_again_at_first_use(prebuilt, tmp_path):
+    stale = tmp_path / "build"
+    shutil.copytree(prebuilt, stale)
+    manifest = json.loads((stale / "manifest.json").read_text())
+    (stale / "manifest.json").write_text(json.dumps({**manifest, "sources": "0" * 16}))
+    kernel, warnings, _ = probe(
+        {"PRESCIENT_KERNELS_DIR": str(stale), "PRESCIENT_CACHE": str(tmp_path), "PRESCIENT_ISA": "generic"}
+    )
+    assert kernel == "native" and warnings == []
+    assert list((tmp_path / "kernels").glob("*-generic.so"))
+
+
+def test_prescient_native_0_and_an_unknown_isa(prebuilt):
+    kernel, warnings, _ = probe({"PRESCIENT_KERNELS_DIR": str(prebuilt), "PRESCIENT_NATIVE": "0"})
+    assert kernel == "pytorch" and warnings == []
+    kernel, warnings, _ = probe({"PRESCIENT_KERNELS_DIR": str(prebuilt), "PRESCIENT_ISA": "sse9"})
+    assert kernel == "pytorch" and len(warnings) == 1 and "PRESCIENT_ISA" in warnings[0]
+
+
+def test_the_build_command_prints_each_level_and_the_choice(tmp_path):
+    """What `make install` prints: one line per level with its build time, then the level this CPU gets."""
+    out = subprocess.run(
+        [sys.executable, "-m", "runtime.build_kernels", "--out", str(tmp_path), "--level", "generic"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert re.match(r"kernels generic .* \d+\.\d s$", lines[0])
+    assert lines[-1].endswith("gets the generic level")
+    assert json.loads((tmp_path / "manifest.json").read_text())["sources"] == native_kernels.sources_hash()
+
+
+def test_every_level_compiles_without_warnings(prebuilt):
+    """Each level's build at -Wall (CFLAGS) gave no warning: vector types of the level's own width raise no
+    -Wpsabi, and no code is left unused by a level's #if paths."""
+    manifest = json.loads((prebuilt / "manifest.json").read_text())
+    assert set(manifest["warnings"]) == {level.name for level in native_kernels.levels()}
+    assert {level: text for level, text in manifest["warnings"].items() if text} == {}

@@ -1,5 +1,5 @@
 """The decode step's element-wise work in C (runtime.native_layer_ops) against the PyTorch path's ops, and
-the engine's decode with it against the engine without it."""
+the engine's decode with it against the engine without it. Each kernel test runs at every level this CPU runs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from runtime import SamplingParams, native_kernels, native_layer_ops
 from runtime.attention import write_kv
 from runtime.model import RotaryEmbedding, rms_norm
 from tests.runtime.conftest import CHATS, chat_ids
+from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(
     native_kernels.load() is None, reason="the native kernels cannot be built here"
@@ -33,6 +34,7 @@ ROWS = [3, 130]  # a decode step's few rows; a prefill's many (shared out over t
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("kernel_level")
 def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype, rows):
     g = torch.Generator().manual_seed(0)
     h = (torch.randn(rows, 576, generator=g) * 4).to(dtype)
@@ -51,6 +53,7 @@ def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype, rows):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("kernel_level")
 def test_silu_mul_is_silu_of_gate_times_up(dtype, rows):
     gate_up = (torch.randn(rows, 2 * 1540, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 0.0])  # exp's clamps: silu -> 0, x
@@ -63,6 +66,7 @@ def test_silu_mul_is_silu_of_gate_times_up(dtype, rows):
 @pytest.mark.parametrize("d", [64, 24])  # 24: halves narrower than the vector width, the scalar loop
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("kernel_level")
 def test_rope_write_kv_rotates_q_and_k_and_fills_the_slots(dtype, rows, d):
     heads, kv_heads, t = 9, 3, rows
     g = torch.Generator().manual_seed(2)

@@ -5,21 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import SamplingParams, native_sampling
+from runtime import SamplingParams, native_kernels, native_sampling
 from runtime.native_kernels import load
 from runtime.sampler import sample
 from tests.runtime.conftest import chat_ids
+from tests.runtime.native_levels import LEVELS, kernel_level  # noqa: F401 (a fixture)
 
 
-@pytest.fixture(params=["native", "pytorch"])
+@pytest.fixture(params=[*(f"native-{level}" for level in LEVELS), "pytorch"])
 def sampling_path(request, monkeypatch):
-    """Each distribution test runs on both paths: the C kernel (rows without top-k) and PyTorch's ops."""
-    if request.param == "native":
-        if load() is None:
-            pytest.fail("the native kernels did not build here: the native sampling path is untested")
-    else:
+    """Each distribution test runs on both paths: the C kernel (rows without top-k) at every level this CPU
+    runs, and PyTorch's ops."""
+    if request.param == "pytorch":
         monkeypatch.setattr(native_sampling, "usable", lambda logits: False)
-    return request.param
+        yield request.param
+        return
+    with native_kernels.use_level(request.param.removeprefix("native-")):
+        yield request.param
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine_fp32):
@@ -122,6 +124,7 @@ def test_a_large_vocabulary_follows_its_nucleus(sampling_path):
         assert abs((draws[:, row] == 7).float().mean() - expected[7]) < 0.06, (row, expected[7])
 
 
+@pytest.mark.usefixtures("kernel_level")
 def test_native_rows_without_finite_logits_and_seeded_draws():
     if load() is None:
         pytest.fail("the native kernels did not build here")
@@ -143,6 +146,7 @@ def test_native_rows_without_finite_logits_and_seeded_draws():
     assert again[5] == single[0] == out[2]
 
 
+@pytest.mark.usefixtures("kernel_level")
 def test_native_draws_barely_move_when_the_logits_barely_move():
     """The same uniform on logits that differ by float noise (another batch, a recomputation after
     preemption) draws the same token almost always: an inverse CDF in index order would move across the run of
