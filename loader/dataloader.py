@@ -22,16 +22,16 @@ from typing import TypeVar
 import torch
 import torch.utils.data as tud
 
+from loader.cache.view import FIRST, LAST, NEAR_END, PLANNED_READ, Ticket, TicketBatch
 from loader.clairvoyant import Clairvoyant
-from loader.elastic import distributed_state, elastic_batches
-from loader.iterator import SingleProcessIterator
-from loader.multiprocess_iterator import MultiProcessIterator
 from loader.options import CacheOptions
-from loader.resume import ResumePoint, capture, from_dict, restore, to_dict
-from loader.retry import check_retry_options
+from loader.plan.elastic import distributed_state, elastic_batches
+from loader.plan.resume import ResumePoint, capture, from_dict, restore, to_dict
+from loader.prefetch.retry import check_retry_options
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
-from loader.view import FIRST, LAST, NEAR_END, PLANNED_READ, Ticket, TicketBatch
+from loader.workers.iterator import SingleProcessIterator
+from loader.workers.multiprocess_iterator import MultiProcessIterator
 
 T_co = TypeVar("T_co", covariant=True)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from loader.cache_ram import (
+from loader.cache.ram import (
     DIRECT_READS,
     DISK_HITS,
     PEER_READS,

@@ -1,12 +1,12 @@
 """Prescient's model runtime: a Llama-family model on a paged KV cache with continuous batching."""
 
-from runtime.async_engine import AsyncEngine
 from runtime.config import CacheConfig, EngineConfig, ModelSettings, ParallelConfig
-from runtime.engine import Engine
-from runtime.engine_client import EngineClient
-from runtime.engine_core_client import EngineCoreClient
+from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.client import EngineClient
+from runtime.engine.core_client import EngineCoreClient
+from runtime.engine.engine import Engine
+from runtime.engine.outputs import OutputDelta, RequestOutput
 from runtime.errors import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError
-from runtime.outputs import OutputDelta, RequestOutput
 from scheduler import SamplingParams, StructuredOutput
 
 __all__ = [

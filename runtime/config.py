@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from loader.sizes import parse_size
-from runtime.quantization import QUANTIZATIONS
+from runtime.quant.quantization import QUANTIZATIONS
 from scheduler import SchedulerConfig
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")

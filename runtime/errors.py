@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.outputs import OutputDelta
+from runtime.engine.outputs import OutputDelta
 
 
 class QueueFullError(RuntimeError):

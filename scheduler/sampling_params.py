@@ -26,7 +26,7 @@ SEED_RANGE = (-(1 << 63), 1 << 64)
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A grammar the output must follow, enforced while decoding (runtime/structured_output.py)."""
+    """A grammar the output must follow, enforced while decoding (runtime/sample/structured_output.py)."""
 
     kind: str
     """'json_object' (any JSON object), 'json_schema' (spec: the schema as JSON text) or 'lark'."""

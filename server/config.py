@@ -28,7 +28,7 @@ class ServerConfig:
     tenant_metrics: bool = True
     """Export per-tenant series (they name tenants and show their load); --no-tenant-metrics: none."""
     engine_process: bool = True
-    """Run the engine's step loop as the main thread of a process of its own (runtime/engine_core.py), so
+    """Run the engine's step loop as the main thread of a process of its own (runtime/engine/core.py), so
     HTTP, JSON and SSE never share a GIL or the CPU thread team with the model; --no-engine-process runs it
     in a thread of the server's process instead (one process, slower per token)."""
     frontend_nice: int = 10

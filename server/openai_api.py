@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from runtime import QueueFullError, RequestFailedError
-from runtime.structured_output import check_structured_output
+from runtime.sample.structured_output import check_structured_output
 from scheduler import InvalidRequestError, StructuredOutput
 from server import sse
 from server.auth import Tenant, check_key, user_tenant

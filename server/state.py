@@ -32,7 +32,7 @@ class ServerState:
         tenant_metrics: bool = True,
     ):
         self.client = client
-        """The one way to the engine (runtime/engine_client.py)."""
+        """The one way to the engine (runtime/engine/client.py)."""
         self.api_keys = api_keys
         self.model_name = served_model_name or client.model_name
         self.model_names = {self.model_name, client.model_name}

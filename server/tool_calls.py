@@ -1,7 +1,7 @@
 """Function calling: the request's `tools` and `tool_choice`, and the `tool_calls` read back from the text.
 
 The model writes a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the syntax the tools
-prompt, runtime/chat_template.py, asks for). tool_choice:
+prompt, runtime/model/chat_template.py, asks for). tool_choice:
 
     none       tools are described to the model; its text is returned as content
     auto       unconstrained; calls found in the text become tool_calls (finish_reason "tool_calls")
@@ -16,7 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from runtime.structured_output import JSON_WHITESPACE
+from runtime.sample.structured_output import JSON_WHITESPACE
 from scheduler import StructuredOutput
 from server.errors import bad_request
 from server.request_fields import MAX_SCHEMA_CHARS

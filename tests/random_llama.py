@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoint_types import TokenizerSource
-from runtime.model_config import ModelConfig
+from runtime.model.checkpoint_types import TokenizerSource
+from runtime.model.config import ModelConfig
 
 SMOLLM2_135M = dict(
     vocab_size=49152,
@@ -99,8 +99,8 @@ def model_config(hf_model, name: str = "random-llama") -> ModelConfig:
 def engine_for(hf_model, tmp: Path, dtype: torch.dtype, device: str, **settings):
     """An Engine over a copy of hf_model's weights (in `dtype`, on `device`); settings as Engine takes."""
     from runtime import Engine
-    from runtime.model import LlamaModel
-    from runtime.tokenizer import Tokenizer
+    from runtime.model.model import LlamaModel
+    from runtime.model.tokenizer import Tokenizer
 
     config = model_config(hf_model)
     weights = {name: t.detach().float().cpu().numpy() for name, t in hf_model.state_dict().items()}

@@ -112,4 +112,27 @@ def test_the_walk_sees_a_cycle_when_there_is_one():
     """The checker itself: a cycle hidden in a function body is found."""
     edges = {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a"}}
     assert cycles_within("pkg", edges) == [["pkg.a", "pkg.b"]]
-    assert "runtime.hf_checkpoint" in graph()["runtime.checkpoint"]
+    assert "runtime.model.hf_checkpoint" in graph()["runtime.model.checkpoint"]
+
+
+def folders(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between a package's concept folders (runtime.engine, loader.cache, ...) and its top-level
+    modules; the package's own __init__ (its public face, which re-exports) is left out."""
+
+    def room(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[:2])
+
+    out: dict[str, set[str]] = {}
+    for a, targets in edges.items():
+        if a in PACKAGES:
+            continue
+        out.setdefault(room(a), set()).update(room(b) for b in targets if b not in PACKAGES)
+    return {a: targets - {a} for a, targets in out.items()}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycle_between_the_concept_folders(package):
+    """The folders read as the architecture: if runtime.engine imports runtime.model, nothing in
+    runtime.model imports runtime.engine (function-level imports included)."""
+    assert cycles_within(package, folders(graph())) == []

@@ -28,7 +28,7 @@ import time
 import torch
 
 from runtime import Engine, SamplingParams
-from runtime.checkpoint import default_model_path
+from runtime.model.checkpoint import default_model_path
 from tests.bench.perplexity import FIXED_TEXT, llama_cpp_perplexity, perplexity
 from tests.bench.roofline import matmul_flops, memory_bandwidth
 

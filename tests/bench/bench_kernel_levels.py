@@ -18,7 +18,10 @@ from pathlib import Path
 
 import torch
 
-from runtime import native_attention, native_kernels, native_layer_ops, native_sampling
+from runtime.kernels import layer_ops as native_layer_ops
+from runtime.kernels import library as native_kernels
+from runtime.kernels import nucleus_sampling as native_sampling
+from runtime.kernels import paged_attention as native_attention
 
 ROUNDS = 15
 

@@ -21,8 +21,8 @@ import torch
 import torch.utils.data as tud
 
 from loader import DataLoader
-from loader.placement import optimal_reads
-from loader.plan import plan_epoch
+from loader.plan.placement import optimal_reads
+from loader.plan.plan import plan_epoch
 from tests.bench import loader_ranks
 
 SAMPLES = 8192

@@ -147,7 +147,7 @@ def _compute_ceiling() -> float:
     token multiplies."""
     import torch
 
-    from runtime.checkpoint import load_checkpoint
+    from runtime.model.checkpoint import load_checkpoint
 
     config = load_checkpoint(None).config
     gc.collect()
@@ -264,7 +264,7 @@ def run() -> dict:
         "--no-engine-process", "--max-num-seqs", "64", dtype="auto", kv_cache="1GiB"
     ) as server:
         versus_rows, versus = _server_vs_offline(server.url, "engine thread", ceiling)
-    # The core's OpenMP threads spin 1,000 times before sleeping (runtime/engine_core_client.py): measured
+    # The core's OpenMP threads spin 1,000 times before sleeping (runtime/engine/core_client.py): measured
     # under load, ~340 sleeps and wakes a token at one stream. The same row with libgomp's default spin,
     # which the offline engine in this process runs with, says what that costs on this machine.
     saved_spin = os.environ.get("GOMP_SPINCOUNT")

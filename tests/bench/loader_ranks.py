@@ -23,7 +23,7 @@ import torch.utils.data as tud
 from torch.utils.data import DistributedSampler
 
 from loader import DataLoader
-from loader.peer_model import traffic
+from loader.peers.model import traffic
 
 SAMPLES = 512
 SAMPLE_BYTES = 4096
@@ -160,7 +160,7 @@ def rows() -> tuple[list[dict], list[str]]:
             )
     notes.append(
         f"model rows: {n:,} samples x {size / 1e3:.0f} KB, DistributedSampler(seed=0), computed from the "
-        "plan alone (loader/peer_model.py); network is an upper bound (a rank's spare cache is left out), "
+        "plan alone (loader/peers/model.py); network is an upper bound (a rank's spare cache is left out), "
         "torch reads the whole dataset from storage every epoch."
     )
     notes.append(

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from runtime import native_kernels
+from runtime.kernels import library as native_kernels
 from server.cli import parse_args
 from tests.server.conftest import ROOT
 
@@ -111,9 +111,9 @@ def test_the_build_stage_builds_every_kernel_level_and_the_final_stage_picks_one
     into the installed package that the final stage copies; nothing there fixes the level, so the engine
     picks the best one the node's CPU runs when it starts."""
     build, final = stages()[0], stages()[-1]
-    step = next(line for line in build if "runtime.build_kernels" in line)
+    step = next(line for line in build if "runtime.kernels.build" in line)
     assert "--level" not in step and "--out" not in step, "every level, into the installed package"
-    assert re.search(r"RUN cd / && python -m runtime\.build_kernels$", step), "run from /, not from /src"
+    assert re.search(r"RUN cd / && python -m runtime\.kernels\.build$", step), "run from /, not from /src"
     install = next(i for i, line in enumerate(build) if re.search(r"pip install [^&]*\s\.(\s|$)", line))
     assert build.index(step) > install, "after the project is installed"
     assert not any("march=native" in line or "PRESCIENT_ISA" in line for line in stages()[0] + final)
@@ -127,7 +127,7 @@ def test_the_build_stage_builds_every_kernel_level_and_the_final_stage_picks_one
 def test_the_kernel_build_step_works(tmp_path):
     """The build stage's kernel step, run here as written (output redirected to a temporary directory):
     it builds every level of this machine's architecture, and the loader then finds them prebuilt."""
-    step = next(line for line in dockerfile() if "runtime.build_kernels" in line)
+    step = next(line for line in dockerfile() if "runtime.kernels.build" in line)
     command = step[len("RUN ") :]
     path = (
         os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]

@@ -157,13 +157,13 @@ def main(mode: str, root: str, out_dir: str, arg: str) -> None:
 
 def faulty_sends(kind: str) -> None:
     """Make this rank a faulty peer (test hook: only the bytes it sends to peers change)."""
-    import loader.exchange
-    from loader.holdings import Holdings
+    import loader.peers.exchange
+    from loader.cache.holdings import Holdings
 
     if kind == "corrupt":
 
         class FlippingTorch:
-            """loader.exchange's `torch`, whose frombuffer (the payload about to be sent) flips a byte."""
+            """loader.peers.exchange's `torch`, whose frombuffer (the payload about to be sent) flips a byte."""
 
             def __getattr__(self, name):
                 return getattr(torch, name)
@@ -174,7 +174,7 @@ def faulty_sends(kind: str) -> None:
                     buffer[0] ^= 0xFF
                 return torch.frombuffer(buffer, **kwargs)
 
-        loader.exchange.torch = FlippingTorch()
+        loader.peers.exchange.torch = FlippingTorch()
     else:
         copy_of, pad = Holdings.copy_of, bytes(16 if kind == "padded" else 1 << 20)
         Holdings.copy_of = lambda self, index: None if (raw := copy_of(self, index)) is None else raw + pad

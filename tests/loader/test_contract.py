@@ -178,7 +178,7 @@ def test_pin_keeps_containers_as_torchs_pin_memory_does():
 
     from torch.utils.data._utils.pin_memory import pin_memory as torchs_pin  # the oracle, tests only
 
-    from loader.pin_memory import pin
+    from loader.workers.pin_memory import pin
 
     Pair = namedtuple("Pair", "a b")
     batch = {

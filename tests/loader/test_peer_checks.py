@@ -12,6 +12,8 @@ import pytest
 from tests.loader.conftest import write_files
 from tests.loader.test_ranks import results, torchrun
 
+pytestmark = pytest.mark.slow  # starts torchrun ranks
+
 RANKS = 3
 FAULTY = 1
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from torch.utils.data import DistributedSampler
 
-from loader.elastic import remaining_samples
-from loader.peer_cluster import rehome
-from loader.peer_model import traffic
-from loader.peer_plan import epoch_streams, home_ranks, with_world
+from loader.peers.cluster import rehome
+from loader.peers.model import traffic
+from loader.peers.plan import epoch_streams, home_ranks, with_world
+from loader.plan.elastic import remaining_samples
 
 
 @pytest.mark.parametrize("n, world", [(10, 4), (12, 4), (7, 8), (3, 5)])

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from loader.arena import ALIGN, Arena
-from loader.placement import optimal_reads
+from loader.cache.arena import ALIGN, Arena
+from loader.plan.placement import optimal_reads
 
 
 def fewest_misses(stream: list[int], capacity: int) -> int:

@@ -15,7 +15,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from loader.plan import is_plannable, plan_epoch, rank_streams
+from loader.plan.plan import is_plannable, plan_epoch, rank_streams
 
 N = 37
 DATA = list(range(N))

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from loader.peer_model import traffic
+from loader.peers.model import traffic
 from tests.loader.conftest import SAMPLE_BYTES, write_files
 
 pytestmark = pytest.mark.slow  # real torchrun ranks

@@ -18,6 +18,8 @@ import torch
 from loader import DataLoader, FileDataset
 from tests.loader.conftest import same
 
+pytestmark = pytest.mark.slow  # starts loaders in fresh processes
+
 
 def head(raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw[:8]), dtype=torch.uint8)

@@ -1,5 +1,5 @@
 """Batches cross from the workers to the main process through the loader's result rings
-(loader/result_rings.py), not torch's descriptor passing: the batches must still be torch's
+(loader/workers/result_rings.py), not torch's descriptor passing: the batches must still be torch's
 to the byte, with torch's shapes, strides and views, whatever the caller keeps, and with
 what does not fit in a ring sent as torch sends it."""
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from loader import DataLoader, result_rings
+from loader import DataLoader
+from loader.workers import result_rings
 from tests.loader.conftest import same, shm_names
 
 
@@ -75,7 +76,7 @@ def test_kept_batches_stay_intact_while_small_rings_wrap(monkeypatch):
 
 
 def test_default_collate_outside_a_worker_keeps_no_worker_info():
-    from loader.result_rings import worker_collate
+    from loader.workers.result_rings import worker_collate
 
     assert worker_collate(views_collate) is views_collate  # the caller's collate is untouched
     assert worker_collate(tud.default_collate) is not tud.default_collate

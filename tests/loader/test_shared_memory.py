@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from loader import DataLoader, FileDataset
-from loader.cache_ram import Layout, SharedMemoryFull, SharedState
+from loader.cache.ram import Layout, SharedMemoryFull, SharedState
 from tests.loader.conftest import noisy_decode, shm_names, write_files
 
 
@@ -198,7 +198,7 @@ def test_stale_segments_are_reclaimed_and_segments_reserved(files):
 SMALL_SHM_SCRIPT = textwrap.dedent("""
     import os, sys, warnings, torch
     from loader import DataLoader, FileDataset
-    from loader.cache_ram import Layout, SharedMemoryFull, SharedState
+    from loader.cache.ram import Layout, SharedMemoryFull, SharedState
     decode = lambda raw: torch.frombuffer(bytearray(raw[:8]), dtype=torch.uint8)
     dataset = FileDataset(sys.argv[1], decode=decode)
     # two loaders start before either has filled its cache: each asks 16 MiB of a 32 MiB /dev/shm

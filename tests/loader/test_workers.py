@@ -24,7 +24,7 @@ from tests.loader.conftest import same
 def test_torch_internals_the_loader_relies_on_exist():
     import torch.utils.data._utils.worker as torch_worker
 
-    from loader.worker_loop import set_worker_info
+    from loader.workers.loop import set_worker_info
 
     assert hasattr(torch_worker, "_worker_info") and torch_worker._worker_info is None
     try:
@@ -297,7 +297,7 @@ class Sleepy(tud.Dataset):
 def test_a_worker_that_dies_wakes_a_waiting_next_at_once(monkeypatch):
     """torch's SIGCHLD handler raises the moment a worker dies; with its status poll made 30 s
     long, the loader must still raise within seconds while next() waits (worker_watch.py)."""
-    from loader import multiprocess_iterator
+    from loader.workers import multiprocess_iterator
 
     monkeypatch.setattr(multiprocess_iterator, "STATUS_SECONDS", 30.0)
     for cls in (tud.DataLoader, DataLoader):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime import Engine
-from runtime.checkpoint import default_model_path
+from runtime.model.checkpoint import default_model_path
 
 CHATS = [
     "What is the capital of France?",

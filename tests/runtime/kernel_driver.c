@@ -1,4 +1,4 @@
-/* Calls one kernel of runtime/csrc on inputs from a file and writes its buffers back: the aarch64 test
+/* Calls one kernel of runtime/kernels/csrc on inputs from a file and writes its buffers back: the aarch64 test
  * (tests/runtime/test_native_aarch64.py) runs it under qemu-user and compares the results with PyTorch.
  *
  *   kernel_driver NAME ARGS OUT

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import native_kernels
+from runtime.kernels import library as native_kernels
 
 LEVELS = [level.name for level in native_kernels.cpu_levels()]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import native_attention
-from runtime.attention import AttentionMetadata, PrefillChunk, paged_attention, write_kv
+from runtime.attention.paged import AttentionMetadata, PrefillChunk, paged_attention, write_kv
+from runtime.kernels import paged_attention as native_attention
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
 
 HEADS, KV_HEADS, D, BS, NUM_BLOCKS = 9, 3, 64, 16, 64
@@ -121,7 +121,7 @@ def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads
     loops (other shapes) against the PyTorch decode path, bfloat16 KV, sequences of 1-300 tokens."""
     if native_attention.load() is None:
         pytest.skip("the native kernels cannot be built here")
-    from runtime.attention import _decode
+    from runtime.attention.paged import _decode
 
     g = torch.Generator().manual_seed(3)
     lens = torch.randint(1, 300, (batch,), generator=g)

@@ -8,11 +8,13 @@ import time
 
 import pytest
 
-from runtime.chat_template import NoChatTemplateError
-from runtime.checkpoint import default_model_path
-from runtime.gguf_tokenizer import read_gguf_tokenizer
-from runtime.tokenizer import Tokenizer
+from runtime.model.chat_template import NoChatTemplateError
+from runtime.model.checkpoint import default_model_path
+from runtime.model.gguf_tokenizer import read_gguf_tokenizer
+from runtime.model.tokenizer import Tokenizer
 from tests.runtime.test_llamacpp_vocab import vocab_dir  # noqa: F401 (the fixture: llama.cpp's vocab files)
+
+pytestmark = pytest.mark.slow  # loads real tokenizers and transformers
 
 LLAMA3_STYLE = """{{- bos_token }}
 {%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}
@@ -208,8 +210,8 @@ def test_special_token_scan_is_linear_in_the_chat(smollm):
 def test_gemma4_template_renders_as_transformers(vocab_dir, transformers_tokenizer, chat, tools):  # noqa: F811
     """A large real template (Gemma 4's, from llama.cpp's gemma-4 vocab file): macros, namespaces,
     dictsort, tools and a generation prompt."""
-    from runtime.chat_template import render_chat
-    from runtime.gguf_metadata import read_gguf_metadata
+    from runtime.model.chat_template import render_chat
+    from runtime.model.gguf_metadata import read_gguf_metadata
 
     template = read_gguf_metadata(vocab_dir / "ggml-vocab-gemma-4.gguf")["tokenizer.chat_template"]
     ours = render_chat(

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import SamplingParams
-from runtime.cuda_graphs import capture_sizes
+from runtime.cuda.cuda_graphs import capture_sizes
 from tests.random_llama import TINY, engine_for, hf_llama
 
 try:
@@ -89,7 +89,7 @@ def test_triton_decode_kernel_matches_sdpa_in_the_interpreter():
     from 1 to past several tiles, shuffled blocks."""
     script = textwrap.dedent("""
         import torch
-        from runtime import triton_attention
+        from runtime.cuda import triton_attention
         from tests.runtime.test_cuda import random_decode_case, reference_decode
         gen = torch.Generator().manual_seed(7)
         for heads, kv_heads, d, bs, lens in [
@@ -122,7 +122,8 @@ def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
     script = textwrap.dedent("""
         import tempfile, pathlib
         import torch
-        from runtime import SamplingParams, triton_layer_ops
+        from runtime import SamplingParams
+        from runtime.cuda import triton_layer_ops
         from tests.random_llama import TINY, engine_for, hf_llama
         from tests.runtime.test_cuda import teacher_forced_check
         hf = hf_llama(TINY, "cpu", torch.float32, seed=5)
@@ -156,7 +157,7 @@ def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_decode_kernel_matches_sdpa_on_cuda(dtype):
-    from runtime import triton_attention
+    from runtime.cuda import triton_attention
 
     gen = torch.Generator().manual_seed(11)
     for heads, kv_heads, d, bs, lens in [
@@ -224,7 +225,7 @@ def test_graph_replay_computes_the_eager_step_and_writes_only_its_slots(tiny_cud
     """One step of 3 decodes and a 4-token prefill chunk through the graph of 8 tokens (bfloat16): the same
     hidden states as the eager forward, and the pool changes only at the 7 new tokens' slots and the scratch
     block."""
-    from runtime.attention import AttentionMetadata
+    from runtime.attention.paged import AttentionMetadata
 
     engine = engine_for(tiny_cuda, tmp_path, torch.bfloat16, "cuda", max_num_seqs=8)
     runner, kv = engine.runner, engine.kv
@@ -266,7 +267,7 @@ def test_fused_layer_ops_compute_the_pytorch_layer_on_cuda_in_bfloat16(tiny_cuda
     """bfloat16 on the GPU: the Triton layer ops round where the PyTorch ops do, so the two paths' logits
     agree to bfloat16 precision, and both stay near transformers' float32 logits."""
     engine = engine_for(tiny_cuda, tmp_path, torch.bfloat16, "cuda", enforce_eager=True)
-    assert engine.model.layer_ops.__name__ == "runtime.triton_layer_ops"
+    assert engine.model.layer_ops.__name__ == "runtime.cuda.triton_layer_ops"
     prompt = [3 + (13 * j) % 500 for j in range(70)]
     fused = engine.prompt_logits(prompt)
     engine.model.native_decode = False

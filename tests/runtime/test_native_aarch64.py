@@ -1,4 +1,4 @@
-"""The portable kernels on aarch64: runtime/csrc cross-compiled with Debian's gcc-aarch64-linux-gnu (NEON,
+"""The portable kernels on aarch64: runtime/kernels/csrc cross-compiled with Debian's gcc-aarch64-linux-gnu (NEON,
 4-float vectors) and run under qemu-user through a small C driver (kernel_driver.c), against PyTorch's
 functions on the same inputs. Speed there is not measured. `make test` installs the packages
 (make cross-aarch64)."""
@@ -14,14 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import native_kernels
-from runtime.model import rms_norm
+from runtime.kernels import library as native_kernels
+from runtime.model.model import rms_norm
 
 CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu"
 pytestmark = pytest.mark.skipif(
     shutil.which(CC) is None or shutil.which(QEMU) is None,
     reason="no aarch64 cross compiler or qemu-user: `make cross-aarch64` installs them",
 )
+pytestmark = [pytestmark, pytest.mark.slow]  # cross-compiles and runs under qemu
 
 
 @pytest.fixture(scope="module")

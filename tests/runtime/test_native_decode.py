@@ -1,4 +1,4 @@
-"""The C loop over a decode-only step's layers (runtime/native_decode.py) computes what the Python loop over
+"""The C loop over a decode-only step's layers (runtime/kernels/decode_layers.py) computes what the Python loop over
 the same kernels computes, bit for bit: the same greedy tokens and the same logprobs, with the real model,
 in bfloat16 and float32, at batch sizes that take the one-row and the many-row matmul."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import runtime.model
-import runtime.native_decode as native_decode
+import runtime.kernels.decode_layers as native_decode
+import runtime.model.model
 from runtime import Engine, SamplingParams
-from runtime.native_kernels import load
+from runtime.kernels.library import load
 from tests.runtime.conftest import CHATS
 
 pytestmark = pytest.mark.slow  # loads the real model
@@ -44,7 +44,7 @@ def test_c_layer_loop_equals_python_loop(dtype, monkeypatch):
     # count, and the C loop then rightly stands aside): the one-row kernel up to 4 rows, the many-row
     # kernel from 5 where this CPU has its loops.
     monkeypatch.setattr(
-        runtime.model, "measure_row_paths", lambda w: (4, 5 if w.native.tiles is not None else None)
+        runtime.model.model, "measure_row_paths", lambda w: (4, 5 if w.native.tiles is not None else None)
     )
     # the GGUF's blocks kept in both dtypes (float32's default dequantizes them); no prefix cache: the second
     # run must prefill exactly as the first did

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from runtime import native_kernels
+from runtime.kernels import library as native_kernels
 
 pytestmark = pytest.mark.slow  # builds the C kernels from scratch or loads the real model
 
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROBE = textwrap.dedent("""
     import logging, sys
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from runtime import native_kernels
+    from runtime.kernels import library as native_kernels
     lib = native_kernels.load()
     print("KERNEL", "native" if lib is not None else "pytorch")
     print("LEVEL", native_kernels.chosen_level())
@@ -255,7 +255,7 @@ def test_the_best_prebuilt_level_is_chosen_and_prescient_isa_caps_it(prebuilt, c
 
 def _level(prebuilt, env: dict) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "runtime.build_kernels", "--which"],
+        [sys.executable, "-m", "runtime.kernels.build", "--which"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -306,7 +306,7 @@ def test_prescient_native_0_and_an_unknown_isa(prebuilt):
 def test_the_build_command_prints_each_level_and_the_choice(tmp_path):
     """What `make install` prints: one line per level with its build time, then the level this CPU gets."""
     out = subprocess.run(
-        [sys.executable, "-m", "runtime.build_kernels", "--out", str(tmp_path), "--level", "generic"],
+        [sys.executable, "-m", "runtime.kernels.build", "--out", str(tmp_path), "--level", "generic"],
         cwd=ROOT,
         capture_output=True,
         text=True,

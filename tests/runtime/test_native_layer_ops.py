@@ -1,4 +1,4 @@
-"""The decode step's element-wise work in C (runtime.native_layer_ops) against the PyTorch path's ops, and
+"""The decode step's element-wise work in C (runtime.kernels.layer_ops) against the PyTorch path's ops, and
 the engine's decode with it against the engine without it. Each kernel test runs at every level this CPU runs."""
 
 from __future__ import annotations
@@ -7,9 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import SamplingParams, native_kernels, native_layer_ops
-from runtime.attention import write_kv
-from runtime.model import RotaryEmbedding, rms_norm
+from runtime import SamplingParams
+from runtime.attention.paged import write_kv
+from runtime.kernels import layer_ops as native_layer_ops
+from runtime.kernels import library as native_kernels
+from runtime.model.model import RotaryEmbedding, rms_norm
+from runtime.model.rope_scaling import inverse_frequencies
 from tests.runtime.conftest import CHATS, chat_ids
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
 
@@ -73,7 +76,7 @@ def test_rope_write_kv_rotates_q_and_k_and_fills_the_slots(dtype, rows, d):
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
     positions = torch.randperm(512, generator=g)[:t]
     slots = torch.randperm(4 * 16 if t <= 64 else 16 * 16, generator=g)[:t]
-    rope = RotaryEmbedding(d, 512, 10000.0, dtype, torch.device("cpu"))
+    rope = RotaryEmbedding(inverse_frequencies(d, 10000.0), 512, dtype, torch.device("cpu"))
     cos, sin = rope.tables(positions)
     qk = rope.rotate(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin, rope.half)
     k_expected, v_expected = (

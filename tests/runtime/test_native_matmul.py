@@ -1,4 +1,4 @@
-"""The C kernel for GGUF blocks with 8-bit activations (runtime.native_matmul).
+"""The C kernel for GGUF blocks with 8-bit activations (runtime.kernels.quantized_matmul).
 
 Oracles: numpy over the gguf library's dequantized weights, with the activations
 quantized to 8 bits per block of 32 as the kernel's contract says (so the kernel
@@ -15,9 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import Engine, model, native_kernels, native_layer_ops, native_matmul, quantization
-from runtime.checkpoint import default_model_path
-from runtime.quantization import GGUFBlocks, Int4Linear, pack_gguf
+from runtime import Engine
+from runtime.kernels import layer_ops as native_layer_ops
+from runtime.kernels import library as native_kernels
+from runtime.kernels import quantized_matmul as native_matmul
+from runtime.model import model
+from runtime.model.checkpoint import default_model_path
+from runtime.quant import quantization
+from runtime.quant.quantization import GGUFBlocks, Int4Linear, pack_gguf
 from tests.bench.perplexity import perplexity
 
 pytestmark = pytest.mark.skipif(

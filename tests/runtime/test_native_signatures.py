@@ -7,7 +7,7 @@ import ctypes
 import re
 import subprocess
 
-from runtime import native_kernels
+from runtime.kernels import library as native_kernels
 
 POINTER = ctypes.c_void_p
 SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double}

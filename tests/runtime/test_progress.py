@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from runtime.progress import Progress
+from runtime.engine.progress import Progress
 from tests.server.conftest import ROOT
 
-LOAD = "from runtime.checkpoint import load_checkpoint; load_checkpoint(None)"
+LOAD = "from runtime.model.checkpoint import load_checkpoint; load_checkpoint(None)"
 
 
 class Terminal(io.StringIO):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from runtime import Engine
-from runtime.checkpoint import default_model_path
-from runtime.quantization import GGUFBlocks, Int4Linear, pack_gguf
+from runtime.model.checkpoint import default_model_path
+from runtime.quant.quantization import GGUFBlocks, Int4Linear, pack_gguf
 from server.cli import build_parser
 from tests.bench.perplexity import perplexity
 

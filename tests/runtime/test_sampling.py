@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import SamplingParams, native_kernels, native_sampling
-from runtime.native_kernels import load
-from runtime.sampler import sample
+from runtime import SamplingParams
+from runtime.kernels import library as native_kernels
+from runtime.kernels import nucleus_sampling as native_sampling
+from runtime.kernels.library import load
+from runtime.sample.sampler import sample
 from tests.runtime.conftest import chat_ids
 from tests.runtime.native_levels import LEVELS, kernel_level  # noqa: F401 (a fixture)
 

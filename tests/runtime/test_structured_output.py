@@ -13,7 +13,7 @@ import torch
 from llguidance.numpy import apply_token_bitmask_inplace
 
 from runtime import Engine, SamplingParams, StructuredOutput
-from runtime.structured_output import check_structured_output, json_spec
+from runtime.sample.structured_output import check_structured_output, json_spec
 from scheduler import InvalidRequestError
 
 PERSON = {

@@ -77,7 +77,7 @@ def test_hf_directory_with_a_bad_tokenizer_fails_before_its_weights(tmp_path):
     """The weights file here is garbage too: the error must be the tokenizer's, so it was read first."""
     import json
 
-    from runtime.hf_checkpoint import read_hf_dir
+    from runtime.model.hf_checkpoint import read_hf_dir
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8, "hidden_size": 8}
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -15,7 +15,7 @@ import urllib.request
 import openai
 import pytest
 
-from runtime.checkpoint import default_model_path
+from runtime.model.checkpoint import default_model_path
 from tests.server.conftest import MODEL, ROOT, running_server
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The grammar caches (the server's check and the engine core's compile share runtime/structured_output.py)
+"""The grammar caches (the server's check and the engine core's compile share runtime/sample/structured_output.py)
 hold no client's schema text and stay under their byte bound, however many distinct schemas arrive."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import tracemalloc
 
-from runtime import structured_output
-from runtime.structured_output import _GrammarCache, check_structured_output
+from runtime.sample import structured_output
+from runtime.sample.structured_output import _GrammarCache, check_structured_output
 from scheduler import StructuredOutput
 
 

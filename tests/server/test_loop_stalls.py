@@ -17,6 +17,8 @@ import pytest
 
 from tests.server.conftest import running_server
 
+pytestmark = pytest.mark.slow  # starts a server
+
 HEALTH_BOUND = 0.2
 """Seconds /health may wait while a hostile request is worked on. Before, one such request blocked it for
 0.6 s (a 108 kB schema's compile) to 47 s (40,000 tools); now the waits are mostly 5-60 ms on a 2-core

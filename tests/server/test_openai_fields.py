@@ -20,7 +20,7 @@ TEXT = "Paris is the capital and most populous city of France, on the river Sein
 def transformers_model():
     from transformers import AutoModelForCausalLM
 
-    from runtime.checkpoint import default_model_path
+    from runtime.model.checkpoint import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(

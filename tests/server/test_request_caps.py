@@ -14,6 +14,8 @@ import pytest
 from server.auth import api_keys
 from tests.server.conftest import running_server, wait_idle
 
+pytestmark = pytest.mark.slow  # starts servers
+
 MSG = [{"role": "user", "content": "hi"}]
 
 

@@ -11,7 +11,11 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from tests.server.conftest import running_server
+
+pytestmark = pytest.mark.slow  # starts a server
 
 KEYS = {"sk-keyed": {"tenant": "keyed"}}
 

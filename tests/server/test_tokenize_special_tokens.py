@@ -27,7 +27,7 @@ def bos_model_dir(tmp_path_factory):
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from runtime.checkpoint import default_model_path
+    from runtime.model.checkpoint import default_model_path
 
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))

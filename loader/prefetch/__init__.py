@@ -1,0 +1,1 @@
+"""Reading ahead in plan order, from storage into the cache."""

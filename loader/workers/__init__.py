@@ -1,0 +1,1 @@
+"""The iterators and worker processes that turn cached bytes into batches."""

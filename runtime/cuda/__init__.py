@@ -1,0 +1,1 @@
+"""The CUDA path: Triton kernels and CUDA graphs."""

@@ -1,0 +1,1 @@
+"""The C kernels (csrc/), built per instruction-set level, and a Python wrapper for each."""

@@ -1,0 +1,91 @@
+/* The layers of a step that only decodes, in one call: for each layer the same kernels, in the same order
+ * and with the same arguments, as the model's Python loop (runtime/model/model.py, _forward_native) makes them,
+ * so the result is the same bit for bit. From Python each of a layer's ~9 calls cost 6-10 us of wrapping
+ * (tensor allocation, data_ptr, ctypes) around kernels of 10-500 us: ~1.7 ms of a 23 ms step of 32 sequences
+ * and more of a one-sequence step.
+ *
+ * A projection is GGUF-style blocks in the one-row kernel's layout (quantized_matmul) and/or the many-row
+ * kernel's (quantized_gemm), routed by the row count as Int4Linear routes it: up to native_rows rows the
+ * first, from gemm_rows rows the second (the caller checks that one of them takes M). */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+typedef struct {
+    const uint8_t *codes;      /* the one-row kernel's layout (NULL: none) */
+    const uint16_t *scale, *offset;
+    const uint8_t *tiles;      /* the many-row kernel's layout (NULL: none) */
+    const uint16_t *tscale, *toffset;
+    int64_t n, k, bits;
+    int64_t native_rows;       /* the one-row kernel up to this many rows (-1: never) */
+    int64_t gemm_rows;         /* the many-row kernel from this many rows (-1: never) */
+} projection_t;
+
+typedef struct decode_layer {
+    projection_t qkv, o, gate_up, down;
+    const void *post_norm;     /* post-attention RMSNorm weight */
+    const void *next_norm;     /* the next layer's input norm, or the final norm after the last layer */
+    void *k_cache, *v_cache;   /* [blocks, block_size, KVH, D] in the model dtype */
+} decode_layer_t;
+
+typedef struct decode_model {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    int bf16;                  /* the model dtype: bfloat16 (1) or float32 (0); K/V likewise */
+} decode_model_t;
+
+/* Scratch and the step's inputs, rows M; h holds the embeddings on entry, x receives the final normalised
+ * hidden states. */
+typedef struct decode_step {
+    int64_t M, max_blocks;
+    const int64_t *positions, *slots, *block_tables, *context_lens;
+    const void *cos, *sin_signed, *first_norm;
+    void *h, *x, *qkv, *o, *gate_up, *act, *down;  /* model dtype */
+    float *q, *attn;                              /* float32 */
+} decode_step_t;
+
+static int one_row(const projection_t *p, int64_t M) { return p->native_rows >= 0 && M <= p->native_rows; }
+
+static void project(const projection_t *p, const void *x, int x_bf16, int64_t M, void *out, int out_bf16,
+                    int threads) {
+    if (one_row(p, M))
+        quantized_matmul(x, x_bf16, M, p->k, p->codes, p->scale, p->offset, p->n, (int)p->bits, out, out_bf16,
+                         0, threads);
+    else
+        quantized_gemm(x, x_bf16, M, p->k, p->tiles, p->tscale, p->toffset, p->n, (int)p->bits, out, out_bf16,
+                       0, 0, threads);
+}
+
+void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_t num_layers, const decode_step_t *s,
+                   int threads) {
+    const int64_t M = s->M, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int bf16 = m->bf16;
+    add_rms_norm(s->h, NULL, s->first_norm, s->x, M, m->hidden, m->eps, bf16, threads);
+    for (int64_t i = 0; i < num_layers; i++) {
+        const decode_layer_t *l = &layers[i];
+        project(&l->qkv, s->x, bf16, M, s->qkv, bf16, threads);
+        rope_write_kv(s->qkv, s->positions, s->cos, s->sin_signed, s->q, l->k_cache, l->v_cache, s->slots, M, H, KVH,
+                      D, bf16, 1, threads);
+        if (bf16)
+            paged_decode_attention_bf16(s->q, (const uint16_t *)l->k_cache, (const uint16_t *)l->v_cache,
+                                        s->block_tables, s->context_lens, s->attn, M, H, KVH, D, m->block_size,
+                                        s->max_blocks, m->scale, threads);
+        else
+            paged_decode_attention_f32(s->q, (const float *)l->k_cache, (const float *)l->v_cache, s->block_tables,
+                                       s->context_lens, s->attn, M, H, KVH, D, m->block_size, s->max_blocks, m->scale,
+                                       threads);
+        project(&l->o, s->attn, 0, M, s->o, bf16, threads);
+        add_rms_norm(s->h, s->o, l->post_norm, s->x, M, m->hidden, m->eps, bf16, threads);
+        if (one_row(&l->gate_up, M) || l->gate_up.n % 64) {
+            project(&l->gate_up, s->x, bf16, M, s->gate_up, bf16, threads);
+            silu_mul(s->gate_up, s->act, M, m->intermediate, bf16, threads);
+        } else { /* SiLU x up in the matmul's epilogue, as LlamaModel's loop (Int4Linear.silu_mul_into) */
+            const projection_t *p = &l->gate_up;
+            quantized_gemm(s->x, bf16, M, p->k, p->tiles, p->tscale, p->toffset, p->n, (int)p->bits, s->act, bf16,
+                           1, 0, threads);
+        }
+        project(&l->down, s->act, bf16, M, s->down, bf16, threads);
+        add_rms_norm(s->h, s->down, l->next_norm, s->x, M, m->hidden, m->eps, bf16, threads);
+    }
+}

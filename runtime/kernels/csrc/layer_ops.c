@@ -1,0 +1,160 @@
+/* The element-wise work of a layer, each a single pass in C instead of several torch ops (at a few rows,
+ * each torch op costs more in dispatch than in arithmetic; at many rows, one pass over the data beats
+ * several).
+ *
+ * Activations are float32 or bfloat16 (`bf16`), rows contiguous. Each function rounds to the model dtype
+ * where the PyTorch path (runtime/model/model.py) does, with the arithmetic in float32 between roundings.
+ * The inner loops run W floats at a time (GCC vector extensions of the build level's register width,
+ * vector_exp.h) with a scalar tail; rows are shared out over `num_threads` OpenMP threads once a call has enough work.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "kernels.h"
+
+#include "vector_exp.h"
+
+
+static inline float load_elem(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return f;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void store_elem(void *p, int64_t i, float f, int bf16) {
+    if (!bf16) {
+        ((float *)p)[i] = f;
+        return;
+    }
+    f = round_bf16(f);
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+}
+
+static inline float to_dtype(float f, int bf16) { return bf16 ? round_bf16(f) : f; }
+
+/* --- W floats at a time --- */
+
+static inline vf vload(const void *p, int64_t i, int bf16) {
+    if (!bf16) return *(const vf *)((const float *)p + i);
+    return vload_bf16((const uint16_t *)p + i);
+}
+
+static inline vf vto_dtype(vf f, int bf16) { return bf16 ? vround_bf16(f) : f; }
+
+static inline void vstore(void *p, int64_t i, vf f, int bf16) {
+    if (!bf16) {
+        *(vf *)((float *)p + i) = f;
+        return;
+    }
+    vstore_bf16_bits((uint16_t *)p + i, (vu)vround_bf16(f));
+}
+
+/* h [T, D] += delta (rounded to the dtype), when delta is not NULL; then
+ * out = weight * dtype(h * rsqrt(mean(h^2) + eps)). */
+void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int64_t T, int64_t D, float eps,
+                  int bf16, int num_threads) {
+    const int64_t Dv = D - D % W;
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * D, num_threads))")
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = t * D;
+        vf acc = {0};
+        float sum = 0.f;
+        for (int64_t i = 0; i < Dv; i += W) {
+            vf v = vload(h, row + i, bf16);
+            if (delta) {
+                v = vto_dtype(v + vload(delta, row + i, bf16), bf16);
+                vstore(h, row + i, v, bf16);
+            }
+            acc += v * v;
+        }
+        for (int64_t i = Dv; i < D; i++) {
+            float v = load_elem(h, row + i, bf16);
+            if (delta) {
+                v = to_dtype(v + load_elem(delta, row + i, bf16), bf16);
+                store_elem(h, row + i, v, bf16);
+            }
+            sum += v * v;
+        }
+        sum += hsum(acc);
+        const float r = 1.f / sqrtf(sum / (float)D + eps);
+        for (int64_t i = 0; i < Dv; i += W)
+            vstore(out, row + i, vload(weight, i, bf16) * vto_dtype(vload(h, row + i, bf16) * r, bf16), bf16);
+        for (int64_t i = Dv; i < D; i++) {
+            const float v = to_dtype(load_elem(h, row + i, bf16) * r, bf16);
+            store_elem(out, row + i, load_elem(weight, i, bf16) * v, bf16);
+        }
+    }
+}
+
+#define SILU_COST 4 /* an exp and a division per element: counts as 4 elements of the others' work */
+/* gate_up [T, 2I] (gate then up) -> out [T, I] = dtype(silu(gate)) * up. */
+void silu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, int num_threads) {
+    const int64_t Iv = I - I % W;
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * I * SILU_COST, num_threads))")
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t g0 = t * 2 * I, u0 = g0 + I, o0 = t * I;
+        for (int64_t i = 0; i < Iv; i += W) {
+            vstore(out, o0 + i, vsilu_mul(vload(gate_up, g0 + i, bf16), vload(gate_up, u0 + i, bf16), bf16), bf16);
+        }
+        for (int64_t i = Iv; i < I; i++) {
+            const float g = load_elem(gate_up, g0 + i, bf16);
+            const float s = to_dtype(g / (1.f + expf(-g)), bf16);
+            store_elem(out, o0 + i, s * load_elem(gate_up, u0 + i, bf16), bf16);
+        }
+    }
+}
+
+/* qkv [T, (H + 2 KVH) D]: RoPE (half-split) on the H query and KVH key heads at each row's position,
+ * x * cos + rotate_half(x) * sin, rounded to the dtype; the queries into q_out [T, H, D] (float32 when
+ * q_f32, else the model dtype), the keys and values into their slots of the caches [slots, KVH, D] (the
+ * model dtype). cos, sin_signed: [positions, D] in the dtype, sin_signed = [-sin, sin] by halves. */
+void rope_write_kv(const void *qkv, const int64_t *positions, const void *cos, const void *sin_signed,
+                   void *q_out, void *k_cache, void *v_cache, const int64_t *slots, int64_t T, int64_t H,
+                   int64_t KVH, int64_t D, int bf16, int q_f32, int num_threads) {
+    const int64_t half = D / 2, width = (H + 2 * KVH) * D, kv_row = KVH * D;
+    const int q_bf16 = bf16 && !q_f32;
+    const int vector = half % W == 0;
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * width, num_threads))")
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t pos = positions[t], slot = slots[t];
+        for (int64_t h = 0; h < H + KVH; h++) {
+            const int64_t base = t * width + h * D;
+            void *dst = h < H ? q_out : k_cache;
+            const int64_t d0 = h < H ? (t * H + h) * D : slot * kv_row + (h - H) * D;
+            const int dst_bf16 = h < H ? q_bf16 : bf16;
+            if (vector) {
+                for (int64_t i = 0; i < D; i += W) {
+                    const int64_t j = i < half ? i + half : i - half; /* rotate_half's partner */
+                    const vf x = vload(qkv, base + i, bf16), partner = vload(qkv, base + j, bf16);
+                    /* the PyTorch path rounds x * cos to the dtype, then adds partner * sin in float32 */
+                    const vf xc = vto_dtype(x * vload(cos, pos * D + i, bf16), bf16);
+                    const vf y = vto_dtype(xc + partner * vload(sin_signed, pos * D + i, bf16), bf16);
+                    vstore(dst, d0 + i, y, dst_bf16);
+                }
+                continue;
+            }
+            for (int64_t i = 0; i < D; i++) {
+                const int64_t j = i < half ? i + half : i - half;
+                const float x = load_elem(qkv, base + i, bf16), partner = load_elem(qkv, base + j, bf16);
+                const float xc = to_dtype(x * load_elem(cos, pos * D + i, bf16), bf16);
+                const float y = to_dtype(xc + partner * load_elem(sin_signed, pos * D + i, bf16), bf16);
+                store_elem(dst, d0 + i, y, dst_bf16);
+            }
+        }
+        const int64_t v_base = t * width + (H + KVH) * D;
+        const size_t elem = bf16 ? 2 : 4;
+        memcpy((char *)v_cache + slot * kv_row * elem, (const char *)qkv + v_base * elem, kv_row * elem);
+    }
+}

@@ -1,0 +1,160 @@
+"""GGUF blocks multiplied by a small C kernel (csrc/quantized_matmul.c) with 8-bit activations.
+
+torch's int4 kernel computes in floating point: every 4-bit weight is widened to
+a float and multiplied by a float. For a few rows (decode) the kernel here
+quantizes each row of activations to 8 bits per block of 32 (as llama.cpp
+does) and runs the inner products on integers (AVX-512 VNNI where the CPU has
+it), with the block scales applied once per block. 8-bit activations are not
+exact: the model measures on load whether this is faster than torch's kernel
+on this CPU (LlamaModel), and the tests bound the difference and check the
+greedy tokens.
+
+The weights are repacked once at load (the layout is in the C file's header):
+the codes stay 4-bit (Q4_0, Q4_1, 4-bit re-quantized) or 8-bit (Q8_0, int8),
+with a float16 scale and offset per block, w = scale * code + offset.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime.kernels.library import load
+
+GROUP = 32
+TILE_COLUMNS = 16
+"""Output columns per vector of the many-row kernel's layout; it takes N % (2 * TILE_COLUMNS) == 0."""
+
+
+class NativeMatmul:
+    """y = x W^T for one weight matrix prepared for the C kernel; x [M, K] float32 or bfloat16, K % 64 == 0."""
+
+    def __init__(self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int):
+        """codes [N, K] (0..15 for bits=4; 0..255 for bits=8, the stored code + 128); scale, offset
+        [N, K / 32] with w = scale * code + offset per block."""
+        n, k = codes.shape
+        self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """The same blocks laid out for the many-row kernel (quantized_gemm): made where the library has
+        its vector loops and N % 32 == 0; the model drops them where they did not measure faster."""
+        self.bits = bits
+        if n % (2 * TILE_COLUMNS) == 0 and load().quantized_matmul_vectorized():
+            self.with_tiles(codes, scale, offset)
+        if bits == 4:
+            # the two blocks of each pair share bytes: the first in the low nibbles, the second in the high
+            pairs = codes.reshape(n, k // 64, 2, GROUP).astype(np.uint8)
+            codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+        self.codes = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8))
+        # float16, as the GGUF stores them (Q4_1's offset is its minimum; Q4_0's and Q8_0's are -8d and
+        # -128d, exact in float16 wherever d is)
+        self.scale = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float16))
+        self.offset = torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float16))
+        self.out_features, self.in_features = n, k
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+    def with_tiles(self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> NativeMatmul:
+        """Add the layout of the many-row kernel (csrc/quantized_matmul.c, quantized_gemm) for the fields
+        __init__ takes: per 16 output columns and block of 32 inputs, vectors of 4 codes per column. Costs
+        the codes' bytes again."""
+        n, k = codes.shape
+        g, nb = n // TILE_COLUMNS, k // GROUP
+        if self.bits == 4:  # vector v: low nibbles inputs 8v..8v+3, high nibbles 8v+4..8v+7 of the block
+            c = codes.reshape(g, TILE_COLUMNS, nb, 4, 2, 4).astype(np.uint8)
+            tiles = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
+        else:  # vector v: inputs 4v..4v+3 of the block
+            tiles = codes.reshape(g, TILE_COLUMNS, nb, 8, 4).astype(np.uint8).transpose(0, 2, 3, 1, 4)
+
+        def per_tile(a: np.ndarray) -> torch.Tensor:
+            a = a.astype(np.float16).reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1)
+            return torch.from_numpy(np.ascontiguousarray(a))
+
+        self.tiles = (torch.from_numpy(np.ascontiguousarray(tiles)), per_tile(scale), per_tile(offset))
+        return self
+
+    @property
+    def tiled_nbytes(self) -> int:
+        """Bytes of the many-row kernel's copy (0 without one)."""
+        return sum(t.numel() * t.element_size() for t in self.tiles or ())
+
+    def gemm(
+        self,
+        x: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
+        portable: bool = False,
+        silu: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The function __call__ computes, by the many-row kernel on the tiled copy (with_tiles first). With
+        `silu` the weight is a fused [gate; up] (out_features % 64 == 0) and the result is
+        SiLU(gate) x up [M, out_features / 2], rounded as runtime/layer ops' silu_mul of the plain result.
+        `out`: where to write it (contiguous, of the result's shape and dtype)."""
+        assert self.tiles is not None, "with_tiles() first"
+        assert not silu or self.out_features % 64 == 0, "the fused epilogue takes gate and up pairs of 32"
+        x = x.contiguous()
+        m = x.shape[0]
+        width = self.out_features // 2 if silu else self.out_features
+        if out is None:
+            out = torch.empty(m, width, dtype=out_dtype or x.dtype)
+        assert (
+            out.shape == (m, width) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
+        )
+        tiles, scale, offset = self.tiles
+        load().quantized_gemm(
+            x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
+            m,
+            self.in_features,
+            tiles.data_ptr(),
+            scale.data_ptr(),
+            offset.data_ptr(),
+            self.out_features,
+            self.bits,
+            out.data_ptr(),
+            int(out.dtype == torch.bfloat16),
+            int(silu),
+            int(portable),
+            torch.get_num_threads(),
+        )
+        return out
+
+    @classmethod
+    def from_int4_fields(cls, codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> NativeMatmul:
+        """From the int4 kernel's fields, w = (code - 8) * scale + zero."""
+        return cls(codes, scale, zero - 8 * scale, 4)
+
+    @classmethod
+    def from_q8(cls, codes: np.ndarray, scale: np.ndarray) -> NativeMatmul:
+        """From Q8_0's signed codes, w = scale * code."""
+        return cls((codes.astype(np.int16) + 128).astype(np.uint8), scale, -128 * scale, 8)
+
+    def __call__(
+        self, x: torch.Tensor, out_dtype: torch.dtype | None = None, portable: bool = False
+    ) -> torch.Tensor:
+        """x [M, K] -> [M, N] in out_dtype (default: x's); portable: the plain C loops, not the vector ones."""
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, self.out_features, dtype=out_dtype or x.dtype)
+        load().quantized_matmul(
+            x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
+            m,
+            self.in_features,
+            self.codes.data_ptr(),
+            self.scale.data_ptr(),
+            self.offset.data_ptr(),
+            self.out_features,
+            self.bits,
+            out.data_ptr(),
+            int(out.dtype == torch.bfloat16),
+            int(portable),
+            torch.get_num_threads(),
+        )
+        return out
+
+
+def usable(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and in_features % 64 == 0
+        and load() is not None
+    )

@@ -1,0 +1,396 @@
+"""The decoder (GQA, RoPE, RMSNorm, gated MLP, optionally tied head) over a paged KV cache.
+
+One definition serves Llama, Mistral, Qwen 2/3, Gemma 2/3 and Phi-3: what differs is data in
+ModelConfig (biases, q/k norms, sandwich norms, GELU, embedding scale, sliding windows, soft-caps, RoPE
+scalings). Tokens of all sequences in a step arrive flattened: input_ids [T], positions [T];
+AttentionMetadata says which rows decode and which are prefill chunks. Q/K/V and gate/up projections are
+fused into one matmul each. Projection weights are dense tensors or packed quantized ones
+(runtime.quant.quantization). A plain Llama layer runs its element-wise work in the fused layer ops (C on CPU,
+Triton on CUDA); every other feature runs in the PyTorch layer loop (forward), and a layer that slides or
+soft-caps attends in windowed_attention.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.paged import AttentionMetadata, paged_attention, write_kv
+from runtime.attention.windowed import windowed_attention
+from runtime.cuda import triton_layer_ops
+from runtime.kernels import layer_ops as native_layer_ops
+from runtime.kernels import paged_attention as native_attention
+from runtime.kernels.decode_layers import NativeDecode
+from runtime.model.checkpoint_types import DeferredTensor
+from runtime.model.config import ModelConfig
+from runtime.model.rope_scaling import inverse_frequencies
+from runtime.quant.quantization import (
+    BlockEmbedding,
+    GGUFBlocks,
+    Int4Linear,
+    linear,
+    make_linear,
+    measure_dense_rows,
+    measure_row_paths,
+    weight_nbytes,
+)
+from runtime.runner.kv_cache import KVCache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, scale in the model dtype (as the reference implementation does)."""
+    if x.dtype == torch.float32:  # F.rms_norm computes the same float32 function in fewer ops
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Half-split RoPE: cos/sin tables in float32 for every position, cast to the model dtype.
+
+    rotate_half(x) * sin is computed as roll(x, D/2) * sin_signed, sin_signed = [-sin, sin] by halves (a
+    negation moves no rounding), so a step's rotation is a few whole-tensor ops over q and k together.
+    inv_freq: the (scaled) inverse frequencies, rope_scaling.inverse_frequencies; attention_factor
+    multiplies cos and sin (LongRoPE)."""
+
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_factor: float = 1.0,
+    ):
+        head_dim = 2 * inv_freq.shape[0]
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.half = head_dim // 2
+        self.cos = (emb.cos() * attention_factor).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * attention_factor).to(dtype=dtype, device=device)
+        self.sin_signed = torch.cat((-self.sin[:, : self.half], self.sin[:, self.half :]), dim=-1)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) rows of these positions, [T, 1, D]: gathered once a step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, half: int) -> torch.Tensor:
+        """x [T, heads, D] rotated: x * cos + rotate_half(x) * sin."""
+        return torch.addcmul(x * cos, x.roll(half, dims=-1), sin_signed)
+
+
+class Layer:
+    def __init__(self, config: ModelConfig, norm, proj):
+        """norm(suffixes) -> one dense tensor (concatenated); proj(suffixes) -> one (fused) projection
+        weight. Tensor names are Hugging Face Llama's, with the other families' extras under names of their
+        own (checkpoint_types.LAYER_TENSORS)."""
+        self.input_norm = norm(["input_layernorm.weight"])
+        self.post_norm = norm(["post_attention_layernorm.weight"])
+        """The MLP's input norm (Llama's name for it; Gemma's pre_feedforward_layernorm)."""
+        self.qkv = proj(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"])
+        self.o = proj(["self_attn.o_proj.weight"])
+        self.gate_up = proj(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
+        self.down = proj(["mlp.down_proj.weight"])
+        self.qkv_bias = (
+            norm(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
+            if config.qkv_bias
+            else None
+        )
+        self.q_norm = norm(["self_attn.q_norm.weight"]) if config.qk_norm else None
+        self.k_norm = norm(["self_attn.k_norm.weight"]) if config.qk_norm else None
+        self.attn_out_norm = norm(["attn_output_norm.weight"]) if config.sandwich_norms else None
+        self.mlp_out_norm = norm(["mlp_output_norm.weight"]) if config.sandwich_norms else None
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, np.ndarray | GGUFBlocks | DeferredTensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str = "none",
+        dense_copy_bytes: int | None = None,
+    ):
+        """quantization: as resolved by runtime.quant.quantization.resolve_quantization ('none', 'gguf', 'int8',
+        'int4'); dense_copy_bytes: the cap on packed projections' dense copies (ModelSettings)."""
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.quantization = quantization
+        self.dense_rows: int | None = None
+        """Packed projections run as dense matmuls from this many rows up (None: always packed)."""
+        self.native_rows: dict[tuple[int, int], int | None] = {}
+        """(out, in features) of packed projections -> the C kernel serves up to this many rows (None:
+        never), as measured at load."""
+        self.gemm_rows: dict[tuple[int, int], int | None] = {}
+        """(out, in features) -> the C kernel's many-row loops serve from this many rows up (None: never)."""
+
+        reused = {"model.embed_tokens.weight"}  # the embedding and a tied LM head: read once for both
+        shared: dict[str, np.ndarray | GGUFBlocks] = {}
+
+        def source(name: str) -> np.ndarray | GGUFBlocks:
+            if name not in weights:
+                raise ValueError(f"model: checkpoint is missing the weight {name!r}")
+            w = weights[name]
+            if not isinstance(w, DeferredTensor):
+                return w
+            if name not in shared:
+                shared[name] = w.load()  # read now, one tensor at a time
+            return shared.pop(name) if name not in reused else shared[name]
+
+        def tensor(name: str) -> torch.Tensor:
+            w = source(name)
+            w = w.dequantize() if isinstance(w, GGUFBlocks) else w
+            return torch.from_numpy(w).to(device=device, dtype=dtype)
+
+        def dense(names: list[str]) -> torch.Tensor:
+            return torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
+
+        dense_budget = [dense_copy_bytes]  # bytes left for dense copies (None: no cap)
+
+        def proj(names: list[str], how: str = quantization):
+            parts = [source(n) for n in names]
+            fused = GGUFBlocks.stack(parts) if all(isinstance(p, GGUFBlocks) for p in parts) else None
+            if fused is None:
+                fused = np.concatenate([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts])
+            dense = how == "gguf"
+            if dense and dense_budget[0] is not None:
+                cost = fused.shape[0] * fused.shape[1] * dtype.itemsize
+                dense = cost <= dense_budget[0]
+                dense_budget[0] -= cost if dense else 0
+            return make_linear(fused, how, dtype, device, dense=dense)
+
+        # the layers first: their dense copies serve every prefill row, the LM head's only sampled rows
+        self.layers = [
+            Layer(
+                config,
+                lambda names, i=i: dense([f"model.layers.{i}.{s}" for s in names]),
+                lambda names, i=i: proj([f"model.layers.{i}.{s}" for s in names]),
+            )
+            for i in range(config.num_layers)
+        ]
+
+        embed = source("model.embed_tokens.weight")
+        if quantization != "none" and (config.tie_word_embeddings or isinstance(embed, GGUFBlocks)):
+            # looked up row by row: only the rows a step reads are dequantized
+            self.embed = (
+                BlockEmbedding(embed, dtype)
+                if isinstance(embed, GGUFBlocks)
+                else tensor("model.embed_tokens.weight")
+            )
+            head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            self.lm_head = proj([head], "int8" if quantization == "int4" else quantization)
+        else:
+            self.embed = tensor("model.embed_tokens.weight")
+            self.lm_head = self.embed if config.tie_word_embeddings else proj(["lm_head.weight"])
+        self.norm = tensor("model.norm.weight")
+        shared.clear()
+        self._choose_dense_rows()
+        self._choose_native_rows()
+        c = config
+        inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_freq_factors, c.rope_linear_factor)
+        self.rope = RotaryEmbedding(inv_freq, c.max_model_len, dtype, device, c.rope_attention_factor)
+        self.local_rope = self.rope
+        """The sliding layers' RoPE (Gemma 3: its own base, unscaled)."""
+        if c.rope_theta_local is not None:
+            local = inverse_frequencies(c.head_dim, c.rope_theta_local)
+            self.local_rope = RotaryEmbedding(local, c.max_model_len, dtype, device)
+        self.windows = [c.layer_window(i) for i in range(c.num_layers)]
+        """Each layer's sliding window (None: full causal attention)."""
+        self.embed_scale = torch.tensor(c.embed_scale, dtype=dtype) if c.embed_scale != 1.0 else None
+        self.layer_ops = None
+        """The layers' element-wise work fused: native_layer_ops (C, CPU) or triton_layer_ops (CUDA); only
+        for plain Llama layers (ModelConfig.plain_llama)."""
+        if not c.plain_llama:
+            pass
+        elif native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0:
+            self.layer_ops = native_layer_ops
+        elif triton_layer_ops.usable(dtype, device) and config.head_dim & (config.head_dim - 1) == 0:
+            self.layer_ops = triton_layer_ops
+        self.native_decode = self.layer_ops is not None
+        """Every step runs the layers' element-wise work in layer_ops (on CPU, steps that only decode their
+        attention in C too); False: the PyTorch ops."""
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        self._native_decode: tuple[KVCache, NativeDecode | None] | None = None
+        """The KV cache the C layer loop was made for, and that loop (_decode_layers)."""
+
+    def _packed(self) -> list[Int4Linear]:
+        ws = [self.lm_head] + [
+            w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        return [w for w in ws if isinstance(w, Int4Linear)]
+
+    def _choose_dense_rows(self) -> None:
+        """Packed projections with a dense copy use it from the row count where it measured faster on the
+        first layer's gate/up projection; where it never did, the copies are dropped."""
+        packed = [w for w in self._packed() if w.dense is not None]
+        if not packed:
+            return
+        probe = self.layers[0].gate_up
+        probe = probe if probe in packed else packed[0]  # the first layer's copy may be over the cap
+        rows = measure_dense_rows(probe)
+        for w in packed:
+            w.dense_rows = rows
+            if rows is None:
+                w.dense = None
+        self.dense_rows = rows
+
+    def _choose_native_rows(self) -> None:
+        """Packed projections with a copy for the C kernel route rows by measure_row_paths (once per shape):
+        its one-row loops up to the rows where they were the fastest path, its many-row loops from the rows
+        where those were, the dense copy or torch's packed kernel in between; a copy (the tiled one, the
+        dense one, the kernel's own) that no row count uses is dropped."""
+        for w in self._packed():
+            if w.native is None:
+                continue
+            shape = (w.out_features, w.in_features)
+            if shape not in self.native_rows:
+                self.native_rows[shape], self.gemm_rows[shape] = measure_row_paths(w)
+            w.native_rows, w.gemm_rows = self.native_rows[shape], self.gemm_rows[shape]
+            if w.gemm_rows is None:
+                w.native.tiles = None
+            elif w.dense_rows is None or w.gemm_rows <= w.dense_rows:
+                w.dense, w.dense_rows = None, None  # the many-row loops win wherever the copy would
+            if w.native_rows is None and w.gemm_rows is None:
+                w.native = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a decode step reads (the embedding's few rows aside)."""
+        tensors = [self.norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down]
+        return sum(weight_nbytes(t) for t in tensors)
+
+    @property
+    def layer_parameters(self) -> int:
+        """Projection parameters every token multiplies by (2 FLOP each), the LM head aside."""
+        c = self.config
+        per_layer = (
+            c.hidden_size * (c.q_size + 2 * c.kv_size)
+            + c.q_size * c.hidden_size
+            + 3 * c.hidden_size * c.intermediate_size
+        )
+        return c.num_layers * per_layer
+
+    @property
+    def lm_head_parameters(self) -> int:
+        return self.config.vocab_size * self.config.hidden_size
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+    ) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] (normalised), one row per input token."""
+        if self.native_decode:
+            return self._forward_native(input_ids, positions, meta, kv)
+        c = self.config
+        t = input_ids.shape[0]
+        eps = c.rms_norm_eps
+        rope_tables = {id(r): (r, *r.tables(positions)) for r in (self.rope, self.local_rope)}
+        h = self.embed[input_ids]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        for i, layer in enumerate(self.layers):
+            window = self.windows[i]
+            x = rms_norm(h, layer.input_norm, eps)
+            qkv = linear(x, layer.qkv)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
+            k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
+            v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+            rope, cos, sin = rope_tables[id(self.local_rope if window is not None else self.rope)]
+            if layer.q_norm is None:  # q and k heads side by side: one rotation for both
+                qk = rope.rotate(qkv[:, : c.q_size + c.kv_size].view(t, -1, c.head_dim), cos, sin, rope.half)
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            else:
+                q, k = rope.rotate(q, cos, sin, rope.half), rope.rotate(k, cos, sin, rope.half)
+            k_cache, v_cache = kv.layer(i)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            if window is None and c.attn_logit_softcap is None:
+                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            else:
+                attn = windowed_attention(q, k_cache, v_cache, meta, self.scale, window, c.attn_logit_softcap)
+            o = linear(attn.reshape(t, c.q_size), layer.o)
+            if layer.attn_out_norm is not None:
+                o = rms_norm(o, layer.attn_out_norm, eps)
+            h = h + o
+            x = rms_norm(h, layer.post_norm, eps)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if c.hidden_act == "gelu_tanh" else F.silu(gate)
+            m = linear(act.mul_(up), layer.down)
+            if layer.mlp_out_norm is not None:
+                m = rms_norm(m, layer.mlp_out_norm, eps)
+            h = h + m
+        return rms_norm(h, self.norm, eps)
+
+    def _forward_native(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+    ) -> torch.Tensor:
+        """forward with each layer's element-wise work fused (layer_ops: C on CPU, Triton on CUDA): a few
+        calls per layer instead of ~40 torch ops. On CPU, steps that only decode take the C attention kernel
+        straight from float32 queries; others (and CUDA) paged_attention."""
+        c, ops = self.config, self.layer_ops
+        t, eps = input_ids.shape[0], c.rms_norm_eps
+        decode_only = not meta.prefills and meta.num_decode == t and meta.native_decode
+        h = self.embed[input_ids].contiguous()
+        if decode_only and (layers := self._decode_layers(kv)) is not None and layers.usable(t):
+            return layers.forward(h, positions.contiguous(), meta)
+        x = torch.empty_like(h)
+        q_dtype = torch.float32 if decode_only else self.dtype
+        q = torch.empty(t, c.num_heads, c.head_dim, dtype=q_dtype, device=self.device)
+        act = torch.empty(t, c.intermediate_size, dtype=self.dtype, device=self.device)
+        positions = positions.contiguous()
+        ops.add_rms_norm(h, None, self.layers[0].input_norm, x, eps)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(i)
+            ops.rope_write_kv(
+                linear(x, layer.qkv),
+                positions,
+                self.rope.cos,
+                self.rope.sin_signed,
+                q,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+            )
+            if decode_only:
+                attn = native_attention.decode_attention(
+                    q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                ).view(t, c.q_size)
+                o = self._project(attn, layer.o)
+            else:  # the new keys and values are read back from the cache
+                attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
+                o = linear(attn.view(t, c.q_size), layer.o)
+            ops.add_rms_norm(h, o, layer.post_norm, x, eps)
+            gate_up = layer.gate_up
+            if not (isinstance(gate_up, Int4Linear) and gate_up.silu_mul_into(x, act)):
+                ops.silu_mul(linear(x, gate_up), act)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            ops.add_rms_norm(h, linear(act, layer.down), following, x, eps)
+        return x
+
+    def _decode_layers(self, kv: KVCache) -> NativeDecode | None:
+        """The C loop over the layers for decode-only steps on this cache (None where it cannot run)."""
+        if self._native_decode is None or self._native_decode[0] is not kv:
+            self._native_decode = (kv, NativeDecode(self, kv) if NativeDecode.possible(self, kv) else None)
+        return self._native_decode[1]
+
+    def _project(self, x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
+        """x W^T for float32 x, out in the model dtype: the C matmul takes float32 as it is."""
+        if isinstance(w, Int4Linear):
+            return w(x, out_dtype=self.dtype)
+        return linear(x.to(self.dtype), w)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab] (soft-capped where the model caps them)."""
+        logits = linear(hidden, self.lm_head).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap).mul_(cap)

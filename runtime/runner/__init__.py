@@ -1,0 +1,1 @@
+"""The model runner: a step's plan into tensors, the KV cache pool."""

@@ -1,0 +1,360 @@
+"""Turn a scheduler plan into tensors, run the model, sample: one engine step's tensor work.
+
+The runner reads only the plan's narrow view (scheduler/plan.py) and keeps its
+own state per sequence: token ids, block table, sampling params, and a seeded
+generator that lives as long as the request (a preempted request keeps it).
+
+Rows of the flattened batch: first one token for each decoding sequence, then
+each prefill chunk. Only the rows whose sequence reaches its end this step
+(a decode, or the last chunk of a prefill) go through the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.attention.paged import AttentionMetadata, PrefillChunk, decode_backend
+from runtime.cuda.cuda_graphs import StepGraphs, warm_up
+from runtime.model.model import LlamaModel
+from runtime.runner.kv_cache import KVCache
+from runtime.sample.logits_processors import apply_logits_processors
+from runtime.sample.logprobs import TokenLogprob, token_logprobs
+from runtime.sample.sampler import sample
+from runtime.sample.structured_output import GrammarBackend
+from scheduler import SamplingParams, SchedulerOutput
+
+
+@dataclass
+class _Sequence:
+    """What the runner knows of one resident request."""
+
+    token_ids: list[int]
+    """Prompt then generated tokens, including those this runner sampled."""
+    num_prompt_tokens: int
+    block_table: list[int]
+    params: SamplingParams
+    num_computed_tokens: int = 0
+    """As of the current plan: tokens whose K/V are in the cache before this step."""
+    eos_token_id: int | None = None
+    forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    """(id, params) of sequences that draw their first token from this one's last prompt row."""
+    matcher: object | None = None
+    """Its grammar state (an llguidance matcher) when its params ask for structured output."""
+
+
+@dataclass
+class _Row:
+    """One sampled row: a scheduled sequence, or a fork drawing from its parent's row."""
+
+    request_id: str
+    params: SamplingParams
+    seq: _Sequence
+
+
+@dataclass
+class _Work:
+    """One scheduled sequence this step."""
+
+    request_id: str
+    seq: _Sequence
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.seq.num_computed_tokens + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """It reaches its last token this step, so it gets a new one."""
+        return self.end == len(self.seq.token_ids)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    """request id -> the token sampled for it, for sequences that reached their end this step."""
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    """request id -> the sampled token's logprob, for requests that asked (SamplingParams.logprobs)."""
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    """request id -> (prompt position, its token's logprob) for the prompt tokens this step computed."""
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCache,
+        grammar: GrammarBackend | None = None,
+        *,
+        graph_tokens: int = 0,
+        max_num_seqs: int = 1,
+        max_model_len: int | None = None,
+    ):
+        """graph_tokens: on CUDA, steps of up to this many tokens (and max_num_seqs sequences) replay CUDA
+        graphs captured now (cuda_graphs.py; needs the Triton attention kernel and a pool with a scratch
+        slot); 0: none. max_model_len: the longest context a graph's block tables cover (default: the
+        model's)."""
+        self.model = model
+        self.kv = kv
+        self.grammar = grammar
+        """Builds and applies structured-output masks; None: no request may ask for them."""
+        self.device = model.device
+        self.block_size = kv.block_size
+        self._seqs: dict[str, _Sequence] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        # The decode attention backend, chosen once: the C kernel (CPU), the Triton kernel (CUDA), else PyTorch.
+        probe = torch.empty(1, model.config.num_heads, 1, dtype=model.dtype, device=self.device)
+        self.decode_backend = decode_backend(probe, kv.layer(0)[0])
+        self.graphs: StepGraphs | None = None
+        if self.device.type == "cuda" and self.decode_backend == "triton":
+            warm_up(model, kv)
+            if graph_tokens:
+                context = max_model_len or model.config.max_model_len
+                self.graphs = StepGraphs(model, kv, graph_tokens, max_num_seqs, context)
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the sampled tokens of sequences that reached their end, and logprobs asked for."""
+        self.update_states(plan)
+        if plan.block_copies:
+            self.kv.copy_blocks(plan.block_copies)
+        work = [_Work(rid, self._seqs[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+        decodes = [w for w in work if w.num_tokens == 1 and w.samples]
+        prefills = [w for w in work if not (w.num_tokens == 1 and w.samples)]
+        ids, positions, slots = [], [], []
+        meta = AttentionMetadata(
+            slot_mapping=None, num_decode=len(decodes), decode_backend=self.decode_backend
+        )
+        self.prepare_decode(decodes, ids, positions, slots, meta)
+        sample_rows = list(range(len(decodes)))
+        sample_rows += self.prepare_prefill(prefills, ids, positions, slots, meta)
+        if self.decode_backend == "triton":
+            hidden = self.run_rows(decodes + prefills, ids, positions, slots, meta)
+        else:
+            meta.slot_mapping = torch.tensor(slots, device=self.device)
+            hidden = self.run(ids, positions, meta)
+        out = ModelRunnerOutput()
+        scored = [
+            w for w in prefills if w.seq.params.prompt_logprobs is not None and self._prompt_rows(w) > 0
+        ]
+        if scored:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, prefills, scored)
+        to_sample = decodes + [w for w in prefills if w.samples]
+        if not to_sample:
+            return out
+        every_row = len(sample_rows) == hidden.shape[0]  # a step that only decodes: no gather
+        logits = self.model.logits(hidden if every_row else hidden[sample_rows])
+        # sequences forked from a request whose prompt ends now draw their first token from its row
+        rows = [_Row(w.request_id, w.seq.params, w.seq) for w in to_sample]
+        source = []
+        for k, w in enumerate(to_sample):
+            if w.seq.num_computed_tokens >= w.seq.num_prompt_tokens:
+                continue  # only a prompt's last chunk starts its forks
+            for child_id, child_params in w.seq.forks:
+                if child_params.seed is not None and child_id not in self._generators:
+                    self._generators[child_id] = torch.Generator(self.device).manual_seed(child_params.seed)
+                rows.append(_Row(child_id, child_params, w.seq))
+                source.append(k)
+        if source:
+            logits = torch.cat([logits, logits[source]])
+        params = [r.params for r in rows]
+        raw = [i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "raw"]
+        raw_logits = logits[raw].clone() if raw else None
+        apply_logits_processors(
+            logits,
+            params,
+            [len(r.seq.token_ids) - r.seq.num_prompt_tokens for r in rows],
+            [r.seq.eos_token_id for r in rows],
+        )
+        constrained = [i for i, r in enumerate(rows) if r.seq.matcher is not None]
+        if constrained:  # a fork's row draws from its parent's state: the same matcher, before it moves
+            self.grammar.apply_masks(
+                logits,
+                constrained,
+                [rows[i].seq.matcher for i in constrained],
+                [rows[i].seq.eos_token_id for i in constrained],
+            )
+        histories = None
+        if any(p.penalized for p in params):
+            histories = [
+                (r.seq.token_ids[: r.seq.num_prompt_tokens], r.seq.token_ids[r.seq.num_prompt_tokens :])
+                for r in rows
+            ]
+        tokens = sample(logits, params, [self._generators.get(r.request_id) for r in rows], histories)
+        for w, token in zip(to_sample, tokens):
+            w.seq.token_ids.append(token)
+            if w.seq.matcher is not None:
+                self.grammar.accept(w.seq.matcher, token)
+        out.sampled = {r.request_id: t for r, t in zip(rows, tokens)}
+        if raw:
+            scores = token_logprobs(raw_logits, [tokens[i] for i in raw], [params[i].logprobs for i in raw])
+            out.logprobs.update((rows[i].request_id, s) for i, s in zip(raw, scores))
+        processed = [
+            i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "processed"
+        ]
+        if processed:
+            # sample() applied the penalties to `logits` in place; temperature divides what it drew from
+            scale = torch.tensor([params[i].temperature or 1.0 for i in processed], device=logits.device)
+            scores = token_logprobs(
+                logits[processed] / scale.unsqueeze(1),
+                [tokens[i] for i in processed],
+                [params[i].logprobs for i in processed],
+            )
+            out.logprobs.update((rows[i].request_id, s) for i, s in zip(processed, scores))
+        return out
+
+    @staticmethod
+    def _prompt_rows(w: _Work) -> int:
+        """Rows of this chunk whose next token is a prompt token (their logits score it)."""
+        return min(w.num_tokens, w.seq.num_prompt_tokens - 1 - w.seq.num_computed_tokens)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prefills: list[_Work], scored: list[_Work]) -> dict:
+        """Logprobs of prompt tokens from the rows before them (raw logits: nothing edits a prompt)."""
+        first_row, row = {}, len(hidden) - sum(w.num_tokens for w in prefills)
+        for w in prefills:
+            first_row[w.request_id] = row
+            row += w.num_tokens
+        out = {}
+        for w in scored:
+            n, start, row = self._prompt_rows(w), w.seq.num_computed_tokens, first_row[w.request_id]
+            logits = self.model.logits(hidden[row : row + n])
+            targets = w.seq.token_ids[start + 1 : start + 1 + n]
+            scores = token_logprobs(logits, targets, [w.seq.params.prompt_logprobs] * n)
+            out[w.request_id] = [(start + 1 + i, s) for i, s in enumerate(scores)]
+        return out
+
+    def update_states(self, plan: SchedulerOutput) -> None:
+        """Bring the per-sequence state up to this plan: forget what left, add what is new, grow tables."""
+        for rid in plan.finished_request_ids:
+            self._seqs.pop(rid, None)
+            self._generators.pop(rid, None)
+        for rid in plan.preempted_request_ids:  # recomputed later from its tokens; its generator stays
+            self._seqs.pop(rid, None)
+        for new in plan.new_requests:
+            structured = new.sampling_params.structured_output
+            self._seqs[new.request_id] = _Sequence(
+                new.prompt_token_ids + new.output_token_ids,
+                len(new.prompt_token_ids),
+                list(new.block_ids),
+                new.sampling_params,
+                new.num_computed_tokens,
+                new.eos_token_id,
+                list(new.forks),
+                # a resumed or forked sequence replays what it generated to reach its grammar state
+                self.grammar.matcher(structured, new.output_token_ids) if structured is not None else None,
+            )
+            seed = new.sampling_params.seed
+            if seed is not None and new.request_id not in self._generators:
+                self._generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
+        for cached in plan.cached_requests:
+            seq = self._seqs[cached.request_id]
+            for index, block in cached.replaced_block_ids:  # a copy on write: the copy is its own now
+                seq.block_table[index] = block
+            seq.block_table.extend(cached.new_block_ids)
+            seq.num_computed_tokens = cached.num_computed_tokens
+
+    def prepare_decode(
+        self,
+        decodes: list[_Work],
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        meta: AttentionMetadata,
+    ) -> None:
+        """One row per decoding sequence (its last token); their padded block tables and lengths."""
+        if not decodes:
+            return
+        bs = self.block_size
+        for w in decodes:
+            pos = w.seq.num_computed_tokens
+            ids.append(w.seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(w.seq.block_table[pos // bs] * bs + pos % bs)
+        if self.decode_backend == "triton":  # its rows carry their tables (run_rows)
+            return
+        lengths = [w.end for w in decodes]
+        width = (max(lengths) + bs - 1) // bs
+        tables = [w.seq.block_table[:width] + [0] * (width - len(w.seq.block_table[:width])) for w in decodes]
+        meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=self.device)
+        meta.decode_context_lens = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+        if self.decode_backend == "torch":  # PyTorch's decode masks the padding with an additive bias
+            span = torch.arange(width * bs, device=self.device).unsqueeze(0)
+            visible = span < meta.decode_context_lens.unsqueeze(1)
+            meta.decode_bias = (
+                torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
+                .masked_fill_(~visible, float("-inf"))
+                .view(len(decodes), 1, 1, -1)
+            )
+
+    def prepare_prefill(
+        self,
+        prefills: list[_Work],
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        meta: AttentionMetadata,
+    ) -> list[int]:
+        """A chunk of rows per prefilling sequence; returns the rows to sample (chunks that end a prompt)."""
+        bs = self.block_size
+        sample_rows = []
+        for w in prefills:
+            start, end, table = w.seq.num_computed_tokens, w.end, w.seq.block_table
+            row = len(ids)
+            ids.extend(w.seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            meta.prefills.append(
+                PrefillChunk(
+                    row,
+                    row + w.num_tokens,
+                    end,
+                    # the Triton backend reads the tables of run_rows instead
+                    None
+                    if self.decode_backend == "triton"
+                    else torch.tensor(table[: (end + bs - 1) // bs], device=self.device),
+                )
+            )
+            if w.samples:
+                sample_rows.append(row + w.num_tokens - 1)
+        return sample_rows
+
+    def row_inputs(self, work: list[_Work]) -> tuple[list[list[int]], list[int], list[int]]:
+        """Every row's attention as one decode (the Triton kernel): each scheduled sequence's block table,
+        each row's causal length (a chunk's row i sees its cached prefix and rows 0..i) and its table."""
+        bs = self.block_size
+        tables, lens, index = [], [], []
+        for k, w in enumerate(work):
+            tables.append(w.seq.block_table[: (w.end + bs - 1) // bs])
+            lens.extend(range(w.seq.num_computed_tokens + 1, w.end + 1))
+            index.extend([k] * w.num_tokens)
+        return tables, lens, index
+
+    def run_rows(
+        self,
+        work: list[_Work],
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The Triton backend's step (work: decodes, then prefills, as the rows lie): a captured graph when
+        one holds it, else eagerly with every row's attention in one launch."""
+        tables, lens, index = self.row_inputs(work)
+        if self.graphs is not None and self.graphs.fits(len(ids), len(tables)):
+            return self.graphs.run(ids, positions, slots, tables, lens, index)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta.row_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=dev
+        )
+        meta.row_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
+        meta.row_table_index = torch.tensor(index, dtype=torch.int64, device=dev)
+        meta.slot_mapping = torch.tensor(slots, device=dev)
+        return self.run(ids, positions, meta)
+
+    def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
+        """The model over the flattened batch: hidden states [rows, hidden]."""
+        return self.model.forward(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv
+        )

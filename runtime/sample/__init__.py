@@ -1,0 +1,1 @@
+"""Sampling: logits processors, the sampler, logprobs and structured-output masks."""
