@@ -107,15 +107,15 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset
 
 from loader.cache.disk import DiskTier
+from loader.cache.fill_ring import ring_count
 from loader.cache.ram import DIRECT, GEN_BASE, MODE, Layout, SharedState, shm_free_bytes
 from loader.cache.view import CachedItemsView, CachedView
 from loader.options import PEER_READ_THREADS, READS_IN_FLIGHT, CacheOptions
 from loader.peers.cluster import PeerCluster
 from loader.plan.plan import EpochPlan, plan_epoch
 from loader.plan.resume import EpochStart, ResumePoint, capture, restore
-from loader.prefetch.fill_ring import ring_count
 from loader.prefetch.prefetch import Prefetcher
-from loader.prefetch.retry import RetryPolicy
+from loader.retry import RetryPolicy
 from loader.source import ByteSource, has_read_decode
 from loader.workers.snapshots import worker_snapshots
 

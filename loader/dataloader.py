@@ -27,7 +27,7 @@ from loader.clairvoyant import Clairvoyant
 from loader.options import CacheOptions
 from loader.plan.elastic import distributed_state, elastic_batches
 from loader.plan.resume import ResumePoint, capture, from_dict, restore, to_dict
-from loader.prefetch.retry import check_retry_options
+from loader.retry import check_retry_options
 from loader.sizes import parse_size
 from loader.stats import collect_stats, register_loader
 from loader.workers.iterator import SingleProcessIterator

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pickle
 
 from loader.errors import SampleError, sample_error
-from loader.prefetch.retry import RetryPolicy
+from loader.retry import RetryPolicy
 
 
 def has_read_decode(dataset) -> bool:

@@ -5,8 +5,8 @@ from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.client import EngineClient
 from runtime.engine.core_client import EngineCoreClient
 from runtime.engine.engine import Engine
+from runtime.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError
 from runtime.engine.outputs import OutputDelta, RequestOutput
-from runtime.errors import EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError
 from scheduler import SamplingParams, StructuredOutput
 
 __all__ = [

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from runtime.model.checkpoint_types import TokenizerSource
-from runtime.model.config import ModelConfig
+from runtime.model_config import ModelConfig
 
 SMOLLM2_135M = dict(
     vocab_size=49152,

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loader.cache.fill_ring import RECORDS, FillRings
 from loader.cache.reclaim import create_segment, reclaim_shared_memory, release
-from loader.prefetch.fill_ring import RECORDS, FillRings
-from loader.workers.rng_state import RNG_STATE_BYTES
+from loader.plan.rng_state import RNG_STATE_BYTES
 
 PREFIX = "prescient_"
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: map a range's pages for writing in one call

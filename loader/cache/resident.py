@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from loader.cache.fill_ring import CURSOR, FREED, HEAD, INDEX, RECORDS, TAIL, FillRings
+from loader.cache.fill_ring import LENGTH as BYTES
 from loader.cache.holdings import Holdings
 from loader.cache.ram import LENGTH, OFFSET, RAM, RAM_HITS, TIER, VERSION, SharedState
-from loader.prefetch.fill_ring import CURSOR, FREED, HEAD, INDEX, RECORDS, TAIL, FillRings
-from loader.prefetch.fill_ring import LENGTH as BYTES
 from loader.source import ByteSource
 
 SIZE_PROBES = 32  # nbytes() calls that estimate the size of samples not seen yet

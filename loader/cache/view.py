@@ -19,7 +19,9 @@ import time
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from loader.cache.batch_reads import BatchReader
 from loader.cache.disk import read_file
+from loader.cache.fill_ring import RingSets
 from loader.cache.ram import (
     COUNTERS,
     DIRECT_READS,
@@ -38,10 +40,8 @@ from loader.cache.ram import (
     WAIT_NS,
     SharedState,
 )
-from loader.prefetch.batch_reads import BatchReader
-from loader.prefetch.fill_ring import RingSets
+from loader.plan.rng_state import capture_rng, restore_rng
 from loader.source import ByteSource
-from loader.workers.rng_state import capture_rng, restore_rng
 
 # Ticket.edge bits: first / last of its batch; covered by the plan; among the epoch's last num_workers batches
 FIRST, LAST, PLANNED_READ, NEAR_END = 1, 2, 4, 8

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from loader.peers.exchange import PeerExchange
 from loader.peers.health import default_store, loader_prefix
-from loader.peers.plan import home_ranks_for
+from loader.plan.ranks import home_ranks_for
 
 
 def rehome(home: np.ndarray, members: list[int]) -> np.ndarray:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loader.peers.plan import epoch_streams, home_ranks
+from loader.plan.ranks import epoch_streams, home_ranks
 
 
 @dataclass(frozen=True)

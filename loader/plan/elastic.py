@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loader.peers.plan import distributed_sampler, epoch_streams
+from loader.plan.ranks import distributed_sampler, epoch_streams
 
 MAX_WORLD = 1 << 20  # ranks a checkpoint's world may have had (any job today has far fewer)
 

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from loader.plan.plan import sampler_generator, uses_global_rng
-from loader.workers.rng_state import check_rng, check_torch_state
+from loader.plan.rng_state import check_rng, check_torch_state
 
 FORMAT = "prescient.loader/3"
 

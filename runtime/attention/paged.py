@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from runtime.cuda import triton_attention
 from runtime.kernels import paged_attention as native_attention
+from runtime.kernels import triton_attention
 
 
 @dataclass

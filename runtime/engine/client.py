@@ -45,11 +45,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from runtime.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
 from runtime.engine.messages import Abort, AddRequest, StepOutput
 from runtime.engine.output_stream import OutputStream
 from runtime.engine.outputs import OutputDelta
 from runtime.engine.request_checks import RequestChecks
-from runtime.errors import EngineDeadError, QueueFullError, RequestAbortedError
 from runtime.model.tokenizer import Tokenizer
 from scheduler import InvalidRequestError, SamplingParams, SchedulerStats
 from scheduler.waiting_share import waiting_refusal

@@ -23,8 +23,8 @@ import time
 
 from runtime.engine.client import EngineClient
 from runtime.engine.core import CoreInfo, run_engine_core
+from runtime.engine.errors import EngineDeadError
 from runtime.engine.messages import CoreFailed, StepOutput, Stop
-from runtime.errors import EngineDeadError
 
 log = logging.getLogger("prescient.engine")
 

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from runtime.attention.kv_cache import KVCache, bytes_per_block
 from runtime.attention.paged import AttentionMetadata, PrefillChunk
 from runtime.config import EngineConfig
 from runtime.device import resolve_device, resolve_dtype
@@ -25,7 +26,6 @@ from runtime.model.checkpoint import load_checkpoint
 from runtime.model.model import LlamaModel
 from runtime.model.tokenizer import Tokenizer
 from runtime.quant.quantization import resolve_quantization
-from runtime.runner.kv_cache import KVCache, bytes_per_block
 from runtime.runner.model_runner import ModelRunner, ModelRunnerOutput
 from runtime.sample.grammar_compiler import GrammarCompiler
 from scheduler import (

@@ -15,8 +15,8 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
+from runtime.engine.errors import RequestFailedError
 from runtime.engine.outputs import OutputDelta, coalesce
-from runtime.errors import RequestFailedError
 
 
 class OutputStream:

@@ -1,1 +1,2 @@
-"""The C kernels (csrc/), built per instruction-set level, and a Python wrapper for each."""
+"""The compute kernels: C (csrc/, built once per instruction-set level, a Python wrapper named after each
+C file) and Triton for CUDA."""

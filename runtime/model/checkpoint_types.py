@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.model.config import ModelConfig
+from runtime.model_config import ModelConfig
 
 DEFAULT_ROPE_THETA = 10000.0
 """RoPE base when a checkpoint does not say (Llama's, in both transformers and llama.cpp)."""

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.engine.progress import Progress
 from runtime.model.checkpoint_types import (
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_ROPE_THETA,
@@ -37,10 +36,11 @@ from runtime.model.checkpoint_types import (
     check_shapes,
     expected_shapes,
 )
-from runtime.model.config import ModelConfig
 from runtime.model.gguf_metadata import read_gguf_metadata
 from runtime.model.gguf_tokenizer import tokenizer_source
 from runtime.model.rope_scaling import longrope_attention_factor
+from runtime.model_config import ModelConfig
+from runtime.progress import Progress
 from runtime.quant.quantization import GGUFBlocks
 
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")

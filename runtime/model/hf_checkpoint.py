@@ -32,9 +32,9 @@ from runtime.model.checkpoint_types import (
     check_shapes,
     expected_shapes,
 )
-from runtime.model.config import ModelConfig
 from runtime.model.rope_scaling import llama3_freq_factors, longrope_attention_factor
 from runtime.model.tokenizer import check_tokenizer_source
+from runtime.model_config import ModelConfig
 
 MODEL_TYPES = {
     "llama": "llama",

@@ -16,15 +16,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime.attention.kv_cache import KVCache
 from runtime.attention.paged import AttentionMetadata, paged_attention, write_kv
 from runtime.attention.windowed import windowed_attention
-from runtime.cuda import triton_layer_ops
 from runtime.kernels import layer_ops as native_layer_ops
 from runtime.kernels import paged_attention as native_attention
-from runtime.kernels.decode_layers import NativeDecode
+from runtime.kernels import triton_layer_ops
 from runtime.model.checkpoint_types import DeferredTensor
-from runtime.model.config import ModelConfig
+from runtime.model.decode_layers import NativeDecode
 from runtime.model.rope_scaling import inverse_frequencies
+from runtime.model_config import ModelConfig
 from runtime.quant.quantization import (
     BlockEmbedding,
     GGUFBlocks,
@@ -35,7 +36,6 @@ from runtime.quant.quantization import (
     measure_row_paths,
     weight_nbytes,
 )
-from runtime.runner.kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

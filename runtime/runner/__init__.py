@@ -1,1 +1,1 @@
-"""The model runner: a step's plan into tensors, the KV cache pool."""
+"""The model runner: a step's plan turned into tensors, and the CUDA graphs that replay a step."""

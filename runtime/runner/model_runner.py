@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.attention.kv_cache import KVCache
 from runtime.attention.paged import AttentionMetadata, PrefillChunk, decode_backend
-from runtime.cuda.cuda_graphs import StepGraphs, warm_up
 from runtime.model.model import LlamaModel
-from runtime.runner.kv_cache import KVCache
+from runtime.runner.cuda_graphs import StepGraphs, warm_up
 from runtime.sample.logits_processors import apply_logits_processors
 from runtime.sample.logprobs import TokenLogprob, token_logprobs
 from runtime.sample.sampler import sample

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import tests.bench as package
-from runtime.engine.progress import Progress
+from runtime.progress import Progress
 from tests.bench import plots
 
 OUT_DIR = Path("bench-results")

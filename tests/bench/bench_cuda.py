@@ -104,7 +104,7 @@ def transformers_rates(model, vocab: int) -> dict:
 
 def attention_row(bandwidth: float) -> dict:
     from runtime.attention.paged import _decode
-    from runtime.cuda.triton_attention import decode_attention
+    from runtime.kernels.triton_attention import decode_attention
 
     seqs, length, heads, kv_heads, d, bs = 64, 1024, 9, 3, 64, 8
     blocks = seqs * length // bs

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from loader import DataLoader, FileDataset
-from loader.workers.rng_state import _split
+from loader.plan.rng_state import _split
 from tests.loader.conftest import noisy_decode, same
 
 STOP = 3
@@ -131,7 +131,7 @@ def test_a_huge_distributed_world_is_refused_before_any_allocation(files, world)
 
 def test_layout_field_names_match_numpy_state():
     """The test above writes numpy's pos at np_pos[0]: the layout holds numpy's state there."""
-    from loader.workers.rng_state import capture_rng
+    from loader.plan.rng_state import capture_rng
 
     np.random.seed(1)
     np.random.rand(5)

@@ -10,7 +10,7 @@ import torch
 import torch.utils.data as tud
 
 from loader import DataLoader, FileDataset
-from loader.prefetch.fill_ring import SETS, RingSets, ring_count
+from loader.cache.fill_ring import SETS, RingSets, ring_count
 from tests.loader.conftest import noisy_decode, same
 
 

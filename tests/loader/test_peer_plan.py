@@ -10,8 +10,8 @@ from torch.utils.data import DistributedSampler
 
 from loader.peers.cluster import rehome
 from loader.peers.model import traffic
-from loader.peers.plan import epoch_streams, home_ranks, with_world
 from loader.plan.elastic import remaining_samples
+from loader.plan.ranks import epoch_streams, home_ranks, with_world
 
 
 @pytest.mark.parametrize("n, world", [(10, 4), (12, 4), (7, 8), (3, 5)])

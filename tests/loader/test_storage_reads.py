@@ -13,7 +13,7 @@ import torch.utils.data as tud
 from torch.utils.data import DistributedSampler
 
 from loader import DataLoader
-from loader.prefetch.batch_reads import FAST_READ_SECONDS, BatchReader
+from loader.cache.batch_reads import FAST_READ_SECONDS, BatchReader
 from tests.loader.conftest import SAMPLE_BYTES, CountingFiles, noisy_decode, same, write_files
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import SamplingParams
-from runtime.cuda.cuda_graphs import capture_sizes
+from runtime.runner.cuda_graphs import capture_sizes
 from tests.random_llama import TINY, engine_for, hf_llama
 
 try:
@@ -89,7 +89,7 @@ def test_triton_decode_kernel_matches_sdpa_in_the_interpreter():
     from 1 to past several tiles, shuffled blocks."""
     script = textwrap.dedent("""
         import torch
-        from runtime.cuda import triton_attention
+        from runtime.kernels import triton_attention
         from tests.runtime.test_cuda import random_decode_case, reference_decode
         gen = torch.Generator().manual_seed(7)
         for heads, kv_heads, d, bs, lens in [
@@ -123,7 +123,7 @@ def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
         import tempfile, pathlib
         import torch
         from runtime import SamplingParams
-        from runtime.cuda import triton_layer_ops
+        from runtime.kernels import triton_layer_ops
         from tests.random_llama import TINY, engine_for, hf_llama
         from tests.runtime.test_cuda import teacher_forced_check
         hf = hf_llama(TINY, "cpu", torch.float32, seed=5)
@@ -157,7 +157,7 @@ def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_decode_kernel_matches_sdpa_on_cuda(dtype):
-    from runtime.cuda import triton_attention
+    from runtime.kernels import triton_attention
 
     gen = torch.Generator().manual_seed(11)
     for heads, kv_heads, d, bs, lens in [
@@ -267,7 +267,7 @@ def test_fused_layer_ops_compute_the_pytorch_layer_on_cuda_in_bfloat16(tiny_cuda
     """bfloat16 on the GPU: the Triton layer ops round where the PyTorch ops do, so the two paths' logits
     agree to bfloat16 precision, and both stay near transformers' float32 logits."""
     engine = engine_for(tiny_cuda, tmp_path, torch.bfloat16, "cuda", enforce_eager=True)
-    assert engine.model.layer_ops.__name__ == "runtime.cuda.triton_layer_ops"
+    assert engine.model.layer_ops.__name__ == "runtime.kernels.triton_layer_ops"
     prompt = [3 + (13 * j) % 500 for j in range(70)]
     fused = engine.prompt_logits(prompt)
     engine.model.native_decode = False

@@ -6,8 +6,8 @@ import re
 
 import torch
 
-from runtime.model.config import ModelConfig
-from runtime.runner.kv_cache import KVCache
+from runtime.attention.kv_cache import KVCache
+from runtime.model_config import ModelConfig
 
 
 def _config() -> ModelConfig:

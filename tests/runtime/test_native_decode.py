@@ -1,4 +1,4 @@
-"""The C loop over a decode-only step's layers (runtime/kernels/decode_layers.py) computes what the Python loop over
+"""The C loop over a decode-only step's layers (runtime/model/decode_layers.py) computes what the Python loop over
 the same kernels computes, bit for bit: the same greedy tokens and the same logprobs, with the real model,
 in bfloat16 and float32, at batch sizes that take the one-row and the many-row matmul."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import runtime.kernels.decode_layers as native_decode
+import runtime.model.decode_layers as native_decode
 import runtime.model.model
 from runtime import Engine, SamplingParams
 from runtime.kernels.library import load

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from runtime.engine.progress import Progress
+from runtime.progress import Progress
 from tests.server.conftest import ROOT
 
 LOAD = "from runtime.model.checkpoint import load_checkpoint; load_checkpoint(None)"

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.attention.kv_cache import KVCache
 from runtime.attention.paged import AttentionMetadata
-from runtime.runner.kv_cache import KVCache
 
 FIELDS = 5
 """Rows of the input buffer: ids, positions, slots, lengths, table index."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.cuda.triton_attention import triton
+from runtime.kernels.triton_attention import triton
 
 if triton is not None:
     import triton.language as tl

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from runtime.model.config import ModelConfig
+from runtime.model_config import ModelConfig
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14

@@ -1,1 +1,0 @@
-"""The CUDA path: Triton kernels and CUDA graphs."""
