@@ -33,6 +33,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -43,8 +44,9 @@ from runtime.native_matmul import NativeMatmul
 
 GROUP = 32
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
-"""auto: keep the GGUF's blocks packed when the dtype is one the packed kernels are fast in (bfloat16 on
-CPU), else dequantize; none: dequantize everything; gguf: keep the GGUF's blocks in any dtype;
+"""auto: keep the GGUF's blocks packed on CPU where they are fast (bfloat16 activations; or float32 chosen by
+dtype 'auto', where the C kernel with 8-bit activations measured faster than the dense matmul at one row,
+packed_measures_faster), else dequantize; none: dequantize everything; gguf: keep the GGUF's blocks in any dtype;
 int8 / int4: quantize float weights on load to 8 bits (symmetric) or 4 bits (min/max) per group of 32
 (a GGUF's blocks are dequantized first; under int4 the LM head gets 8 bits: at 4 it alone costs ~2%
 perplexity on this model)."""
@@ -394,13 +396,56 @@ def check_quantization(quantization: str | None, device: torch.device) -> str:
     return q
 
 
-def resolve_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> str:
-    """'auto' keeps a GGUF's blocks packed where the packed kernels are fast (bfloat16 activations on CPU)
-    and dequantizes elsewhere; any other choice stands."""
+def resolve_quantization(
+    quantization: str | None, dtype: torch.dtype, device: torch.device, dtype_chosen: bool = False
+) -> str:
+    """'auto' keeps a GGUF's blocks packed on CPU where the packed kernels are fast: bfloat16 activations,
+    or a float32 that dtype 'auto' chose (`dtype_chosen`: the CPU computes bfloat16 slowly, as on AVX2) where
+    packed_measures_faster; a float32 the user named stays dense (exact). It dequantizes elsewhere; any
+    other choice stands."""
     q = check_quantization(quantization, device)
     if q == "auto":
-        return "gguf" if device.type == "cpu" and dtype == torch.bfloat16 else "none"
+        if device.type != "cpu":
+            return "none"
+        if dtype == torch.bfloat16 or (dtype == torch.float32 and dtype_chosen and packed_measures_faster()):
+            return "gguf"
+        return "none"
     return q
+
+
+@lru_cache(maxsize=1)
+def packed_measures_faster(rounds: int = 7, calls: int = 8) -> bool:
+    """Whether the C kernel multiplies one row of float32 activations by a model-shaped 4-bit weight (1,536 x
+    576, blocks of 32) faster than the dense float32 matmul does (median CPU seconds, interleaved): the
+    step a single stream's decode repeats, bound by reading weights (0.56 bytes a weight packed, 4 dense).
+    False without the kernel or its vector loops (the portable loops are no match for a dense matmul)."""
+    lib = native_matmul.load()
+    if lib is None or not lib.quantized_matmul_vectorized():
+        return False
+    rng = np.random.default_rng(0)
+    n, k = 1536, 576
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    scale = rng.uniform(0.001, 0.01, (n, k // GROUP)).astype(np.float32)
+    offset = -8 * scale
+    packed = NativeMatmul(codes, scale, offset, 4)
+    dense = torch.from_numpy(
+        ((codes.reshape(n, -1, GROUP) - 8.0) * scale[..., None]).reshape(n, k).astype(np.float32)
+    )
+    x = torch.randn(1, k)
+    paths = {"packed": lambda: packed(x), "dense": lambda: F.linear(x, dense)}
+    if packed.tiles is not None:
+        paths["packed many-row"] = lambda: packed.gemm(x)
+    taken: dict[str, list[float]] = {name: [] for name in paths}
+    for fn in paths.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            start = time.process_time()
+            for _ in range(calls):
+                fn()
+            taken[name].append(time.process_time() - start)
+    medians = {name: statistics.median(t) for name, t in taken.items()}
+    return min(medians, key=medians.get) != "dense"
 
 
 def make_linear(
