@@ -324,10 +324,15 @@ def row_paths(timings: dict[int, dict[str, float]]) -> tuple[int | None, int | N
 
 
 def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[int | None, int | None]:
-    """Times w's paths at each of ROW_CANDIDATES (median CPU seconds of `calls` calls, the paths
-    interleaved round by round; CPU time, as the machine may be shared: waiting for a core is nobody's
-    cost) and routes rows by row_paths. Stops timing once the many-row loops won at two candidates in a
-    row (their lead grows with the rows) or the one-row kernel is all that is left to beat."""
+    """Times w's paths at each of ROW_CANDIDATES (the fastest round's CPU seconds of `calls` calls, the
+    paths interleaved round by round; CPU time, as the machine may be shared: waiting for a core is
+    nobody's cost) and routes rows by row_paths. The fastest round, not the median: on an oversubscribed
+    host a round of a multi-threaded kernel also pays its team's waits for a descheduled thread (C kernels
+    of ~25 us took 7-77 ms in 3 of 9 rounds on a 2-core AMD EPYC under load ~11), which only ever slows
+    a round down; medians routed a one-row fused gate-up of SmolLM2 to torch's float32 int4 kernel (~40 ms
+    a call with torch's AVX2 kernels, against ~25 us for the C many-row loops). Stops timing once the
+    many-row loops won at two candidates in a row (their lead grows with the rows) or the one-row kernel is
+    all that is left to beat."""
     if w.native is None:
         return None, None
     w.native_rows, w.gemm_rows = None, None
@@ -351,7 +356,7 @@ def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[i
         for _ in range(rounds):
             for name, fn in paths.items():
                 taken[name].append(seconds(fn, x))
-        timings[rows] = {name: statistics.median(t) for name, t in taken.items()}
+        timings[rows] = {name: min(t) for name, t in taken.items()}
         loops_won = loops_won + 1 if min(timings[rows], key=timings[rows].get) == "loops" else 0
         if loops_won == 2:
             break
@@ -416,7 +421,7 @@ def resolve_quantization(
 @lru_cache(maxsize=1)
 def packed_measures_faster(rounds: int = 7, calls: int = 8) -> bool:
     """Whether the C kernel multiplies one row of float32 activations by a model-shaped 4-bit weight (1,536 x
-    576, blocks of 32) faster than the dense float32 matmul does (median CPU seconds, interleaved): the
+    576, blocks of 32) faster than the dense float32 matmul does (fastest round's CPU seconds, interleaved): the
     step a single stream's decode repeats, bound by reading weights (0.56 bytes a weight packed, 4 dense).
     False without the kernel or its vector loops (the portable loops are no match for a dense matmul)."""
     lib = native_matmul.load()
@@ -444,8 +449,8 @@ def packed_measures_faster(rounds: int = 7, calls: int = 8) -> bool:
             for _ in range(calls):
                 fn()
             taken[name].append(time.process_time() - start)
-    medians = {name: statistics.median(t) for name, t in taken.items()}
-    return min(medians, key=medians.get) != "dense"
+    best = {name: min(t) for name, t in taken.items()}  # the least disturbed round (measure_row_paths)
+    return min(best, key=best.get) != "dense"
 
 
 def make_linear(
