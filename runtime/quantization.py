@@ -44,12 +44,12 @@ from runtime.native_matmul import NativeMatmul
 
 GROUP = 32
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
-"""auto: keep the GGUF's blocks packed on CPU where they are fast (bfloat16 activations; or float32 chosen by
-dtype 'auto', where the C kernel with 8-bit activations measured faster than the dense matmul at one row,
-packed_measures_faster), else dequantize; none: dequantize everything; gguf: keep the GGUF's blocks in any dtype;
-int8 / int4: quantize float weights on load to 8 bits (symmetric) or 4 bits (min/max) per group of 32
-(a GGUF's blocks are dequantized first; under int4 the LM head gets 8 bits: at 4 it alone costs ~2%
-perplexity on this model)."""
+"""auto: keep the GGUF's blocks packed on CPU where they are fast (bfloat16 activations; or float32 chosen
+by dtype 'auto', where the C kernel with 8-bit activations measured faster than the dense matmul at one
+row, packed_measures_faster), else dequantize; none: dequantize everything; gguf: keep the GGUF's blocks
+in any dtype; int8 / int4: quantize float weights on load to 8 bits (symmetric) or 4 bits (min/max) per
+group of 32 (a GGUF's blocks are dequantized first; under int4 the LM head gets 8 bits: at 4 it alone
+costs ~2% perplexity on this model)."""
 
 
 @dataclass
@@ -324,15 +324,15 @@ def row_paths(timings: dict[int, dict[str, float]]) -> tuple[int | None, int | N
 
 
 def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[int | None, int | None]:
-    """Times w's paths at each of ROW_CANDIDATES (the fastest round's CPU seconds of `calls` calls, the
-    paths interleaved round by round; CPU time, as the machine may be shared: waiting for a core is
-    nobody's cost) and routes rows by row_paths. The fastest round, not the median: on an oversubscribed
-    host a round of a multi-threaded kernel also pays its team's waits for a descheduled thread (C kernels
-    of ~25 us took 7-77 ms in 3 of 9 rounds on a 2-core AMD EPYC under load ~11), which only ever slows
-    a round down; medians routed a one-row fused gate-up of SmolLM2 to torch's float32 int4 kernel (~40 ms
-    a call with torch's AVX2 kernels, against ~25 us for the C many-row loops). Stops timing once the
-    many-row loops won at two candidates in a row (their lead grows with the rows) or the one-row kernel is
-    all that is left to beat."""
+    """Times w's paths at each of ROW_CANDIDATES (the fastest round's seconds of `calls` calls, the
+    paths interleaved round by round) and routes rows by row_paths. The fastest round, not the median: on
+    an oversubscribed host a round of a multi-threaded kernel also pays its team's waits for a descheduled
+    thread (C kernels of ~25 us took 7-77 ms in 3 of 9 rounds on a 2-core AMD EPYC under load ~11), which
+    only ever slows a round down; medians routed a one-row fused gate-up of SmolLM2 to torch's float32 int4
+    kernel (~40 ms a call with torch's AVX2 kernels, against ~25 us for the C many-row loops). Wall time,
+    not CPU time: the waiting thread of an OpenMP team spins, so CPU time charges those waits too. Stops
+    timing once the many-row loops won at two candidates in a row (their lead grows with the rows) or the
+    one-row kernel is all that is left to beat."""
     if w.native is None:
         return None, None
     w.native_rows, w.gemm_rows = None, None
@@ -341,10 +341,10 @@ def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[i
         paths["loops"] = w.native.gemm
 
     def seconds(fn, x) -> float:
-        start = time.process_time()
+        start = time.perf_counter()
         for _ in range(calls):
             fn(x)
-        return time.process_time() - start
+        return time.perf_counter() - start
 
     timings: dict[int, dict[str, float]] = {}
     loops_won = 0
@@ -421,7 +421,7 @@ def resolve_quantization(
 @lru_cache(maxsize=1)
 def packed_measures_faster(rounds: int = 7, calls: int = 8) -> bool:
     """Whether the C kernel multiplies one row of float32 activations by a model-shaped 4-bit weight (1,536 x
-    576, blocks of 32) faster than the dense float32 matmul does (fastest round's CPU seconds, interleaved): the
+    576, blocks of 32) faster than the dense float32 matmul does (fastest round's seconds, interleaved): the
     step a single stream's decode repeats, bound by reading weights (0.56 bytes a weight packed, 4 dense).
     False without the kernel or its vector loops (the portable loops are no match for a dense matmul)."""
     lib = native_matmul.load()
@@ -445,10 +445,10 @@ def packed_measures_faster(rounds: int = 7, calls: int = 8) -> bool:
         fn()
     for _ in range(rounds):
         for name, fn in paths.items():
-            start = time.process_time()
+            start = time.perf_counter()
             for _ in range(calls):
                 fn()
-            taken[name].append(time.process_time() - start)
+            taken[name].append(time.perf_counter() - start)
     best = {name: min(t) for name, t in taken.items()}  # the least disturbed round (measure_row_paths)
     return min(best, key=best.get) != "dense"
 

@@ -315,7 +315,7 @@ def test_rows_are_routed_to_the_path_that_measured_fastest(timings, expected):
     ],
 )
 def test_load_time_measurement_feeds_the_rule(monkeypatch, one_row, loops, rest, expected, largest):
-    """Injected costs (seconds a row, fixed seconds) on a fake CPU clock for the one-row loops, the many-row
+    """Injected costs (seconds a row, fixed seconds) on a fake clock for the one-row loops, the many-row
     loops and the rest (dense copy or packed kernel)."""
     blocks, _ = _tensor("blk.0.attn_output.weight")
     w = pack_gguf(blocks, torch.bfloat16)
@@ -333,7 +333,7 @@ def test_load_time_measurement_feeds_the_rule(monkeypatch, one_row, loops, rest,
         gemm = staticmethod(costing(*loops))
         __call__ = staticmethod(costing(*one_row))
 
-    monkeypatch.setattr(quantization.time, "process_time", lambda: clock[0])
+    monkeypatch.setattr(quantization.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(quantization.Int4Linear, "__call__", lambda self, x: costing(*rest)(x))
     w.native = Kernel()
     assert quantization.measure_row_paths(w) == expected
