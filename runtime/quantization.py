@@ -298,8 +298,10 @@ def row_paths(timings: dict[int, dict[str, float]]) -> tuple[int | None, int | N
     up to which they were the fastest path at every candidate (None: not at 1 row); the many-row loops take
     from gemm_rows, the fewest rows above those from which they were the fastest at every larger candidate
     timed (None: never; timing stops once they have won twice in a row). Where the many-row loops win
-    right above the one-row kernel's rows, they start right after them, so no row count in between falls
-    to a slower path. (Load-time timings used to compare each kernel with torch's packed one only: the
+    right above the one-row kernel's rows, or beat the rest at every count up to where they win, they
+    start right after the one-row kernel's rows, so no row count in between falls to a slower path (under
+    load the loops won at 1 row, the one-row kernel at 2, and rows 1-3 had gone to torch's kernel at 50x).
+    (Load-time timings used to compare each kernel with torch's packed one only: the
     one-row loops kept 8 rows of the LM head at 3x the many-row loops' time, 9-15 rows fell to the packed
     kernel at 4x.)"""
     counts = sorted(timings)
@@ -318,7 +320,12 @@ def row_paths(timings: dict[int, dict[str, float]]) -> tuple[int | None, int | N
         if all("loops" in timings[r] and fastest(r) == "loops" for r in above[i:]):
             gemm = rows
             break
-    if gemm is not None and gemm == above[0]:
+    # they also take the counts between where they beat the rest (the dense copy or torch's kernel)
+    if gemm is not None and all(
+        "loops" in timings[r] and timings[r]["loops"] <= timings[r].get("rest", float("inf"))
+        for r in above
+        if r < gemm
+    ):
         gemm = (native or 0) + 1
     return native, gemm
 

@@ -295,6 +295,8 @@ def _timings(**paths) -> dict[int, dict[str, float]]:
         (_timings(one_row=[1, 5, 9, 9], loops=[2, 2, 4, 2], rest=[3, 3, 3, 3]), (1, 8)),
         # the loops lose at the largest count timed: never
         (_timings(one_row=[1, 5, 9], loops=[2, 2, 4], rest=[3, 3, 3]), (1, None)),
+        # the loops win at 1, the one-row kernel at 2, the loops from 4, the rest far behind: all to the loops
+        (_timings(one_row=[2, 1, 4, 8], loops=[1, 2, 1, 1], rest=[50, 50, 50, 50]), (None, 1)),
         # no tiled copy: only the one-row kernel against the rest
         (_timings(one_row=[1, 1, 5], rest=[2, 2, 2]), (2, None)),
     ],
