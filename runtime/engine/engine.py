@@ -107,7 +107,9 @@ class Engine:
         config = (config or EngineConfig()).replace(model=model, **settings)
         torch_device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, torch_device)
-        quantization = resolve_quantization(config.model.quantization, dtype, torch_device)
+        quantization = resolve_quantization(
+            config.model.quantization, dtype, torch_device, dtype_chosen=config.model.dtype in (None, "auto")
+        )
         if config.parallel.num_threads:
             torch.set_num_threads(config.parallel.num_threads)
         ckpt = load_checkpoint(config.model.model)

@@ -3,8 +3,10 @@
 torch's int4 kernel computes in floating point: every 4-bit weight is widened to
 a float and multiplied by a float. For a few rows (decode) the kernel here
 quantizes each row of activations to 8 bits per block of 32 (as llama.cpp
-does) and runs the inner products on integers (AVX-512 VNNI where the CPU has
-it), with the block scales applied once per block. 8-bit activations are not
+does) and runs the inner products on integers (AVX-512 VNNI or AVX2 vector
+loops, by the level the library was built for), with the block scales applied
+once per block; float32 activations as well as bfloat16, so the packed path
+needs no bfloat16 hardware. 8-bit activations are not
 exact: the model measures on load whether this is faster than torch's kernel
 on this CPU (LlamaModel), and the tests bound the difference and check the
 greedy tokens.
@@ -35,7 +37,8 @@ class NativeMatmul:
         n, k = codes.shape
         self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """The same blocks laid out for the many-row kernel (quantized_gemm): made where the library has
-        its vector loops and N % 32 == 0; the model drops them where they did not measure faster."""
+        vector loops (AVX2 or AVX-512) and N % 32 == 0; the model drops them where they did not measure
+        faster."""
         self.bits = bits
         if n % (2 * TILE_COLUMNS) == 0 and load().quantized_matmul_vectorized():
             self.with_tiles(codes, scale, offset)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -43,11 +44,12 @@ from runtime.kernels.quantized_matmul import NativeMatmul
 
 GROUP = 32
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
-"""auto: keep the GGUF's blocks packed when the dtype is one the packed kernels are fast in (bfloat16 on
-CPU), else dequantize; none: dequantize everything; gguf: keep the GGUF's blocks in any dtype;
-int8 / int4: quantize float weights on load to 8 bits (symmetric) or 4 bits (min/max) per group of 32
-(a GGUF's blocks are dequantized first; under int4 the LM head gets 8 bits: at 4 it alone costs ~2%
-perplexity on this model)."""
+"""auto: keep the GGUF's blocks packed on CPU where they are fast (bfloat16 activations; or float32 chosen
+by dtype 'auto', where the C kernel with 8-bit activations measured faster than the dense matmul at one
+row, packed_measures_faster), else dequantize; none: dequantize everything; gguf: keep the GGUF's blocks
+in any dtype; int8 / int4: quantize float weights on load to 8 bits (symmetric) or 4 bits (min/max) per
+group of 32 (a GGUF's blocks are dequantized first; under int4 the LM head gets 8 bits: at 4 it alone
+costs ~2% perplexity on this model)."""
 
 
 @dataclass
@@ -296,8 +298,10 @@ def row_paths(timings: dict[int, dict[str, float]]) -> tuple[int | None, int | N
     up to which they were the fastest path at every candidate (None: not at 1 row); the many-row loops take
     from gemm_rows, the fewest rows above those from which they were the fastest at every larger candidate
     timed (None: never; timing stops once they have won twice in a row). Where the many-row loops win
-    right above the one-row kernel's rows, they start right after them, so no row count in between falls
-    to a slower path. (Load-time timings used to compare each kernel with torch's packed one only: the
+    right above the one-row kernel's rows, or beat the rest at every count up to where they win, they
+    start right after the one-row kernel's rows, so no row count in between falls to a slower path (under
+    load the loops won at 1 row, the one-row kernel at 2, and rows 1-3 had gone to torch's kernel at 50x).
+    (Load-time timings used to compare each kernel with torch's packed one only: the
     one-row loops kept 8 rows of the LM head at 3x the many-row loops' time, 9-15 rows fell to the packed
     kernel at 4x.)"""
     counts = sorted(timings)
@@ -316,16 +320,26 @@ def row_paths(timings: dict[int, dict[str, float]]) -> tuple[int | None, int | N
         if all("loops" in timings[r] and fastest(r) == "loops" for r in above[i:]):
             gemm = rows
             break
-    if gemm is not None and gemm == above[0]:
+    # they also take the counts between where they beat the rest (the dense copy or torch's kernel)
+    if gemm is not None and all(
+        "loops" in timings[r] and timings[r]["loops"] <= timings[r].get("rest", float("inf"))
+        for r in above
+        if r < gemm
+    ):
         gemm = (native or 0) + 1
     return native, gemm
 
 
 def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[int | None, int | None]:
-    """Times w's paths at each of ROW_CANDIDATES (median CPU seconds of `calls` calls, the paths
-    interleaved round by round; CPU time, as the machine may be shared: waiting for a core is nobody's
-    cost) and routes rows by row_paths. Stops timing once the many-row loops won at two candidates in a
-    row (their lead grows with the rows) or the one-row kernel is all that is left to beat."""
+    """Times w's paths at each of ROW_CANDIDATES (the fastest round's seconds of `calls` calls, the
+    paths interleaved round by round) and routes rows by row_paths. The fastest round, not the median: on
+    an oversubscribed host a round of a multi-threaded kernel also pays its team's waits for a descheduled
+    thread (C kernels of ~25 us took 7-77 ms in 3 of 9 rounds on a 2-core AMD EPYC under load ~11), which
+    only ever slows a round down; medians routed a one-row fused gate-up of SmolLM2 to torch's float32 int4
+    kernel (~40 ms a call with torch's AVX2 kernels, against ~25 us for the C many-row loops). Wall time,
+    not CPU time: the waiting thread of an OpenMP team spins, so CPU time charges those waits too. Stops
+    timing once the many-row loops won at two candidates in a row (their lead grows with the rows) or the
+    one-row kernel is all that is left to beat."""
     if w.native is None:
         return None, None
     w.native_rows, w.gemm_rows = None, None
@@ -334,10 +348,10 @@ def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[i
         paths["loops"] = w.native.gemm
 
     def seconds(fn, x) -> float:
-        start = time.process_time()
+        start = time.perf_counter()
         for _ in range(calls):
             fn(x)
-        return time.process_time() - start
+        return time.perf_counter() - start
 
     timings: dict[int, dict[str, float]] = {}
     loops_won = 0
@@ -349,7 +363,7 @@ def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[i
         for _ in range(rounds):
             for name, fn in paths.items():
                 taken[name].append(seconds(fn, x))
-        timings[rows] = {name: statistics.median(t) for name, t in taken.items()}
+        timings[rows] = {name: min(t) for name, t in taken.items()}
         loops_won = loops_won + 1 if min(timings[rows], key=timings[rows].get) == "loops" else 0
         if loops_won == 2:
             break
@@ -394,13 +408,56 @@ def check_quantization(quantization: str | None, device: torch.device) -> str:
     return q
 
 
-def resolve_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> str:
-    """'auto' keeps a GGUF's blocks packed where the packed kernels are fast (bfloat16 activations on CPU)
-    and dequantizes elsewhere; any other choice stands."""
+def resolve_quantization(
+    quantization: str | None, dtype: torch.dtype, device: torch.device, dtype_chosen: bool = False
+) -> str:
+    """'auto' keeps a GGUF's blocks packed on CPU where the packed kernels are fast: bfloat16 activations,
+    or a float32 that dtype 'auto' chose (`dtype_chosen`: the CPU computes bfloat16 slowly, as on AVX2) where
+    packed_measures_faster; a float32 the user named stays dense (exact). It dequantizes elsewhere; any
+    other choice stands."""
     q = check_quantization(quantization, device)
     if q == "auto":
-        return "gguf" if device.type == "cpu" and dtype == torch.bfloat16 else "none"
+        if device.type != "cpu":
+            return "none"
+        if dtype == torch.bfloat16 or (dtype == torch.float32 and dtype_chosen and packed_measures_faster()):
+            return "gguf"
+        return "none"
     return q
+
+
+@lru_cache(maxsize=1)
+def packed_measures_faster(rounds: int = 7, calls: int = 8) -> bool:
+    """Whether the C kernel multiplies one row of float32 activations by a model-shaped 4-bit weight (1,536 x
+    576, blocks of 32) faster than the dense float32 matmul does (fastest round's seconds, interleaved): the
+    step a single stream's decode repeats, bound by reading weights (0.56 bytes a weight packed, 4 dense).
+    False without the kernel or its vector loops (the portable loops are no match for a dense matmul)."""
+    lib = native_matmul.load()
+    if lib is None or not lib.quantized_matmul_vectorized():
+        return False
+    rng = np.random.default_rng(0)
+    n, k = 1536, 576
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    scale = rng.uniform(0.001, 0.01, (n, k // GROUP)).astype(np.float32)
+    offset = -8 * scale
+    packed = NativeMatmul(codes, scale, offset, 4)
+    dense = torch.from_numpy(
+        ((codes.reshape(n, -1, GROUP) - 8.0) * scale[..., None]).reshape(n, k).astype(np.float32)
+    )
+    x = torch.randn(1, k)
+    paths = {"packed": lambda: packed(x), "dense": lambda: F.linear(x, dense)}
+    if packed.tiles is not None:
+        paths["packed many-row"] = lambda: packed.gemm(x)
+    taken: dict[str, list[float]] = {name: [] for name in paths}
+    for fn in paths.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            taken[name].append(time.perf_counter() - start)
+    best = {name: min(t) for name, t in taken.items()}  # the least disturbed round (measure_row_paths)
+    return min(best, key=best.get) != "dense"
 
 
 def make_linear(

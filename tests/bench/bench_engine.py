@@ -7,8 +7,11 @@ step reads every weight once and spends 2 FLOP per parameter per sequence;
 prefill = matmul FLOP/s / (2 x parameters per token). The matmul FLOP/s is measured once per dtype at the start
 of the run (the fastest of several rounds, tests/bench/roofline.py) and used for every row of that dtype, so
 configurations of one dtype are ratios against the same ceiling.
-Configurations: float32 dequantized, bfloat16 dequantized, and bfloat16 on the GGUF's own packed blocks
-(the default on a CPU where bfloat16 measures fastest). llama.cpp (xllamacpp's prebuilt wheel, the optional
+Configurations: float32 dequantized, bfloat16 dequantized, bfloat16 on the GGUF's own packed blocks
+(the default on a CPU where bfloat16 measures fastest), and float32 on the packed blocks (the default where
+float32 does, as on AVX2-only CPUs: the C kernel quantizes the activations to 8 bits per block). The notes
+name the vector loops the packed matmul runs with (the instruction-set level of the kernels' build).
+llama.cpp (xllamacpp's prebuilt wheel, the optional
 `bench` extra) runs the same GGUF with the same threads when installed, before and after the engine's
 configurations (medians over both, so load that drifts during the run hits both sides); its column is
 skipped otherwise.
@@ -28,11 +31,12 @@ import time
 import torch
 
 from runtime import Engine, SamplingParams
+from runtime.kernels import library as native_kernels
 from runtime.model.checkpoint import default_model_path
 from tests.bench.perplexity import FIXED_TEXT, llama_cpp_perplexity, perplexity
 from tests.bench.roofline import matmul_flops, memory_bandwidth
 
-CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "gguf")]
+CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "gguf"), ("float32", "gguf")]
 BATCHES = [1, 8, 32, 64]
 DECODE_TOKENS = 48
 
@@ -152,12 +156,20 @@ def llama_cpp_rates() -> dict | None:
     return {"prefill": prefill, "decode": decode, "system": xllamacpp.get_system_info().strip()}
 
 
+def _matmul_level() -> str:
+    lib = native_kernels.load()
+    if lib is None:
+        return "none (no C kernels: PyTorch paths)"
+    return {2: "AVX-512 VNNI", 1: "AVX2"}.get(lib.quantized_matmul_vectorized(), "none (portable C loops)")
+
+
 def run() -> dict:
     bandwidth = memory_bandwidth()
     rows = []
     notes = [
         f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s",
         f"threads: {torch.get_num_threads()}",
+        f"packed matmul vector loops: {_matmul_level()}",
     ]
     cpp_runs = [llama_cpp_rates()]
     if cpp_runs[0] is None:

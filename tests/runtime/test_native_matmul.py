@@ -7,7 +7,14 @@ torch's packed int4 kernel (the path the kernel replaces) for greedy agreement."
 
 from __future__ import annotations
 
+import ctypes
+import os
+import platform
+import shutil
+import signal
+import subprocess
 from functools import cache
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -16,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import Engine
+from runtime.device import cpu_flags
 from runtime.kernels import layer_ops as native_layer_ops
 from runtime.kernels import library as native_kernels
 from runtime.kernels import quantized_matmul as native_matmul
@@ -28,6 +36,69 @@ from tests.bench.perplexity import perplexity
 pytestmark = pytest.mark.skipif(
     native_kernels.load() is None, reason="the native kernels cannot be built here"
 )
+
+MATMUL_SOURCE = Path(native_matmul.__file__).parent / "csrc" / "quantized_matmul.c"
+LEVELS = {  # instruction-set level: (compiler flags, CPU flags it needs, which vector loops it has)
+    "generic": (["-march=x86-64"] if platform.machine() == "x86_64" else [], set(), 0),
+    "avx2": (["-march=x86-64-v3"], {"avx2", "fma", "f16c"}, 1),
+    "avx512": (["-march=x86-64-v4", "-mavx512vnni"], {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, 2),
+}
+RUNNABLE = [
+    level
+    for level, (_, needs, _) in LEVELS.items()
+    if level == "generic" or (platform.machine() == "x86_64" and needs <= cpu_flags())
+]
+"""The levels this CPU can run: every kernel is checked at each of them (and the generic one everywhere)."""
+
+
+@cache
+def _level_library(level: str) -> ctypes.CDLL:
+    """csrc/quantized_matmul.c alone, built at `level` into a scratch directory (its own process group, killed
+    whole at the timeout), its two kernels bound as runtime.kernels.library binds them."""
+    flags, _, vector = LEVELS[level]
+    out = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"prescient-matmul-{os.getpid()}-{level}.so"
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cmd = [compiler, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(MATMUL_SOURCE), "-o", str(out), "-lm"]
+    build = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = build.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
+        raise
+    assert build.returncode == 0, err
+    lib = ctypes.CDLL(str(out))
+    out.unlink()
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.quantized_matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint]
+    lib.quantized_gemm.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint, cint]
+    lib.quantized_matmul.restype = lib.quantized_gemm.restype = None
+    lib.quantized_matmul_vectorized.restype = cint
+    assert lib.quantized_matmul_vectorized() == vector, "the build's vector loops are not its level's"
+    return lib
+
+
+@pytest.fixture(params=RUNNABLE)
+def level(request, monkeypatch) -> str:
+    """The kernels of one instruction-set level (built for it) stand in for the engine's library."""
+    lib = _level_library(request.param)
+    monkeypatch.setattr(native_matmul, "load", lambda: lib)
+    return request.param
+
+
+def _tiled(blocks: GGUFBlocks, dtype: torch.dtype) -> native_matmul.NativeMatmul:
+    """The C kernel's copies of `blocks`, with the many-row layout even where the build has no vector loops
+    (then it is made only for tests: the portable loops read the same layout)."""
+    w = pack_gguf(blocks, dtype).native
+    if w.tiles is None:
+        if blocks.kind == "Q8_0":
+            w.with_tiles(
+                (blocks.codes.astype(np.int16) + 128).astype(np.uint8), blocks.scale, -128 * blocks.scale
+            )
+        else:
+            codes, scale, zero = blocks.int4_fields()
+            w.with_tiles(codes, scale, zero - 8 * scale)
+    return w
 
 
 @cache  # parsing and the oracle's dequantize cost seconds for the embedding
@@ -48,6 +119,17 @@ def _q4_0() -> tuple[GGUFBlocks, np.ndarray]:
     return GGUFBlocks.parse("Q4_0", raw, w.shape), reference
 
 
+def _source(name: str) -> tuple[GGUFBlocks, np.ndarray]:
+    """A test's weight: the file's tensor (the embedding / LM head cut to its first 2,048 rows, enough for
+    every tile and thread and 24x faster through the portable loops), or the random Q4_0 matrix."""
+    if name == "q4_0":
+        return _q4_0()
+    blocks, reference = _tensor(name)
+    if name == "token_embd.weight":
+        blocks, reference = blocks.take_rows(np.arange(2048)), reference[:2048]
+    return blocks, reference
+
+
 def _activations_as_8_bits(x: torch.Tensor) -> np.ndarray:
     """x rounded the kernel's way: per block of 32, round(x * (1 / d)) * d with d = max|x| / 127, in float32
     (as the kernel computes it, so that ties round alike)."""
@@ -61,10 +143,12 @@ def _activations_as_8_bits(x: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("source", ["blk.3.ffn_down.weight", "token_embd.weight", "q4_0"])
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_computes_the_blocks_times_8_bit_activations(source, portable, dtype):
-    """Q4_1 (a layer), Q8_0 (the tied embedding / LM head) and Q4_0, vector and portable loops, float32 and
-    bfloat16 activations: the dequantized weights times the 8-bit-rounded activations, to float rounding."""
-    blocks, reference = _q4_0() if source == "q4_0" else _tensor(source)
+def test_kernel_computes_the_blocks_times_8_bit_activations(level, source, portable, dtype):
+    """Q4_1 (a layer), Q8_0 (the tied embedding / LM head) and Q4_0, vector and portable loops of each level
+    this CPU runs, float32 and bfloat16 activations: the dequantized weights times the 8-bit-rounded
+    activations, to float rounding (the integer block sums are exact; the float sums over K / 32 blocks run
+    in each level's own order)."""
+    blocks, reference = _source(source)
     w = pack_gguf(blocks, dtype)
     assert w.native is not None
     x = torch.randn(3, reference.shape[1]).to(dtype)
@@ -81,26 +165,21 @@ def test_kernel_computes_the_blocks_times_8_bit_activations(source, portable, dt
 )
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_row_loops_compute_the_same_function(source, portable, dtype):
-    """The many-row loops (the tiled copy, 4 rows (4-bit) or 6 (8-bit) x 32 columns a tile, 64 rows a chunk)
-    against the same oracle, at row counts that leave partial tiles and span chunks."""
-    if not native_kernels.load().quantized_matmul_vectorized() and not portable:
-        pytest.skip("this CPU's build has no vector loops")
-    blocks, reference = _q4_0() if source == "q4_0" else _tensor(source)
-    w = pack_gguf(blocks, dtype).native
-    if w.tiles is None:  # made only where the vector loops are; the portable ones read the same layout
-        codes, scale, zero = (
-            (blocks.codes, blocks.scale, None) if blocks.kind == "Q8_0" else blocks.int4_fields()
-        )
-        if blocks.kind == "Q8_0":
-            w.with_tiles((codes.astype(np.int16) + 128).astype(np.uint8), scale, -128 * scale)
-        else:
-            w.with_tiles(codes, scale, zero - 8 * scale)
+def test_many_row_loops_compute_the_same_function(level, source, portable, dtype):
+    """The many-row loops (the tiled copy, 4 or 6 rows x 32 columns a tile, 64 rows a chunk) of each level
+    this CPU runs against the same oracle, at row counts that leave partial tiles and span chunks; and the
+    vector loops equal the portable ones bit for bit (the same integer block sums, then the same float
+    operations per column, fused alike), so every level computes the same numbers."""
+    blocks, reference = _source(source)
+    w = _tiled(blocks, dtype)
     for rows in (1, 7, 70):
         x = torch.randn(rows, reference.shape[1]).to(dtype)
         expected = _activations_as_8_bits(x) @ reference.astype(np.float64).T
-        got = w.gemm(x, out_dtype=torch.float32, portable=portable).double().numpy()
+        out = w.gemm(x, out_dtype=torch.float32, portable=portable)
+        got = out.double().numpy()
         assert np.abs(got - expected).max() <= 2e-5 * np.abs(expected).max() * reference.shape[1] ** 0.5
+        if not portable:
+            assert torch.equal(out, w.gemm(x, out_dtype=torch.float32, portable=True)), rows
         if dtype == torch.bfloat16:  # bfloat16 out: the float32 result rounded to nearest
             assert torch.equal(w.gemm(x, portable=portable), torch.from_numpy(got).float().bfloat16())
 
@@ -111,13 +190,11 @@ def test_fused_silu_epilogue_equals_the_product_then_the_layer_op(portable, dtyp
     """A fused [gate; up] weight (Q4_1 from the gguf library, and the model's own layer) with SiLU x up in the
     many-row loops' epilogue: bit for bit what the plain product followed by the layer ops' silu_mul gives,
     and torch's F.silu(gate) * up of that product to rounding, at row counts that leave partial tiles and span
-    chunks; and it writes into a given buffer."""
-    if not native_kernels.load().quantized_matmul_vectorized():
-        pytest.skip("this CPU's build has no vector loops, so no tiled copy for the fused path to run on")
+    chunks; and it writes into a given buffer. (The engine's library: the layer op is built with it.)"""
     w = np.random.default_rng(2).standard_normal((2 * 96, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
-    weights = [pack_gguf(GGUFBlocks.parse("Q4_1", raw, w.shape), dtype).native]
-    weights.append(pack_gguf(_tensor("blk.2.ffn_up.weight")[0], dtype).native)  # 1,536 x 576: gate = up here
+    weights = [_tiled(GGUFBlocks.parse("Q4_1", raw, w.shape), dtype)]
+    weights.append(_tiled(_tensor("blk.2.ffn_up.weight")[0], dtype))  # 1,536 x 576: gate = up here
     for native in weights:
         for rows in (1, 5, 70):
             x = torch.randn(rows, native.in_features).to(dtype)
@@ -141,22 +218,21 @@ def test_fused_silu_epilogue_equals_the_product_then_the_layer_op(portable, dtyp
 
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_nan_activation_reaches_its_rows_outputs_only(portable, dtype):
-    """As in a float matmul: a NaN in a row's activations makes that row's outputs NaN (the 8-bit rounding
-    must not turn it into a finite code), and the other rows stay finite; one-row kernel and many-row loops."""
-    if not native_kernels.load().quantized_matmul_vectorized() and not portable:
-        pytest.skip("this CPU's build has no vector loops")
+def test_a_nan_activation_reaches_its_rows_outputs_only(level, portable, dtype):
+    """As in a float matmul: a NaN (or an infinity) in a row's activations makes that row's outputs NaN (the
+    8-bit rounding must not turn it into a finite code), and the other rows stay finite; one-row kernel and
+    many-row loops of each level this CPU runs."""
     blocks, reference = _tensor("blk.3.ffn_down.weight")
-    w = pack_gguf(blocks, dtype).native
-    for rows, position in ((1, 0), (7, 45), (70, 1000)):
+    w = _tiled(blocks, dtype)
+    for rows, position, bad in ((1, 0, float("nan")), (7, 45, float("inf")), (70, 1000, float("nan"))):
         x = torch.randn(rows, reference.shape[1]).to(dtype)
-        x[rows // 2, position] = float("nan")
+        x[rows // 2, position] = bad
         outs = [w(x[rows // 2 : rows // 2 + 1], out_dtype=torch.float32, portable=portable)]
-        if w.tiles is not None:
-            outs.append(w.gemm(x, out_dtype=torch.float32, portable=portable)[rows // 2 : rows // 2 + 1])
-            others = torch.cat([x[: rows // 2], x[rows // 2 + 1 :]])
-            if len(others):
-                assert torch.isfinite(w.gemm(others, out_dtype=torch.float32, portable=portable)).all()
+        outs.append(w.gemm(x, out_dtype=torch.float32, portable=portable)[rows // 2 : rows // 2 + 1])
+        others = torch.cat([x[: rows // 2], x[rows // 2 + 1 :]])
+        if len(others):
+            assert torch.isfinite(w.gemm(others, out_dtype=torch.float32, portable=portable)).all()
+            assert torch.isfinite(w(others, out_dtype=torch.float32, portable=portable)).all()
         for out in outs:
             assert torch.isnan(out).all(), (rows, position)
 
@@ -164,8 +240,7 @@ def test_a_nan_activation_reaches_its_rows_outputs_only(portable, dtype):
 def test_many_rows_go_to_the_loops_only_from_where_they_measured_faster(monkeypatch):
     blocks, _ = _tensor("blk.0.attn_output.weight")
     w = pack_gguf(blocks, torch.bfloat16)
-    if w.native.tiles is None:
-        pytest.skip("this CPU's build has no vector loops")
+    w.native = _tiled(blocks, torch.bfloat16)
     calls = []
     real = w.native.gemm
     monkeypatch.setattr(w.native, "gemm", lambda x, **kw: calls.append(len(x)) or real(x, **kw))
@@ -182,9 +257,9 @@ def test_one_row_bytes_follow_the_path_one_row_takes():
     each (1.25 N K)."""
     w8 = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w8, gguf.GGMLQuantizationType.Q8_0)
-    w = pack_gguf(GGUFBlocks.parse("Q8_0", raw, w8.shape), torch.bfloat16)
-    if w.native is None or w.native.tiles is None:
-        pytest.skip("this CPU's build has no vector loops")
+    blocks = GGUFBlocks.parse("Q8_0", raw, w8.shape)
+    w = pack_gguf(blocks, torch.bfloat16)
+    w.native = _tiled(blocks, torch.bfloat16)
     n, k = w8.shape
     for native_rows, gemm_rows, expected in ((1, 2, 1.125), (None, 1, 1.125), (None, 2, 1.25)):
         w.native_rows, w.gemm_rows = native_rows, gemm_rows
@@ -225,6 +300,8 @@ def _timings(**paths) -> dict[int, dict[str, float]]:
         (_timings(one_row=[1, 5, 9, 9], loops=[2, 2, 4, 2], rest=[3, 3, 3, 3]), (1, 8)),
         # the loops lose at the largest count timed: never
         (_timings(one_row=[1, 5, 9], loops=[2, 2, 4], rest=[3, 3, 3]), (1, None)),
+        # the loops win at 1, the one-row kernel at 2, the loops from 4, the rest far behind: all to the loops
+        (_timings(one_row=[2, 1, 4, 8], loops=[1, 2, 1, 1], rest=[50, 50, 50, 50]), (None, 1)),
         # no tiled copy: only the one-row kernel against the rest
         (_timings(one_row=[1, 1, 5], rest=[2, 2, 2]), (2, None)),
     ],
@@ -245,7 +322,7 @@ def test_rows_are_routed_to_the_path_that_measured_fastest(timings, expected):
     ],
 )
 def test_load_time_measurement_feeds_the_rule(monkeypatch, one_row, loops, rest, expected, largest):
-    """Injected costs (seconds a row, fixed seconds) on a fake CPU clock for the one-row loops, the many-row
+    """Injected costs (seconds a row, fixed seconds) on a fake clock for the one-row loops, the many-row
     loops and the rest (dense copy or packed kernel)."""
     blocks, _ = _tensor("blk.0.attn_output.weight")
     w = pack_gguf(blocks, torch.bfloat16)
@@ -263,7 +340,7 @@ def test_load_time_measurement_feeds_the_rule(monkeypatch, one_row, loops, rest,
         gemm = staticmethod(costing(*loops))
         __call__ = staticmethod(costing(*one_row))
 
-    monkeypatch.setattr(quantization.time, "process_time", lambda: clock[0])
+    monkeypatch.setattr(quantization.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(quantization.Int4Linear, "__call__", lambda self, x: costing(*rest)(x))
     w.native = Kernel()
     assert quantization.measure_row_paths(w) == expected

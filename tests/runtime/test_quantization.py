@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import Engine
+from runtime import Engine, device
+from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.model.checkpoint import default_model_path
+from runtime.quant import quantization
 from runtime.quant.quantization import GGUFBlocks, Int4Linear, pack_gguf
 from server.cli import build_parser
 from tests.bench.perplexity import perplexity
@@ -115,3 +117,73 @@ def test_dense_copies_are_capped_by_the_setting():
             assert w.dense is not None or w.gemm_rows is not None
     assert second.gate_up.dense is None and capped.model.lm_head.dense is None
     assert "--dense-copy-bytes" in build_parser().format_help()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "chosen", "faster", "expected"),
+    [
+        (
+            torch.bfloat16,
+            False,
+            False,
+            "gguf",
+        ),  # bfloat16 activations: packed, as the int4 kernel is fast there
+        (
+            torch.float32,
+            True,
+            True,
+            "gguf",
+        ),  # dtype auto chose float32 (bf16 slow here), packed measured faster
+        (torch.float32, True, False, "none"),  # ... but the dense matmul measured faster
+        (torch.float32, False, True, "none"),  # float32 named by the user: exact, dense
+    ],
+)
+def test_auto_packs_float32_only_where_dtype_auto_chose_it_and_packed_measured_faster(
+    monkeypatch, dtype, chosen, faster, expected
+):
+    monkeypatch.setattr(quantization, "packed_measures_faster", lambda: faster)
+    cpu = torch.device("cpu")
+    assert quantization.resolve_quantization("auto", dtype, cpu, dtype_chosen=chosen) == expected
+    assert quantization.resolve_quantization("none", dtype, cpu, dtype_chosen=chosen) == "none"
+    assert quantization.resolve_quantization("gguf", torch.float32, cpu) == "gguf"
+
+
+@pytest.mark.parametrize(("packed_cost", "dense_cost", "expected"), [(1.0, 3.0, True), (3.0, 1.0, False)])
+def test_packed_measures_faster_compares_one_row_against_the_dense_matmul(
+    monkeypatch, packed_cost, dense_cost, expected
+):
+    """Injected costs on a fake clock: the C kernel's one-row and many-row loops against F.linear."""
+    clock = [0.0]
+
+    def costing(cost, real):
+        def run(*args, **kwargs):
+            clock[0] += cost
+            return real(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(quantization.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(quantization.F, "linear", costing(dense_cost, quantization.F.linear))
+    monkeypatch.setattr(NativeMatmul, "__call__", costing(packed_cost, NativeMatmul.__call__))
+    monkeypatch.setattr(NativeMatmul, "gemm", costing(packed_cost, NativeMatmul.gemm))
+    assert quantization.packed_measures_faster.__wrapped__() == expected
+
+
+def test_where_dtype_auto_picks_float32_the_gguf_blocks_stay_packed_at_float32_quality(
+    engine_fp32, fp32_perplexity, monkeypatch
+):
+    """A CPU where float32 measured the fastest dtype and the packed kernel faster than the dense matmul, as
+    an AVX2-only one (both measurements injected: this CPU computes bfloat16 fast, and on a loaded host a
+    timing may go either way; test_packed_measures_faster_... checks that measurement): dtype and
+    quantization 'auto' keep the blocks packed for the C kernel with 8-bit activations, within 1% of the
+    float32 perplexity and with the same greedy tokens."""
+    monkeypatch.setattr(device, "fastest_cpu_dtype", lambda: torch.float32)
+    monkeypatch.setattr(quantization, "packed_measures_faster", lambda: True)
+    engine = Engine.from_pretrained(device="cpu", kv_cache_bytes=16 << 20)
+    assert engine.model.dtype == torch.float32 and engine.model.quantization == "gguf"
+    assert isinstance(engine.model.layers[0].gate_up, Int4Linear)
+    assert engine.model.weight_bytes < 0.25 * engine_fp32.model.weight_bytes
+    assert abs(perplexity(engine) / fp32_perplexity - 1) < 0.01
+    ids = engine_fp32.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    ours, exact = engine.prompt_logits(ids), engine_fp32.prompt_logits(ids)
+    assert (ours.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9

@@ -12,8 +12,15 @@
  * Activations x [M, K] (float32 or bfloat16) become xq (int8) and dx per block of 32 (xq = round(x / dx),
  * dx = max|x| / 127), so that per block
  *   sum_j w_j x_j ~= d * dx * sum_j c_j xq_j + o * (dx * sum_j xq_j).
- * out [M, N] float32 or bfloat16. Requires K % 64 == 0. `portable`: the plain C loops even where AVX-512
- * VNNI is compiled in (the tests check both compute one function).
+ * out [M, N] float32 or bfloat16. Requires K % 64 == 0. `portable`: the plain C loops even where vector loops
+ * are compiled in (the tests check both compute one function).
+ *
+ * Vector loops per instruction-set level of the build: AVX-512 VNNI (vpdpbusd: 4 byte products summed into
+ * each 32-bit lane), else AVX2 + FMA + F16C (vpmaddubsw: unsigned x signed byte pairs summed into 16 bits,
+ * then vpmaddwd into 32; the 8-bit codes, unsigned here, are multiplied as signed code - 128 with its
+ * magnitude and the activation's sign moved over (vpsignb), so no pair sum can saturate, and 128 x the block's
+ * activation sum is added back), else none. The integer inner products are exact at every level, so every
+ * level computes one function; the levels differ only in the order of the float sums over blocks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,8 +34,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define QMM_VNNI 1
+#define QMM_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QMM_VNNI 0
+#define QMM_AVX2 1
 #else
 #define QMM_VNNI 0
+#define QMM_AVX2 0
 #endif
 
 #define QBLOCK 32
@@ -53,9 +66,11 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* One row of activations into int8 blocks: xq [K], dx [K/32], sx [K/32] = dx * sum(xq). A NaN in a block
- * makes its d NaN (and its codes 0), so that it reaches every output of the row, as in a float matmul. */
-static void quantize_row_portable(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx) {
+/* One row of activations into int8 blocks: xq [K], dx [K/32], sx [K/32] = dx * sum(xq), xs [K/32] = sum(xq).
+ * A NaN in a block makes its d NaN (and its codes 0), so that it reaches every output of the row, as in a
+ * float matmul. */
+static void quantize_row_portable(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx,
+                                  int32_t *xs) {
     float buf[QBLOCK];
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         float amax = 0.f;
@@ -74,6 +89,7 @@ static void quantize_row_portable(const void *x, int x_bf16, int64_t K, int8_t *
         }
         dx[b] = d;
         sx[b] = d * (float)sum;
+        xs[b] = sum;
     }
 }
 
@@ -82,7 +98,7 @@ static void quantize_row_portable(const void *x, int x_bf16, int64_t K, int8_t *
  * is found on the bits (x & 0x7fff orders as |x|, a NaN above infinity, so a NaN reaches d), and the codes are
  * packed and summed with integer shuffles: on a 2-core AMD EPYC (Zen 4) 1.5x as fast as the float reductions
  * and the narrowing store (vpmovdb) per block, which took ~5% of a batched step. */
-static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx) {
+static void quantize_row_vector(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx, int32_t *xs) {
     if (x_bf16) {
         const __m512i magnitude = _mm512_set1_epi16(0x7fff);
         const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7); /* undoes the packs' lane interleave */
@@ -108,7 +124,8 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *xq, float
             __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
             s2 = _mm_add_epi64(s2, _mm_unpackhi_epi64(s2, s2));
             dx[b] = d;
-            sx[b] = d * (float)(_mm_cvtsi128_si32(s2) - 128 * QBLOCK);
+            xs[b] = _mm_cvtsi128_si32(s2) - 128 * QBLOCK;
+            sx[b] = d * (float)xs[b];
         }
         return;
     }
@@ -123,12 +140,72 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *xq, float
         _mm_storeu_si128((__m128i *)(xq + b * QBLOCK), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(xq + b * QBLOCK + 16), _mm512_cvtepi32_epi8(q1));
         dx[b] = d;
-        sx[b] = d * (float)(_mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1));
+        xs[b] = _mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1);
+        sx[b] = d * (float)xs[b];
     }
 }
-#else
-#define quantize_row quantize_row_portable
+#elif QMM_AVX2
+/* One block of 32 floats (4 vectors) into codes, with the portable loop's float operations (so its codes): the
+ * largest magnitude by vector maxima, a NaN anywhere found by an unordered compare. */
+static inline void quantize_block_avx2(const __m256 v[4], int8_t *xq, float *dx, float *sx, int32_t *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const __m256 unordered = _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q), _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q));
+    const float amax = _mm256_movemask_ps(unordered) ? NAN : _mm_cvtss_f32(m4);
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    *dx = d;
+    if (!isfinite(d)) { /* as the portable loop: codes 0, and d (NaN or infinity) reaches the outputs */
+        memset(xq, 0, QBLOCK);
+        *xs = 0;
+        *sx = d * 0.f;
+        return;
+    }
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv));
+    /* |q| <= 127: the packs do not saturate; they interleave 4-code groups per 128-bit lane, undone by the
+     * permute */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)xq, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+    *xs = _mm_cvtsi128_si32(s4);
+    *sx = d * (float)*xs;
+}
+
+static void quantize_row_vector(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx, int32_t *xs) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        __m256 v[4];
+        if (x_bf16) {
+            const uint16_t *src = (const uint16_t *)x + b * QBLOCK;
+            for (int i = 0; i < 4; i++)
+                v[i] = _mm256_castsi256_ps(
+                    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 8 * i))), 16));
+        } else {
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps((const float *)x + b * QBLOCK + 8 * i);
+        }
+        quantize_block_avx2(v, xq + b * QBLOCK, dx + b, sx + b, xs + b);
+    }
+}
 #endif
+
+/* The vector loops where the build has them (the same codes as the portable loop), else the portable loop. */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx, int32_t *xs,
+                         int portable) {
+#if QMM_VNNI || QMM_AVX2
+    if (!portable) {
+        quantize_row_vector(x, x_bf16, K, xq, dx, sx, xs);
+        return;
+    }
+#endif
+    quantize_row_portable(x, x_bf16, K, xq, dx, sx, xs);
+}
 
 /* One weight row against one activation row: sum over blocks of
  * d * dx * (codes . xq) + offset * (dx * sum xq), in portable C. */
@@ -187,6 +264,69 @@ static inline float row_dot_vnni(const uint8_t *codes, const uint16_t *scale, co
 }
 #endif
 
+#if QMM_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Signed bytes a (any, -128 too) times signed bytes x (|x| <= 127), 4 adjacent products summed into each 32-bit
+ * lane: |a| x (x with a's sign) keeps vpmaddubsw's pair sums within 2 x 128 x 127, so none saturates. */
+static inline __m256i dot_s8_avx2(__m256i a, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(x, a)), _mm256_set1_epi16(1));
+}
+
+/* The one-row dot with AVX2: one block (32 codes) per integer dot product, its 8 lanes scaled by the block's
+ * d * dx. 8-bit codes u are multiplied as u - 128 (dot_s8_avx2) and each lane gets 16 x the block's activation
+ * sum back (128 x over the 8 lanes), so that the lanes add up to the portable loop's integer sum. ds: K/32 + 16
+ * floats. */
+static inline float row_dot_avx2(const uint8_t *codes, const uint16_t *scale, const uint16_t *offset,
+                                 const int8_t *xq, const float *dx, const float *sx, const int32_t *xs, int64_t K,
+                                 int bits, float *ds) {
+    const int64_t nb = K / QBLOCK;
+    __m256 acc_o = _mm256_setzero_ps();
+    float tail_o = 0.f;
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + b)));
+        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offset + b)));
+        _mm256_storeu_ps(ds + b, _mm256_mul_ps(d, _mm256_loadu_ps(dx + b)));
+        acc_o = _mm256_fmadd_ps(o, _mm256_loadu_ps(sx + b), acc_o);
+    }
+    for (; b < nb; b++) {
+        ds[b] = f16_to_f32(scale[b]) * dx[b];
+        tail_o += f16_to_f32(offset[b]) * sx[b];
+    }
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    if (bits == 4) {
+        for (int64_t p = 0; p < nb / 2; p++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + p * 32));
+            const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + p * 64));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + p * 64 + 32));
+            const __m256i s0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones); /* |pair| <= 2 x 15 x 127 */
+            const __m256i s1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(ds + 2 * p), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_broadcast_ss(ds + 2 * p + 1), acc1);
+        }
+    } else {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int64_t c = 0; c < nb; c++) {
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + c * 32)), flip);
+            const __m256i s = _mm256_add_epi32(dot_s8_avx2(w, _mm256_loadu_si256((const __m256i *)(xq + c * 32))),
+                                               _mm256_set1_epi32(16 * xs[c]));
+            if (c & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(ds + c), acc1);
+            else
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(ds + c), acc0);
+        }
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1)) + hsum256(acc_o) + tail_o;
+}
+#endif
+
 void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
                       const uint16_t *scale, const uint16_t *offset, int64_t N, int bits, void *out, int out_bf16,
                       int portable, int num_threads) {
@@ -194,9 +334,11 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
     const size_t elem = x_bf16 ? 2 : 4;
     for (int64_t m = 0; m < M; m++)
-        quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb);
+        quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb, xs + m * nb,
+                     portable);
     const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;
     _Pragma("omp parallel num_threads(num_threads)")
     {
@@ -215,6 +357,10 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
                     if (!portable)
                         y = row_dot_vnni(cn, sn, on, xm, dxm, sxm, K, bits, ds);
                     else
+#elif QMM_AVX2
+                    if (!portable)
+                        y = row_dot_avx2(cn, sn, on, xm, dxm, sxm, xs + m * nb, K, bits, ds);
+                    else
 #endif
                         y = row_dot_portable(cn, sn, on, xm, dxm, sxm, K, bits);
                     if (out_bf16)
@@ -229,9 +375,10 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     free(xq);
     free(dx);
     free(sx);
+    free(xs);
 }
 
-/* Many rows: the same function on weights re-laid for a register tile (prepared at load, native_matmul.py):
+/* Many rows: the same function on weights re-laid for a register tile (prepared at load, kernels/quantized_matmul.py):
  *   tiles [N/16][K/32][V][64] bytes, V = 4 (4-bit) or 8 (8-bit): each 64-byte vector holds 4 codes for each of
  *         16 output columns (column 16g + j in bytes 4j..4j+3). 4-bit: vector v's low nibbles are inputs
  *         32b + 8v + 0..3 and its high nibbles 32b + 8v + 4..7; 8-bit: vector v is inputs 32b + 4v + 0..3.
@@ -244,12 +391,18 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
  * weights ran 1.00-1.36x as fast with 6 rows as with 4, shape by shape (the 49,152 x 576 LM head at 32 rows
  * 1.18-1.25x in three runs, 0.96x in one); 4-bit weights 0.86-0.99x (their unpacked vectors take the registers
  * the extra rows need), so 4-bit keeps 4. */
+#if QMM_AVX2
+/* AVX2's 16 registers hold a tile's 2 x rows accumulators and a few weight vectors: 4 rows for both widths */
+#define GEMM_ROWS_4BIT 4
+#define GEMM_ROWS_8BIT 4
+#else
 #define GEMM_ROWS_4BIT 4
 #define GEMM_ROWS_8BIT 6
-#define GEMM_ROWS_MAX GEMM_ROWS_8BIT
+#endif
+#define GEMM_ROWS_MAX 6
 /* gemm_pair's switch has a constant-row tile for every count up to these; a larger one would fall to its
  * 1-row default and leave rows uncomputed */
-_Static_assert(GEMM_ROWS_4BIT == 4 && GEMM_ROWS_8BIT == 6, "gemm_pair's tile switch covers 1-4 and 1-6 rows");
+_Static_assert(GEMM_ROWS_4BIT <= 4 && GEMM_ROWS_8BIT <= 6, "gemm_pair's tile switch covers 1-4 and 1-6 rows");
 static inline int gemm_rows(int bits) { return bits == 4 ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
 #define GEMM_CHUNK 64
 
@@ -336,6 +489,74 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
 }
 #endif
 
+#if QMM_AVX2
+/* The tile with AVX2: 8 columns (half of one 64-byte vector) a pass, each pass over every block, so that a pass
+ * keeps 2 accumulators per row (the block's integer sums, the float total) and the weight vectors it unpacks in
+ * registers. 4-bit: vpmaddubsw's 16-bit pair sums of a block's 8 vectors (low and high nibbles) add up in 16 bits
+ * (8 x 2 x 15 x 127 = 30,480 at most) before one vpmaddwd; 8-bit: each vector's products are summed to 32 bits
+ * (dot_s8_avx2), on 128 x the row's block sum. The same integers as the VNNI tile, then the same float
+ * operations per column (s = d * dx; acc += s * sum; acc += o * sx): the same results, bit for bit. */
+static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
+                           int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, const int32_t *xs,
+                           int64_t K, int64_t m0, int rows, float *acc_out /* [rows][32] */, int64_t pf_g,
+                           int pf_every, int pf_phase) {
+    const int vecs = bits == 4 ? 4 : 8, step = bits == 4 ? 8 : 4;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int q = 0; q < 4; q++) {
+        const int64_t gg = g + q / 2;
+        const int h = q % 2;
+        __m256 acc[GEMM_ROWS_MAX];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *c = tiles + (gg * nb + b) * vecs * 64 + h * 32;
+            if (q == 0 && pf_g >= 0 && b % pf_every == pf_phase)
+                for (int64_t pg = pf_g; pg < pf_g + 2; pg++) {
+                    for (int v = 0; v < vecs; v++) _mm_prefetch((const char *)(tiles + (pg * nb + b) * vecs * 64 + v * 64), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(tscale + (pg * nb + b) * 16), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(toffset + (pg * nb + b) * 16), _MM_HINT_T1);
+                }
+            __m256i ia[GEMM_ROWS_MAX];
+            if (bits == 4) {
+                for (int r = 0; r < rows; r++) ia[r] = _mm256_setzero_si256();
+                for (int v = 0; v < vecs; v++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + v * 64));
+                    const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *x4 = xq + (m0 + r) * K + b * QBLOCK + v * step;
+                        int32_t x0, x1;
+                        memcpy(&x0, x4, sizeof x0);
+                        memcpy(&x1, x4 + 4, sizeof x1);
+                        ia[r] = _mm256_add_epi16(ia[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+                        ia[r] = _mm256_add_epi16(ia[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                    }
+                }
+                for (int r = 0; r < rows; r++) ia[r] = _mm256_madd_epi16(ia[r], ones);
+            } else {
+                for (int r = 0; r < rows; r++) ia[r] = _mm256_set1_epi32(128 * xs[(m0 + r) * nb + b]);
+                for (int v = 0; v < vecs; v++) {
+                    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + v * 64)), flip);
+                    const __m256i magnitude = _mm256_abs_epi8(w);
+                    for (int r = 0; r < rows; r++) {
+                        int32_t x4;
+                        memcpy(&x4, xq + (m0 + r) * K + b * QBLOCK + v * step, sizeof x4);
+                        const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(x4), w);
+                        ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+                    }
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tscale + (gg * nb + b) * 16 + h * 8)));
+            const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(toffset + (gg * nb + b) * 16 + h * 8)));
+            for (int r = 0; r < rows; r++) {
+                const __m256 s = _mm256_mul_ps(d, _mm256_broadcast_ss(dx + (m0 + r) * nb + b));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), s, acc[r]);
+                acc[r] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(sx + (m0 + r) * nb + b), acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(acc_out + r * 32 + q * 8, acc[r]);
+    }
+}
+#endif
+
 static void gemm_tile_portable(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
                                int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx,
                                int64_t K, int64_t m0, int rows, float *acc_out) {
@@ -347,8 +568,11 @@ static void gemm_tile_portable(const uint8_t *tiles, const uint16_t *tscale, con
                 int32_t isum = 0;
                 for (int i = 0; i < QBLOCK; i++)
                     isum += tiled_code(tiles, nb, bits, n, b * QBLOCK + i) * xq[(m0 + r) * K + b * QBLOCK + i];
-                total += f16_to_f32(tscale[(gg * nb + b) * 16 + col]) * dx[(m0 + r) * nb + b] * (float)isum +
-                         f16_to_f32(toffset[(gg * nb + b) * 16 + col]) * sx[(m0 + r) * nb + b];
+                /* the vector tiles' float operations, fused as theirs (fmaf), so every level's result is the same
+                 * bit for bit */
+                const float step = f16_to_f32(tscale[(gg * nb + b) * 16 + col]) * dx[(m0 + r) * nb + b];
+                total = fmaf((float)isum, step, total);
+                total = fmaf(f16_to_f32(toffset[(gg * nb + b) * 16 + col]), sx[(m0 + r) * nb + b], total);
             }
             acc_out[r * 32 + j] = total;
         }
@@ -398,8 +622,8 @@ static inline void store_silu32(const float *gate, const float *up, void *out, i
  * to out [M, N / 2]. */
 static inline __attribute__((always_inline)) void gemm_pair(
     const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb, int bits, int64_t g, int64_t N,
-    const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t mc, int64_t mend, int step, float *tile,
-    void *out, int out_bf16, int portable, int silu) {
+    const int8_t *xq, const float *dx, const float *sx, const int32_t *xs, int64_t K, int64_t mc, int64_t mend,
+    int step, float *tile, void *out, int out_bf16, int portable, int silu) {
     const int groups = (int)((mend - mc + step - 1) / step);
     const int64_t up = g + N / 32; /* silu: the up pair */
     /* the rows in `groups` tiles as even as they go, each tile a constant row count (its accumulators in
@@ -413,6 +637,9 @@ static inline __attribute__((always_inline)) void gemm_pair(
         for (int part = 0; part <= silu; part++) {
             const int64_t gg = part ? up : g, pf_g = gg + 2 < (silu && !part ? N / 32 : N / 16) ? gg + 2 : -1;
             float *t = tile + part * GEMM_ROWS_MAX * 32;
+#if !QMM_VNNI && !QMM_AVX2
+            (void)pf_g, (void)pf_phase; /* prefetching is for the vector tiles */
+#endif
 #if QMM_VNNI
             if (!portable) {
 #define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, K, m0, R, t, pf_g, groups, pf_phase)
@@ -427,6 +654,26 @@ static inline __attribute__((always_inline)) void gemm_pair(
                     switch (rows) {
                     case 6: GEMM_TILE(8, 6); break;
                     case 5: GEMM_TILE(8, 5); break;
+                    case 4: GEMM_TILE(8, 4); break;
+                    case 3: GEMM_TILE(8, 3); break;
+                    case 2: GEMM_TILE(8, 2); break;
+                    default: GEMM_TILE(8, 1); break;
+                    }
+                }
+#undef GEMM_TILE
+            } else
+#elif QMM_AVX2
+            if (!portable) {
+#define GEMM_TILE(B, R) gemm_tile_avx2(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, xs, K, m0, R, t, pf_g, groups, pf_phase)
+                if (bits == 4) {
+                    switch (rows) {
+                    case 4: GEMM_TILE(4, 4); break;
+                    case 3: GEMM_TILE(4, 3); break;
+                    case 2: GEMM_TILE(4, 2); break;
+                    default: GEMM_TILE(4, 1); break;
+                    }
+                } else {
+                    switch (rows) {
                     case 4: GEMM_TILE(8, 4); break;
                     case 3: GEMM_TILE(8, 3); break;
                     case 2: GEMM_TILE(8, 2); break;
@@ -465,26 +712,28 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
     const size_t elem = x_bf16 ? 2 : 4;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++)
-            quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb);
+            quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb,
+                         xs + m * nb, portable);
         float tile[2 * GEMM_ROWS_MAX * 32];
         const int step = gemm_rows(bits);
         const int64_t pairs_end = silu ? N / 32 : N / 16; /* silu: the gate pairs */
         if (M <= GEMM_CHUNK) {
             _Pragma("omp for schedule(guided)")
             for (int64_t g = 0; g < pairs_end; g += 2)
-                gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, K, 0, M, step, tile, out, out_bf16, portable,
+                gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, 0, M, step, tile, out, out_bf16, portable,
                           silu);
         } else {
             for (int64_t mc = 0; mc < M; mc += GEMM_CHUNK) {
                 const int64_t mend = mc + GEMM_CHUNK < M ? mc + GEMM_CHUNK : M;
                 _Pragma("omp for schedule(static)")
                 for (int64_t g = 0; g < pairs_end; g += 2)
-                    gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, K, mc, mend, step, tile, out, out_bf16,
+                    gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, mc, mend, step, tile, out, out_bf16,
                               portable, silu);
             }
         }
@@ -492,7 +741,9 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     free(xq);
     free(dx);
     free(sx);
+    free(xs);
 }
 
-/* 1 when this build multiplies with AVX-512 VNNI, 0 for the portable loops. */
-int quantized_matmul_vectorized(void) { return QMM_VNNI; }
+/* Which vector loops this build multiplies with: 2 AVX-512 VNNI, 1 AVX2 + FMA + F16C, 0 none (the portable
+ * loops only). */
+int quantized_matmul_vectorized(void) { return QMM_VNNI ? 2 : QMM_AVX2 ? 1 : 0; }
