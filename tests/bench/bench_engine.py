@@ -37,6 +37,11 @@ from tests.bench.perplexity import FIXED_TEXT, llama_cpp_perplexity, perplexity
 from tests.bench.roofline import matmul_flops, memory_bandwidth
 
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "gguf"), ("float32", "gguf")]
+if os.environ.get("BENCH_ENGINE_CONFIGS"):  # e.g. "float32+gguf,bfloat16+gguf": a subset, in that order
+    CONFIGS = [
+        (label.partition("+")[0], label.partition("+")[2] or "none")
+        for label in os.environ["BENCH_ENGINE_CONFIGS"].split(",")
+    ]
 BATCHES = [1, 8, 32, 64]
 DECODE_TOKENS = 48
 
