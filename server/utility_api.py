@@ -24,6 +24,7 @@ def _model_card(state: ServerState) -> dict:
         "created": int(state.started),
         "owned_by": "prescient",
         "max_model_len": state.client.max_model_len,
+        **state.client.model_card,  # architecture, quantization, context_length (the file's)
     }
 
 

@@ -98,6 +98,11 @@ class EngineClient:
         return self.checks.rule.max_model_len
 
     @property
+    def model_card(self) -> dict:
+        """The model's architecture, quantization and context length (GET /v1/models)."""
+        return self.checks.model_card
+
+    @property
     def kv_capacity_tokens(self) -> int:
         return self.checks.rule.kv_capacity_tokens
 

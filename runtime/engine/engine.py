@@ -80,7 +80,7 @@ class Engine:
         self.max_model_len = sched.max_model_len
         self.vocab_size = model.config.vocab_size
         self.admission = sched.admission  # the one rule, over this pool and context
-        self.checks = RequestChecks(tokenizer, self.vocab_size, self.admission)
+        self.checks = RequestChecks(tokenizer, self.vocab_size, self.admission, model.config.card())
         self.scheduler = Scheduler(sched)
         self.grammar = GrammarCompiler(tokenizer, self.vocab_size)
         self.runner = ModelRunner(

@@ -10,7 +10,7 @@ thread, and the object pickles: the engine core sends it to its client.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from runtime.model.tokenizer import Tokenizer
 from runtime.sample.structured_output import check_structured_output
@@ -23,6 +23,8 @@ class RequestChecks:
     vocab_size: int
     rule: AdmissionRule
     """Does prompt + max_tokens fit the context and the KV pool."""
+    model_card: dict = field(default_factory=dict)
+    """What GET /v1/models says of the model (ModelConfig.card: architecture, quantization, context)."""
 
     def admit(
         self,

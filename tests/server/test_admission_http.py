@@ -38,3 +38,21 @@ def test_prompt_beyond_the_context_names_prompt(server):
     context = payload["data"][0]["max_model_len"]
     code, payload, _ = call(server.url, "POST", COMP, {"prompt": [100] * context})
     assert code == 400 and payload["error"]["param"] == "prompt", payload
+
+
+def test_models_reports_the_architecture_quantization_and_context_of_the_file(server):
+    """Against the GGUF header as gguf-py reads it: the default SmolLM2 file is a Llama-architecture
+    Q4_1 (mostly) file."""
+    import gguf
+
+    from runtime.model.checkpoint import default_model_path
+
+    reader = gguf.GGUFReader(str(default_model_path()))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    code, payload, _ = call(server.url, "GET", "/v1/models", None)
+    card = payload["data"][0]
+    assert code == 200 and card["architecture"] == meta["general.architecture"] == "llama", card
+    assert card["context_length"] == meta["llama.context_length"], card
+    assert card["quantization"] == "Q4_1" and meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q4_1, (
+        card
+    )
