@@ -2,7 +2,7 @@
 
 Every weight is 4-bit codes in groups of 32 along the input dimension, computed
 as w = (code - 8) * scale + zero per group, which is exactly what
-torch._weight_int4pack_mm_for_cpu multiplies by (measured faster here than
+torch._weight_int4pack_mm_for_cpu multiplies by (a faster kernel than
 torch._weight_int8pack_mm, which has one scale per row only).
 
 The GGUF block formats map onto the 4-bit form without loss:
@@ -16,8 +16,7 @@ activations, where the scales are rounded to bfloat16 too.
 
 The packed kernel wins where a step is bound by reading weights (a few rows:
 decode); with many rows (prefill chunks, large decode batches) a dense bfloat16
-matmul computes faster (measured 1.5x at 16 rows and 2.3x at 512 on an AVX-512
-BF16 EPYC). So a GGUF's packed projections may also keep their blocks
+matmul computes faster on CPUs with fast bfloat16. So a GGUF's packed projections may also keep their blocks
 dequantized to a dense copy, used from `dense_rows` rows up; the model measures
 that crossover once at load (measure_dense_rows) and drops the copies where
 dense never wins. The copy costs the dense weights' memory again.
@@ -299,11 +298,7 @@ def row_paths(timings: dict[int, dict[str, float]]) -> tuple[int | None, int | N
     from gemm_rows, the fewest rows above those from which they were the fastest at every larger candidate
     timed (None: never; timing stops once they have won twice in a row). Where the many-row loops win
     right above the one-row kernel's rows, or beat the rest at every count up to where they win, they
-    start right after the one-row kernel's rows, so no row count in between falls to a slower path (under
-    load the loops won at 1 row, the one-row kernel at 2, and rows 1-3 had gone to torch's kernel at 50x).
-    (Load-time timings used to compare each kernel with torch's packed one only: the
-    one-row loops kept 8 rows of the LM head at 3x the many-row loops' time, 9-15 rows fell to the packed
-    kernel at 4x.)"""
+    start right after the one-row kernel's rows, so no row count in between falls to a slower path."""
     counts = sorted(timings)
 
     def fastest(rows: int) -> str:
