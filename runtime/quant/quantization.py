@@ -48,7 +48,7 @@ by dtype 'auto', where the C kernel with 8-bit activations measured faster than 
 row, packed_measures_faster), else dequantize; none: dequantize everything; gguf: keep the GGUF's blocks
 in any dtype; int8 / int4: quantize float weights on load to 8 bits (symmetric) or 4 bits (min/max) per
 group of 32 (a GGUF's blocks are dequantized first; under int4 the LM head gets 8 bits: at 4 it alone
-costs ~2% perplexity on this model)."""
+costs measurable perplexity on this model, tests/bench/perplexity.py)."""
 
 
 @dataclass
@@ -329,9 +329,8 @@ def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[i
     """Times w's paths at each of ROW_CANDIDATES (the fastest round's seconds of `calls` calls, the
     paths interleaved round by round) and routes rows by row_paths. The fastest round, not the median: on
     an oversubscribed host a round of a multi-threaded kernel also pays its team's waits for a descheduled
-    thread (C kernels of ~25 us took 7-77 ms in 3 of 9 rounds on a 2-core AMD EPYC under load ~11), which
-    only ever slows a round down; medians routed a one-row fused gate-up of SmolLM2 to torch's float32 int4
-    kernel (~40 ms a call with torch's AVX2 kernels, against ~25 us for the C many-row loops). Wall time,
+    thread, which only ever slows a round down, sometimes by orders of magnitude, enough to tip a median
+    to a path many times slower. Wall time,
     not CPU time: the waiting thread of an OpenMP team spins, so CPU time charges those waits too. Stops
     timing once the many-row loops won at two candidates in a row (their lead grows with the rows) or the
     one-row kernel is all that is left to beat."""

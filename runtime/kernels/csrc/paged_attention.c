@@ -487,9 +487,8 @@ static int longer_first(const void *a, const void *b) {
 
 /* Every prefill chunk of a step in one call: chunk c is spans[c] = {first row in q/out, rows n, context ctx}
  * over the blocks tables[c][0 ..] (a row of max_blocks). One parallel region shares all chunks' tasks out,
- * longest first: a step of 4 chunks of 128 rows once made 4 calls of 78 tasks, in each of which 2 threads
- * finished unevenly and waited. q and out [rows, H, D] are float32, or bfloat16 where io_bf16 (read and
- * rounded here, in the tasks' transposes: torch's conversions before and after took ~13% of the call). */
+ * longest first, so that threads do not finish each chunk's call unevenly and wait. q and out [rows, H, D] are float32, or bfloat16 where io_bf16 (read and
+ * rounded here, in the tasks' transposes, instead of torch's conversions before and after: a pass less). */
 #define DEFINE_PREFILL(NAME, ELEM, LOADW)                                                                      \
 void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *tables, int64_t max_blocks,    \
           const int64_t *spans, int64_t num_chunks, void *out, int io_bf16, int64_t H, int64_t KVH, int64_t D, \
