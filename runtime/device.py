@@ -2,8 +2,8 @@
 
 On CUDA the default is bfloat16. On a CPU the default is whichever dtype ran
 a small model-shaped matmul fastest when measured, once per CPU (the answer
-is cached on disk): CPU flags do not tell speed (an Intel Xeon with AVX-512
-BF16 ran bf16 matmuls at half its float32 rate; an AMD EPYC ran them ~4x
+is cached on disk): CPU flags do not tell speed (on one CPU with AVX-512 BF16
+bf16 matmuls ran at half the float32 rate, on another several times
 faster). A dtype the CPU has no instructions for (bfloat16 without AVX-512
 BF16 or AMX, float16 without AVX-512 FP16 or AMX-FP16) is emulated by
 PyTorch and never a candidate, however the measurement came out.

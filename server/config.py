@@ -35,9 +35,8 @@ class ServerConfig:
     """With the engine core in its own process: the server's own threads (HTTP, JSON, SSE) run at this nice
     value (Linux, 0-19; 0: the core's priority). When the core's threads fill every core, the front end's work
     for a token then waits for a free core instead of preempting a core thread mid-step, which the other
-    threads of the step then wait for. 2-core CPU, HTTP / offline ratios at T 0.8, medians of 7 rounds
-    in 4 alternating runs each: 1 stream 0.88-0.90 at nice 0 against 0.89-1.03 at 10 (median 0.92); 32
-    streams 0.93-0.94 against 0.96 (README, Serving)."""
+    threads of the step then wait for. Measured by `python -m tests.bench serve` (HTTP against the offline
+    engine)."""
     max_waiting: int = 256
     """Waiting requests beyond this get 429 with Retry-After."""
     max_body_bytes: int = field(default=4 << 20, metadata={"size": True})

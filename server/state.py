@@ -128,10 +128,10 @@ async def read_json(request: web.Request) -> dict:
 
 YIELDING_JSON_BYTES = 262_144
 """Bodies longer than this are decoded with json's Python scanner (strings still decoded in C), which
-lets the GIL go every few milliseconds: the C scanner holds it for the whole decode, and a 4 MiB body of
-40,000 small objects (tools) held it, on a worker thread, for 0.1-0.27 s on a busy 2-core EPYC, so
-/health waited as long. The Python scanner takes 1-2 s for that body, on the worker; a body made of long
-strings (a prompt, messages) decodes as fast either way."""
+lets the GIL go every few milliseconds: the C scanner holds it for the whole decode, so a
+multi-megabyte body of small objects (tools) decoded on a worker thread would keep /health and every
+stream waiting as long. The Python scanner is slower on such a body, but only the worker waits; a body
+made of long strings (a prompt, messages) decodes as fast either way."""
 
 
 def parse_json(raw: bytes) -> dict:

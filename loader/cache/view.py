@@ -68,8 +68,8 @@ class Ticket:
 
 
 class TicketBatch:
-    """A batch of Tickets as it travels to a worker: plain ints (a list of 64 Tickets pickles ~20x
-    slower, which on fast storage is most of what a worker does per batch)."""
+    """A batch of Tickets as it travels to a worker: plain ints (a list of Ticket objects pickles many
+    times slower, which on fast storage is most of what a worker does per batch)."""
 
     __slots__ = ("indices", "first", "batch", "flags")
 

@@ -3,9 +3,8 @@
 torch's worker collates each batch into a fresh shared-memory file (default_collate does so
 whenever get_worker_info() is set), and the result queue sends that file's descriptor over a
 socket of multiprocessing's resource sharer: a connection, an HMAC challenge and a thread
-hand-off per tensor, in both processes. On fast storage that is a third of the CPU a batch
-costs (per 64 samples of 4 KB: ~0.4 ms to collate into shared memory against 0.05 ms into
-ordinary memory, plus ~0.5 ms per tensor to pass the descriptor).
+hand-off per tensor, in both processes. On fast storage that is about a third of the CPU a
+batch costs (`python -m tests.bench loader`, CPU per sample against torch).
 
 Here each worker of an iterator owns one ring in a segment the iterator made (one writer, the
 worker; one reader, the main process). The worker pickles the batch itself: each plain CPU

@@ -141,8 +141,8 @@ def _prefill_native(
 ) -> torch.Tensor:
     """A chunk's causal attention in C where the prefill kernel (paged_attention, every chunk in one call)
     does not take the shape: the decode kernel, query row i a decode over the first context_len - n + i + 1
-    positions. 512 tokens, bfloat16, 9 query / 3 KV heads, 1 thread: prefill kernel 4.9 ms, decode kernel
-    row by row 8.1-8.4, torch's flash kernel 8.6-10.4 (medians, under load)."""
+    positions. Slower than the prefill kernel, and still faster than torch's flash kernel on these shapes
+    (`python -m tests.bench engine`, prefill row)."""
     n, ctx = q.shape[0], chunk.context_len
     lens = torch.arange(ctx - n + 1, ctx + 1, device=q.device)
     tables = chunk.block_table.view(1, -1).expand(n, -1).contiguous()
@@ -157,7 +157,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of n queries (the last n positions) over ctx keys. 4-D inputs with enable_gqa: on
     CPU that is torch's flash kernel with the key/value heads shared in place (3-D inputs, or K/V repeated
-    per query head, fall back to the math path: 2.6x slower at 512 tokens, measured)."""
+    per query head, fall back to the math path, several times slower on long prompts)."""
     n, ctx = q.shape[0], k.shape[0]
     gqa = q.shape[1] != k.shape[1]
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]

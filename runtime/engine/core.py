@@ -9,7 +9,8 @@ thread of a process of its own, over two pipes.
 
 Why a process. Served from a thread of the HTTP process, the engine shares one
 GIL with tokenization, JSON and SSE, and its OpenMP thread team belongs to a
-non-main thread (measured 1.5x slower on an Intel Xeon). As the core process's
+non-main thread, which runs the same steps slower (`python -m tests.bench serve`: the thread
+server against the core process). As the core process's
 main thread the step loop has neither problem, and the server process keeps
 HTTP, tokenization and the hand-off (runtime/engine/core_client.py), as vLLM v1
 does.

@@ -44,10 +44,9 @@ SPLIT = 256
 """Tokens of one sequence a program attends to: longer contexts are split across programs (flash-decoding),
 so one long sequence still spreads over the GPU; a second kernel merges the splits."""
 TILE = 128
-"""Tokens a program scores per loop iteration (32 for head dims over 128). Split 256 / tile 128 / 4 warps was
-the best all-round of 27 (split 128-512, tile 32-128, 2-8 warps) on an H100, GPU time in CUDA graphs, SmolLM2
-heads: 64 x 1,024 tokens 25.3 us (1.99 TB/s read), 1 x 4,096 7.1 us, 64 x 128 in a graph's 8,192-token-wide
-tables 9.2 us, 8 x 2,048 8.9 us (tile 64: 28.2, 8.9, 9.2, 10.6)."""
+"""Tokens a program scores per loop iteration (32 for head dims over 128). Split 256 / tile 128 / 4 warps is
+the best all-round combination of split 128-512, tile 32-128 and 2-8 warps timed on an H100
+(`python -m tests.bench cuda`'s attention row)."""
 WARPS = 4
 
 

@@ -2,9 +2,10 @@
 
 The C loop makes the same kernel calls, in the same order and with the same
 arguments, as LlamaModel._forward_native does for such a step, so the hidden
-states are the same bit for bit (tested). What it saves is the wrapping around
-each call: at 32 sequences ~1.7 ms of a 23 ms step, more of a one-sequence
-step. It takes a model whose every projection the C matmul serves at this row
+states are the same bit for bit (tested). What it saves is the Python wrapping
+around each call (tensor allocation, data_ptr, ctypes), a sizeable share of a
+decode step and more of a one-sequence step (`python -m tests.bench engine`,
+decode rows). It takes a model whose every projection the C matmul serves at this row
 count (the default GGUF on a CPU with the kernels); other steps keep the Python
 loop.
 """
@@ -164,8 +165,8 @@ class NativeDecode:
 
     def usable(self, rows: int) -> bool:
         """The C loop serves a decode step of this many rows. The routes it checks are the load-time choices
-        its structs copied, fixed from then on, so the answer is kept per row count (asking the 120 projections
-        took ~17 us a step)."""
+        its structs copied, fixed from then on, so the answer is kept per row count (asking every projection each
+        step costs more than the lookup)."""
         known = self._usable.get(rows)
         if known is None:
             known = self._usable[rows] = all(_takes(w, rows) for w in self.projections)

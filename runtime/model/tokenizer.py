@@ -233,8 +233,8 @@ def check_tokenizer_source(source: TokenizerSource) -> None:
 
 
 def _encode(tok: HFTokenizer, text: str) -> list[int]:
-    """Token ids of text, no special tokens added. Long texts go through encode_batch: measured here,
-    encode() of a string built on the calling thread kept the GIL for all of its seconds, so tokenizing
+    """Token ids of text, no special tokens added. Long texts go through encode_batch:
+    encode() of a string built on the calling thread holds the GIL throughout, so tokenizing
     a big prompt on a worker thread still froze the event loop; encode_batch lets it go."""
     if len(text) < 16_384:
         return tok.encode(text, add_special_tokens=False).ids

@@ -2,7 +2,7 @@
 
 Every weight is 4-bit codes in groups of 32 along the input dimension, computed
 as w = (code - 8) * scale + zero per group, which is exactly what
-torch._weight_int4pack_mm_for_cpu multiplies by (measured faster here than
+torch._weight_int4pack_mm_for_cpu multiplies by (a faster kernel than
 torch._weight_int8pack_mm, which has one scale per row only).
 
 The GGUF block formats map onto the 4-bit form without loss:
@@ -16,8 +16,7 @@ activations, where the scales are rounded to bfloat16 too.
 
 The packed kernel wins where a step is bound by reading weights (a few rows:
 decode); with many rows (prefill chunks, large decode batches) a dense bfloat16
-matmul computes faster (measured 1.5x at 16 rows and 2.3x at 512 on an AVX-512
-BF16 EPYC). So a GGUF's packed projections may also keep their blocks
+matmul computes faster on CPUs with fast bfloat16. So a GGUF's packed projections may also keep their blocks
 dequantized to a dense copy, used from `dense_rows` rows up; the model measures
 that crossover once at load (measure_dense_rows) and drops the copies where
 dense never wins. The copy costs the dense weights' memory again.
@@ -49,7 +48,7 @@ by dtype 'auto', where the C kernel with 8-bit activations measured faster than 
 row, packed_measures_faster), else dequantize; none: dequantize everything; gguf: keep the GGUF's blocks
 in any dtype; int8 / int4: quantize float weights on load to 8 bits (symmetric) or 4 bits (min/max) per
 group of 32 (a GGUF's blocks are dequantized first; under int4 the LM head gets 8 bits: at 4 it alone
-costs ~2% perplexity on this model)."""
+costs measurable perplexity on this model, tests/bench/perplexity.py)."""
 
 
 @dataclass
@@ -299,11 +298,7 @@ def row_paths(timings: dict[int, dict[str, float]]) -> tuple[int | None, int | N
     from gemm_rows, the fewest rows above those from which they were the fastest at every larger candidate
     timed (None: never; timing stops once they have won twice in a row). Where the many-row loops win
     right above the one-row kernel's rows, or beat the rest at every count up to where they win, they
-    start right after the one-row kernel's rows, so no row count in between falls to a slower path (under
-    load the loops won at 1 row, the one-row kernel at 2, and rows 1-3 had gone to torch's kernel at 50x).
-    (Load-time timings used to compare each kernel with torch's packed one only: the
-    one-row loops kept 8 rows of the LM head at 3x the many-row loops' time, 9-15 rows fell to the packed
-    kernel at 4x.)"""
+    start right after the one-row kernel's rows, so no row count in between falls to a slower path."""
     counts = sorted(timings)
 
     def fastest(rows: int) -> str:
@@ -334,9 +329,8 @@ def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[i
     """Times w's paths at each of ROW_CANDIDATES (the fastest round's seconds of `calls` calls, the
     paths interleaved round by round) and routes rows by row_paths. The fastest round, not the median: on
     an oversubscribed host a round of a multi-threaded kernel also pays its team's waits for a descheduled
-    thread (C kernels of ~25 us took 7-77 ms in 3 of 9 rounds on a 2-core AMD EPYC under load ~11), which
-    only ever slows a round down; medians routed a one-row fused gate-up of SmolLM2 to torch's float32 int4
-    kernel (~40 ms a call with torch's AVX2 kernels, against ~25 us for the C many-row loops). Wall time,
+    thread, which only ever slows a round down, sometimes by orders of magnitude, enough to tip a median
+    to a path many times slower. Wall time,
     not CPU time: the waiting thread of an OpenMP team spins, so CPU time charges those waits too. Stops
     timing once the many-row loops won at two candidates in a row (their lead grows with the rows) or the
     one-row kernel is all that is left to beat."""

@@ -31,7 +31,7 @@ FIELDS = 5
 
 def warm_up(model, kv: KVCache) -> None:
     """Run a 2-token step eagerly once (Triton attention), so that Triton compiles its kernels at load, not
-    in the first request's time to first token (0.8 s, measured on an H100). It writes block 0, which holds
+    in the first request's time to first token (a compile takes most of a second). It writes block 0, which holds
     nothing yet: a sequence writes each slot before it reads it."""
     dev = model.device
     two = torch.arange(2, device=dev)

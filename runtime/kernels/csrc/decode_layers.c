@@ -1,8 +1,8 @@
 /* The layers of a step that only decodes, in one call: for each layer the same kernels, in the same order
  * and with the same arguments, as the model's Python loop (runtime/model/model.py, _forward_native) makes them,
- * so the result is the same bit for bit. From Python each of a layer's ~9 calls cost 6-10 us of wrapping
- * (tensor allocation, data_ptr, ctypes) around kernels of 10-500 us: ~1.7 ms of a 23 ms step of 32 sequences
- * and more of a one-sequence step.
+ * so the result is the same bit for bit. From Python each call costs wrapping (tensor allocation, data_ptr,
+ * ctypes) comparable to the smaller kernels themselves, a larger share of a one-sequence step
+ * (`python -m tests.bench engine`, decode rows).
  *
  * A projection is GGUF-style blocks in the one-row kernel's layout (quantized_matmul) and/or the many-row
  * kernel's (quantized_gemm), routed by the row count as Int4Linear routes it: up to native_rows rows the

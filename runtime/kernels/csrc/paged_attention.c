@@ -155,10 +155,8 @@ DEFINE_KERNEL(generic_bf16, uint16_t, vload_bf16)
  *
  * A task takes all of a sequence's KV heads when there are SEQUENCE_TASKS_PER_THREAD sequences a thread:
  * its key walk then reads whole rows (every head's part, contiguous) instead of one head's 2 lines at a 6-line
- * stride, which the memory system serves faster. 32 sequences of 96-192 tokens, 30 layers' pools in DRAM,
- * 2-core AMD EPYC, same results bit for bit: 6.36 -> 5.29 ms (1.20x); of 32-64 tokens 1.40x, of 256-512 1.10x;
- * 8 sequences 1.16x. Below 4 sequences a thread the tasks stay one per KV head (the same speed as before), so
- * that one or two sequences still keep both threads busy. */
+ * stride, which the memory system serves faster (same results bit for bit). Below 4 sequences a thread the
+ * tasks stay one per KV head, so that one or two sequences still keep both threads busy. */
 
 #define QK_TILE 4
 #define PREFETCH_ROWS 32 /* two blocks ahead: a sequence's blocks lie anywhere in the pool once it has been reused */
@@ -182,8 +180,8 @@ DEFINE_KERNEL(generic_bf16, uint16_t, vload_bf16)
  * when t < ctx, into L2 (prefetcht1). Decode attention is bound by memory latency, not bandwidth: a block lies
  * anywhere in the pool. The key walk prefetches its keys 32 rows ahead (and the first 32 at its start) and
  * the values of the row it reads, so the value walk that follows finds them all in L2; the number of misses
- * in flight, not the bytes, sets the speed (prefetching into L1 or only 16 rows ahead, with the values during
- * their own walk: attention took 1.46x longer per decode step of 32 sequences, one head a task). */
+ * in flight, not the bytes, sets the speed; prefetching into L1, or fewer rows ahead, measured slower
+ * (`python -m tests.bench engine`, decode x32). */
 #define prefetch_row(pool, rows, t, ctx, off, bytes)                                                            \
     do {                                                                                                        \
         if ((t) < (ctx)) {                                                                                      \
@@ -489,9 +487,8 @@ static int longer_first(const void *a, const void *b) {
 
 /* Every prefill chunk of a step in one call: chunk c is spans[c] = {first row in q/out, rows n, context ctx}
  * over the blocks tables[c][0 ..] (a row of max_blocks). One parallel region shares all chunks' tasks out,
- * longest first: a step of 4 chunks of 128 rows once made 4 calls of 78 tasks, in each of which 2 threads
- * finished unevenly and waited. q and out [rows, H, D] are float32, or bfloat16 where io_bf16 (read and
- * rounded here, in the tasks' transposes: torch's conversions before and after took ~13% of the call). */
+ * longest first, so that threads do not finish each chunk's call unevenly and wait. q and out [rows, H, D] are float32, or bfloat16 where io_bf16 (read and
+ * rounded here, in the tasks' transposes, instead of torch's conversions before and after: a pass less). */
 #define DEFINE_PREFILL(NAME, ELEM, LOADW)                                                                      \
 void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *tables, int64_t max_blocks,    \
           const int64_t *spans, int64_t num_chunks, void *out, int io_bf16, int64_t H, int64_t KVH, int64_t D, \

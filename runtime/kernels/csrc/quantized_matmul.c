@@ -96,8 +96,8 @@ static void quantize_row_portable(const void *x, int x_bf16, int64_t K, int8_t *
 #if QMM_VNNI
 /* The same, 32 at a time: the same float operations, so the same codes. A bfloat16 block's largest magnitude
  * is found on the bits (x & 0x7fff orders as |x|, a NaN above infinity, so a NaN reaches d), and the codes are
- * packed and summed with integer shuffles: on a 2-core AMD EPYC (Zen 4) 1.5x as fast as the float reductions
- * and the narrowing store (vpmovdb) per block, which took ~5% of a batched step. */
+ * packed and summed with integer shuffles, which is cheaper than float reductions and a narrowing store
+ * (vpmovdb) per block. */
 static void quantize_row_vector(const void *x, int x_bf16, int64_t K, int8_t *xq, float *dx, float *sx, int32_t *xs) {
     if (x_bf16) {
         const __m512i magnitude = _mm512_set1_epi16(0x7fff);
@@ -387,10 +387,9 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
  * One VNNI instruction multiplies 4 inputs of one activation row (broadcast) into 16 columns, so a tile of
  * gemm_rows(bits) rows x 32 columns keeps 2 integer accumulators per row and block and reuses each loaded weight
  * vector across the rows; the block scales are applied once per block and tile row. Requires N % 32 == 0.
- * Rows per tile, timed A/B on a 2-core AMD EPYC (same tiles, results bit for bit equal, four runs): 8-bit
- * weights ran 1.00-1.36x as fast with 6 rows as with 4, shape by shape (the 49,152 x 576 LM head at 32 rows
- * 1.18-1.25x in three runs, 0.96x in one); 4-bit weights 0.86-0.99x (their unpacked vectors take the registers
- * the extra rows need), so 4-bit keeps 4. */
+ * Rows per tile: 8-bit weights take 6 (more reuse of each loaded weight vector), 4-bit weights 4 (their
+ * unpacked vectors take the registers the extra rows would need). Timed with `python -m tests.bench engine`
+ * and the kernel's own A/B (tests/bench/RESULTS.md). */
 #if QMM_AVX2
 /* AVX2's 16 registers hold a tile's 2 x rows accumulators and a few weight vectors: 4 rows for both widths */
 #define GEMM_ROWS_4BIT 4
@@ -417,10 +416,9 @@ static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t
 
 #if QMM_VNNI
 /* The activation's 4 bytes (or 1 float) broadcast inside the instruction from memory ({1to16}): acc += w . x.
- * GCC keeps a broadcast used twice in a register of its own (a separate vpbroadcastd); folded into each use,
- * the 4-bit tiles ran 1.10-1.18x as fast on every shape (2-core AMD EPYC, same results bit for bit); 8-bit
- * tiles keep the shared broadcast (0.94-0.97x folded). The block scales' broadcasts (below) are folded for
- * both: 4-bit 1.01-1.03x more, 8-bit 0.98-1.02x. AT&T syntax, as GCC emits by default. */
+ * GCC keeps a broadcast used twice in a register of its own (a separate vpbroadcastd); folded into each use
+ * the 4-bit tiles run faster, while 8-bit tiles keep the shared broadcast (it measured slower folded). The
+ * block scales' broadcasts (below) are folded for both. AT&T syntax, as GCC emits by default. */
 #define DPBUSD_BCAST(acc, w, mem) __asm__("vpdpbusd %[x]%{1to16%}, %[a], %[c]" : [c] "+v"(acc) : [a] "v"(w), [x] "m"(mem))
 #define MUL_BCAST(out, v, mem) __asm__("vmulps %[x]%{1to16%}, %[a], %[o]" : [o] "=v"(out) : [a] "v"(v), [x] "m"(mem))
 #define FMADD_BCAST(acc, v, mem) __asm__("vfmadd231ps %[x]%{1to16%}, %[a], %[c]" : [c] "+v"(acc) : [a] "v"(v), [x] "m"(mem))
@@ -628,8 +626,7 @@ static inline __attribute__((always_inline)) void gemm_pair(
     const int64_t up = g + N / 32; /* silu: the up pair */
     /* the rows in `groups` tiles as even as they go, each tile a constant row count (its accumulators in
      * registers): 32 rows of 6-row tiles as 6, 6, 5, 5, 5, 5, not 6 x 5 and a 2-row tile at a variable count.
-     * Same results; A/B on a 2-core AMD EPYC: the LM head at 32 rows 1.07x, every projection at 7 or 13 rows
-     * 1.12-1.31x, 540 rows 0.99-1.01x. */
+     * Same results. */
     const int64_t base_rows = (mend - mc) / groups, extra = (mend - mc) % groups;
     for (int64_t gi = 0, m0 = mc; gi < groups; gi++) {
         const int rows = (int)(base_rows + (gi < extra));
@@ -696,15 +693,13 @@ static inline __attribute__((always_inline)) void gemm_pair(
 }
 
 /* The column pairs are shared out in shrinking chunks (guided) where all rows fit one chunk (decode): a
- * thread that the OS takes away mid-call (the server's event loop and its clients share these 2 cores) then
- * leaves its pairs to the other instead of holding up the call. HTTP / offline ratios in the same rounds
- * (tests/bench serve's measure), medians of 8 rounds, 2-core AMD EPYC: 1 stream 0.889 and 0.899 (two runs)
- * static, 0.924 and 0.934 guided for every call, 0.936 as here; 32 streams 0.917 static, 0.952 and 0.954.
- * Alone (microbenchmark) guided costs 0-3%. Bigger calls (prefill) keep a static split, so that each thread
- * finds its pairs' weights in its own L2 for every chunk of rows (guided there: 0.97-0.98x alone).
+ * thread that the OS takes away mid-call (the server's event loop and its clients share the cores) then
+ * leaves its pairs to the other instead of holding up the call. Bigger calls (prefill) keep a static split,
+ * so that each thread finds its pairs' weights in its own L2 for every chunk of rows.
+ * `python -m tests.bench serve` measures it (HTTP against the offline engine).
  * `silu`: the weight is a fused [gate; up] (N = 2 I, I % 32 == 0) and out [M, I] receives SiLU(gate) x up,
  * rounded as the layer ops' silu_mul rounds it after this kernel's plain output: the same values without
- * writing and reading back the M x 2I intermediate (a pass that took ~4% of a prefill step). */
+ * writing and reading back the M x 2I intermediate. */
 void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const uint16_t *tscale,
                     const uint16_t *toffset, int64_t N, int bits, void *out, int out_bf16, int silu, int portable,
                     int num_threads) {

@@ -25,11 +25,10 @@
 #else
 #define ACC_REGS 12 /* 16 vector registers */
 #endif
-/* Below this many elements a call runs on the caller's thread alone. At 32 rows of this model the layer ops
- * were under the earlier 65,536 and ran on one thread; with 8,192 (2-core AMD EPYC, microbenchmark, medians
- * of five): residual add + RMSNorm 32 x 576 16.3 -> 10.0 us, RoPE + KV write 32 rows 16.3 -> 10.5 us,
- * SiLU x up (weighted by SILU_COST) 8 x 1,536 13.1 -> 8.2 us, 32 x 1,536 45.2 -> 24.3 us; one row stays on one
- * thread. In a decode step of 32 sequences the three took 3.9 -> 2.2 ms (30 layers; two runs each). */
+/* Below this many elements a call runs on the caller's thread alone; above it the rows are shared over the
+ * threads (one row stays on one thread; SiLU x up counts its elements weighted by SILU_COST). Chosen so that a
+ * decode step's layer ops at 32 sequences of this model already run on every thread
+ * (`python -m tests.bench engine`, decode x32). */
 #define PARALLEL_MIN_ELEMS 8192
 
 static inline int threads_for(int64_t elems, int num_threads) {
@@ -96,8 +95,7 @@ static inline vf vlog(vf x) {
 /* W bfloat16 widened to floats, and W floats' top halves narrowed to bfloat16 bits (the caller rounds first).
  * On x86 in intrinsics: with AVX-512 one zero-extend and one narrowing move, where GCC 12 (-march=native on
  * Zen 4, tuned as Zen 3) lowers the generic conversions to two 8-lane extends and an insert, and to a two-table
- * word permute (vpermt2w); on 540 rows (2-core AMD EPYC, same results) add_rms_norm ran 1.19x and
- * rope_write_kv 1.17x as fast with these. With AVX2 and SSE2 a zero-extend (or an interleave with zeros) and
+ * word permute (vpermt2w), which run slower. With AVX2 and SSE2 a zero-extend (or an interleave with zeros) and
  * a shift, and a signed pack of the arithmetically shifted bits (exact: each value fits 16 signed bits). */
 typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2)));
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__SSE2__)
