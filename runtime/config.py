@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from loader.sizes import parse_size
-from runtime.quant.quantization import QUANTIZATIONS
+from runtime.quant.resolve import QUANTIZATIONS
 from scheduler import SchedulerConfig
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -40,7 +40,7 @@ class ModelSettings:
     """cpu or cuda (None: cuda if available)."""
     quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
     """auto: a GGUF's Q4_0/Q4_1/Q8_0 blocks run packed where that is fast (on CPU: bfloat16, or a float32
-    that dtype 'auto' chose where the packed kernel measured faster; runtime/quant/quantization.py); none:
+    that dtype 'auto' chose where the packed kernel measured faster; runtime/quant/resolve.py); none:
     dequantize; gguf: always packed; int8 / int4: quantize a float checkpoint on load. A GGUF's other types
     (K-quants, Q5_0, F16, ...) are de-quantized to the compute dtype one tensor at a time."""
     enforce_eager: bool = False

@@ -25,7 +25,7 @@ from runtime.engine.request_checks import RequestChecks
 from runtime.model.checkpoint import load_checkpoint
 from runtime.model.model import LlamaModel
 from runtime.model.tokenizer import Tokenizer
-from runtime.quant.quantization import resolve_quantization
+from runtime.quant.resolve import resolve_quantization
 from runtime.runner.model_runner import ModelRunner, ModelRunnerOutput
 from runtime.sample.grammar_compiler import GrammarCompiler
 from scheduler import (

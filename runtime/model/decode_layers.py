@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from runtime.kernels.library import load
-from runtime.quant.quantization import Int4Linear
+from runtime.quant.linear import Int4Linear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 

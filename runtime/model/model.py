@@ -5,7 +5,7 @@ ModelConfig (biases, q/k norms, sandwich norms, GELU, embedding scale, sliding w
 scalings). Tokens of all sequences in a step arrive flattened: input_ids [T], positions [T];
 AttentionMetadata says which rows decode and which are prefill chunks. Q/K/V and gate/up projections are
 fused into one matmul each. Projection weights are dense tensors or packed quantized ones
-(runtime.quant.quantization). A plain Llama layer runs its element-wise work in the fused layer ops (C on CPU,
+(runtime.quant.linear). A plain Llama layer runs its element-wise work in the fused layer ops (C on CPU,
 Triton on CUDA); every other feature runs in the PyTorch layer loop (forward), and a layer that slides or
 soft-caps attends in windowed_attention.
 """
@@ -26,16 +26,10 @@ from runtime.model.checkpoint_types import DeferredTensor
 from runtime.model.decode_layers import NativeDecode
 from runtime.model.rope_scaling import inverse_frequencies
 from runtime.model_config import ModelConfig
-from runtime.quant.quantization import (
-    BlockEmbedding,
-    GGUFBlocks,
-    Int4Linear,
-    linear,
-    make_linear,
-    measure_dense_rows,
-    measure_row_paths,
-    weight_nbytes,
-)
+from runtime.quant.gguf_blocks import GGUFBlocks
+from runtime.quant.linear import BlockEmbedding, Int4Linear, linear, weight_nbytes
+from runtime.quant.resolve import make_linear
+from runtime.quant.routing import measure_dense_rows, measure_row_paths
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,7 +108,7 @@ class LlamaModel:
         quantization: str = "none",
         dense_copy_bytes: int | None = None,
     ):
-        """quantization: as resolved by runtime.quant.quantization.resolve_quantization ('none', 'gguf', 'int8',
+        """quantization: as resolved by runtime.quant.resolve.resolve_quantization ('none', 'gguf', 'int8',
         'int4'); dense_copy_bytes: the cap on packed projections' dense copies (ModelSettings)."""
         self.config = config
         self.dtype = dtype

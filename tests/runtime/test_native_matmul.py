@@ -29,8 +29,9 @@ from runtime.kernels import library as native_kernels
 from runtime.kernels import quantized_matmul as native_matmul
 from runtime.model import model
 from runtime.model.checkpoint import default_model_path
-from runtime.quant import quantization
-from runtime.quant.quantization import GGUFBlocks, Int4Linear, pack_gguf
+from runtime.quant import linear, routing
+from runtime.quant.gguf_blocks import GGUFBlocks
+from runtime.quant.linear import Int4Linear, pack_gguf
 from tests.bench.perplexity import perplexity
 
 pytestmark = pytest.mark.skipif(
@@ -263,7 +264,7 @@ def test_one_row_bytes_follow_the_path_one_row_takes():
     n, k = w8.shape
     for native_rows, gemm_rows, expected in ((1, 2, 1.125), (None, 1, 1.125), (None, 2, 1.25)):
         w.native_rows, w.gemm_rows = native_rows, gemm_rows
-        assert quantization.weight_nbytes(w) == expected * n * k
+        assert linear.weight_nbytes(w) == expected * n * k
 
 
 def test_one_row_goes_to_the_kernel_only_where_it_measured_faster(monkeypatch):
@@ -282,7 +283,7 @@ def _timings(**paths) -> dict[int, dict[str, float]]:
     """{rows: {path: seconds}} from per-path lists over ROW_CANDIDATES' first len(list) counts."""
     out: dict[int, dict[str, float]] = {}
     for name, seconds in paths.items():
-        for rows, t in zip(quantization.ROW_CANDIDATES, seconds):
+        for rows, t in zip(routing.ROW_CANDIDATES, seconds):
             out.setdefault(rows, {})[name.replace("_", "-")] = t
     return out
 
@@ -307,7 +308,7 @@ def _timings(**paths) -> dict[int, dict[str, float]]:
     ],
 )
 def test_rows_are_routed_to_the_path_that_measured_fastest(timings, expected):
-    assert quantization.row_paths(timings) == expected
+    assert routing.row_paths(timings) == expected
 
 
 @pytest.mark.parametrize(
@@ -340,10 +341,10 @@ def test_load_time_measurement_feeds_the_rule(monkeypatch, one_row, loops, rest,
         gemm = staticmethod(costing(*loops))
         __call__ = staticmethod(costing(*one_row))
 
-    monkeypatch.setattr(quantization.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(quantization.Int4Linear, "__call__", lambda self, x: costing(*rest)(x))
+    monkeypatch.setattr(routing.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(Int4Linear, "__call__", lambda self, x: costing(*rest)(x))
     w.native = Kernel()
-    assert quantization.measure_row_paths(w) == expected
+    assert routing.measure_row_paths(w) == expected
     assert max(seen) == largest
 
 

@@ -13,8 +13,9 @@ import torch
 from runtime import Engine, device
 from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.model.checkpoint import default_model_path
-from runtime.quant import quantization
-from runtime.quant.quantization import GGUFBlocks, Int4Linear, pack_gguf
+from runtime.quant import resolve, routing
+from runtime.quant.gguf_blocks import GGUFBlocks
+from runtime.quant.linear import Int4Linear, pack_gguf
 from server.cli import build_parser
 from tests.bench.perplexity import perplexity
 
@@ -141,11 +142,11 @@ def test_dense_copies_are_capped_by_the_setting():
 def test_auto_packs_float32_only_where_dtype_auto_chose_it_and_packed_measured_faster(
     monkeypatch, dtype, chosen, faster, expected
 ):
-    monkeypatch.setattr(quantization, "packed_measures_faster", lambda: faster)
+    monkeypatch.setattr(resolve, "packed_measures_faster", lambda: faster)
     cpu = torch.device("cpu")
-    assert quantization.resolve_quantization("auto", dtype, cpu, dtype_chosen=chosen) == expected
-    assert quantization.resolve_quantization("none", dtype, cpu, dtype_chosen=chosen) == "none"
-    assert quantization.resolve_quantization("gguf", torch.float32, cpu) == "gguf"
+    assert resolve.resolve_quantization("auto", dtype, cpu, dtype_chosen=chosen) == expected
+    assert resolve.resolve_quantization("none", dtype, cpu, dtype_chosen=chosen) == "none"
+    assert resolve.resolve_quantization("gguf", torch.float32, cpu) == "gguf"
 
 
 @pytest.mark.parametrize(("packed_cost", "dense_cost", "expected"), [(1.0, 3.0, True), (3.0, 1.0, False)])
@@ -162,11 +163,11 @@ def test_packed_measures_faster_compares_one_row_against_the_dense_matmul(
 
         return run
 
-    monkeypatch.setattr(quantization.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(quantization.F, "linear", costing(dense_cost, quantization.F.linear))
+    monkeypatch.setattr(routing.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(routing.F, "linear", costing(dense_cost, routing.F.linear))
     monkeypatch.setattr(NativeMatmul, "__call__", costing(packed_cost, NativeMatmul.__call__))
     monkeypatch.setattr(NativeMatmul, "gemm", costing(packed_cost, NativeMatmul.gemm))
-    assert quantization.packed_measures_faster.__wrapped__() == expected
+    assert routing.packed_measures_faster.__wrapped__() == expected
 
 
 def test_where_dtype_auto_picks_float32_the_gguf_blocks_stay_packed_at_float32_quality(
@@ -178,7 +179,7 @@ def test_where_dtype_auto_picks_float32_the_gguf_blocks_stay_packed_at_float32_q
     quantization 'auto' keep the blocks packed for the C kernel with 8-bit activations, within 1% of the
     float32 perplexity and with the same greedy tokens."""
     monkeypatch.setattr(device, "fastest_cpu_dtype", lambda: torch.float32)
-    monkeypatch.setattr(quantization, "packed_measures_faster", lambda: True)
+    monkeypatch.setattr(resolve, "packed_measures_faster", lambda: True)
     engine = Engine.from_pretrained(device="cpu", kv_cache_bytes=16 << 20)
     assert engine.model.dtype == torch.float32 and engine.model.quantization == "gguf"
     assert isinstance(engine.model.layers[0].gate_up, Int4Linear)

@@ -1,0 +1,187 @@
+"""Weight-only quantized linear layers: the GGUF's own blocks kept packed, or float weights quantized on load.
+
+Every weight is 4-bit codes in groups of 32 along the input dimension, computed
+as w = (code - 8) * scale + zero per group, which is exactly what
+torch._weight_int4pack_mm_for_cpu multiplies by (a faster kernel than
+torch._weight_int8pack_mm, which has one scale per row only).
+
+The GGUF block formats map onto the 4-bit form without loss:
+  Q4_0  w = d * (q - 8)     -> code q, scale d, zero 0
+  Q4_1  w = d * q + m       -> code q, scale d, zero m + 8d
+  Q8_0  w = d * q (8 bits)  -> two 4-bit halves of u = q + 128 stacked as rows:
+        w = 16d * (hi - 8) + d * (lo - 8) + 8d, so y = x W_hi^T + x W_lo^T.
+With float32 activations the packed matmul computes the dequantized weights'
+function (to float rounding); torch's kernels are fast only with bfloat16
+activations, where the scales are rounded to bfloat16 too.
+
+The packed kernel wins where a step is bound by reading weights (a few rows:
+decode); with many rows (prefill chunks, large decode batches) a dense bfloat16
+matmul computes faster on CPUs with fast bfloat16. So a GGUF's packed projections may also keep their blocks
+dequantized to a dense copy, used from `dense_rows` rows up; the model measures
+that crossover once at load (runtime.quant.routing.measure_dense_rows) and drops the copies where
+dense never wins. The copy costs the dense weights' memory again.
+
+For one row (a single stream's decode) a C kernel with 8-bit activations
+(runtime.kernels.quantized_matmul) multiplies the same blocks with integer dot products;
+it keeps its own copy of the blocks and is used up to `native_rows` rows,
+again only where the model measured it faster at load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels import quantized_matmul as native_matmul
+from runtime.kernels.quantized_matmul import NativeMatmul
+from runtime.quant.gguf_blocks import GROUP, GGUFBlocks
+
+
+class Int4Linear:
+    """y = x W^T with W as 4-bit codes, a scale and a zero per group of 32 inputs (torch's CPU int4 kernel).
+    `halves`: W is the sum of two stacked row blocks (the Q8_0 split)."""
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        dtype: torch.dtype,
+        halves: bool = False,
+    ):
+        rows, k = codes.shape
+        self.dense: torch.Tensor | None = None
+        """The same weights dequantized [out, in], used for inputs of `dense_rows` rows or more."""
+        self.dense_rows: int | None = None
+        self.native: NativeMatmul | None = None
+        """The same blocks for the C kernel with 8-bit activations, used for inputs of up to `native_rows`
+        rows."""
+        self.native_rows: int | None = None
+        self.gemm_rows: int | None = None
+        """From this many rows up, the C kernel's many-row loops (native.gemm) where they measured faster."""
+        self.out_features = rows // 2 if halves else rows
+        self.in_features = k
+        self.halves = halves
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        # [K / group, rows, 2]: scale and zero of each group for each output row
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        self.nbytes = (
+            self.packed.numel() * self.packed.element_size()
+            + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+        )
+
+    def native_path(self, rows: int) -> str | None:
+        """The C kernel that takes this many rows: 'one-row' (up to native_rows), 'many-row' (from gemm_rows),
+        or None (the dense copy or torch's packed kernel). csrc/decode_layers.c routes by the same rule."""
+        if self.native_rows is not None and rows <= self.native_rows:
+            return "one-row"
+        if self.gemm_rows is not None and rows >= self.gemm_rows:
+            return "many-row"
+        return None
+
+    def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """For a fused [gate; up] weight: out [rows, out / 2] = SiLU(gate) x up of x [rows, in], in the many-row
+        kernel's epilogue, where x's rows take that kernel (csrc/decode_layers.c does the same); False where
+        they do not, and the caller multiplies and runs the layer op (the same values either way)."""
+        if self.native_path(x.shape[0]) != "many-row" or self.out_features % 64:
+            return False
+        self.native.gemm(x, silu=True, out=out)
+        return True
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out] in out_dtype (default: x's). The C kernel takes float32 or bfloat16 x as
+        it is; the dense copy and torch's packed kernel take x in the weights' dtype."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        rows = x.shape[0]
+        path = self.native_path(rows)
+        if path == "one-row":
+            return self.native(x, out_dtype=out_dtype).view(*lead, self.out_features)
+        if path == "many-row":
+            return self.native.gemm(x, out_dtype=out_dtype).view(*lead, self.out_features)
+        out_dtype = out_dtype or x.dtype
+        x = x.to(self.scales_and_zeros.dtype)
+        if self.dense_rows is not None and rows >= self.dense_rows:
+            return F.linear(x, self.dense).to(out_dtype).view(*lead, self.out_features)
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+        if self.halves:
+            y = y[:, : self.out_features] + y[:, self.out_features :]
+        return y.to(out_dtype).view(*lead, self.out_features)
+
+
+class BlockEmbedding:
+    """An embedding table kept in its GGUF blocks; `table[ids]` dequantizes just those rows."""
+
+    def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype):
+        self.dtype = dtype
+        self.offset = 0 if blocks.kind == "Q8_0" else 8
+        self.codes = torch.from_numpy(blocks.codes)
+        self.scale = torch.from_numpy(blocks.scale)
+        zero = np.zeros_like(blocks.scale) if blocks.kind == "Q8_0" else blocks.int4_fields()[2]
+        self.zero = torch.from_numpy(zero)
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[0]
+        codes = self.codes[ids].view(n, -1, GROUP).float() - self.offset
+        rows = codes * self.scale[ids].unsqueeze(-1) + self.zero[ids].unsqueeze(-1)
+        return rows.view(n, -1).to(self.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
+    """x W^T for a dense weight tensor or a packed one."""
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)
+
+
+def weight_nbytes(w: torch.Tensor | Int4Linear) -> int:
+    """Bytes a one-row multiplication reads (on the path Int4Linear routes one row to)."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    if w.native_rows:
+        return w.native.nbytes
+    if w.gemm_rows == 1:
+        return w.native.tiled_nbytes
+    return w.nbytes
+
+
+def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:
+    """The GGUF's blocks as they are, in the int4 kernel's layout; `dense`: also a dequantized copy."""
+    codes, scale, zero = blocks.int4_fields()
+    packed = Int4Linear(
+        torch.from_numpy(codes),
+        torch.from_numpy(scale),
+        torch.from_numpy(zero),
+        dtype,
+        halves=blocks.kind == "Q8_0",
+    )
+    if dense:
+        packed.dense = torch.from_numpy(blocks.dequantize()).to(dtype)
+    if native_matmul.usable(packed.in_features, dtype, torch.device("cpu")):
+        packed.native = (
+            NativeMatmul.from_q8(blocks.codes, blocks.scale)
+            if blocks.kind == "Q8_0"
+            else NativeMatmul.from_int4_fields(codes, scale, zero)
+        )
+    return packed
+
+
+def quantize_int4(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
+    """Asymmetric 4-bit per group of 32: the group's min..max onto codes 0..15."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(n, k)
+    packed = Int4Linear(codes, scale, lo + 8 * scale, dtype)
+    if native_matmul.usable(k, dtype, torch.device("cpu")):
+        packed.native = NativeMatmul(codes.to(torch.uint8).numpy(), scale.numpy(), lo.numpy(), 4)
+    return packed
+
+
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
+    """Symmetric int8 per group of 32 (Q8_0's layout), run as two stacked 4-bit halves."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-8)
+    codes = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return pack_gguf(GGUFBlocks("Q8_0", codes.numpy(), scale.numpy()), dtype)
