@@ -1,7 +1,7 @@
 """`python -m runtime.kernels.build`: build the C kernels once per instruction-set level into the package
 (`make install` and the Docker image's build stage run it), printing each level's build time and the level
-this CPU gets; `--which` only prints the level load() picks here. runtime/kernels/library.py says how a level
-is chosen at run time."""
+this CPU gets; `--debug` builds the debug library (argument checks) into the cache instead; `--which` only
+prints the level load() picks here. runtime/kernels/library.py says how a level is chosen at run time."""
 
 from __future__ import annotations
 
@@ -20,13 +20,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--level", action="append", choices=native_kernels.LEVEL_NAMES, help="only this level (repeatable)"
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="build the debug library (argument checks) into the cache, for PRESCIENT_KERNEL_DEBUG=1",
+    )
     parser.add_argument("--which", action="store_true", help="print the level load() picks on this CPU")
     args = parser.parse_args(argv)
     if args.which:
         print(native_kernels.chosen_level() or "pytorch")
         return 0
     try:
-        native_kernels.build(args.out, args.level)
+        if args.debug:
+            native_kernels.build_debug(args.level)
+        else:
+            native_kernels.build(args.out, args.level)
     except native_kernels.KernelsUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

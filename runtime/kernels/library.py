@@ -50,7 +50,7 @@ SOURCES = [
         "isa_level.c",
     )
 ]
-HEADERS = [CSRC / name for name in ("vector_exp.h", "kernels.h", "bf16.h")]
+HEADERS = [CSRC / name for name in ("vector_exp.h", "kernels.h", "bf16.h", "check.h")]
 BUILD_DIR = Path(__file__).parent / "native_build"
 """Where the build puts each level's library and manifest.json (git-ignored; PRESCIENT_KERNELS_DIR overrides)."""
 
@@ -59,6 +59,14 @@ BUILD_TIMEOUT_SECONDS = 60.0
 hang the server's start."""
 
 CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-Wall")
+DEBUG_CFLAGS = ("-DPRESCIENT_KERNEL_DEBUG",)
+"""The debug build: every exported kernel checks its shape and pointer arguments and aborts naming the bad one
+(csrc/check.h). Never prebuilt nor the default: PRESCIENT_KERNEL_DEBUG=1 makes load() use it, built once into
+the cache (`python -m runtime.kernels.build --debug` builds it ahead)."""
+
+
+def debug_requested() -> bool:
+    return os.environ.get("PRESCIENT_KERNEL_DEBUG", "0").strip() not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,8 @@ def _choose() -> tuple[ctypes.CDLL, Level, str]:
         log.warning("native kernels: %s; built the %s level here", "; ".join(problems)[:300], allowed[0].name)
     if not lib.prescient_cpu_supports():
         raise KernelsUnavailable(f"this CPU cannot run the {allowed[0].name} kernels")
+    if debug_requested():
+        return lib, allowed[0], "the debug build (argument checks, PRESCIENT_KERNEL_DEBUG)"
     return lib, allowed[0], "built at first use (run `make install` to build every level ahead)"
 
 
@@ -235,6 +245,8 @@ def library_name(level: Level) -> str:
 
 def _prebuilt(level: Level) -> ctypes.CDLL | None:
     """The level's library from build_dir() when its manifest matches these sources; None when absent."""
+    if debug_requested():  # the debug library lives only in the cache
+        return None
     directory = build_dir()
     try:
         manifest = json.loads((directory / "manifest.json").read_text())
@@ -258,13 +270,14 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def cache_target(level: Level) -> Path:
+def cache_target(level: Level, debug: bool = False) -> Path:
     """Where a build at first use puts the level's library (keyed by the sources)."""
-    return _cache_dir() / f"prescient-kernels-{sources_hash()}-{level.name}.so"
+    return _cache_dir() / f"prescient-kernels-{sources_hash()}-{level.name}{'-debug' if debug else ''}.so"
 
 
-def _build_at_first_use(level: Level) -> Path:
-    target = cache_target(level)
+def _build_at_first_use(level: Level, debug: bool | None = None) -> Path:
+    debug = debug_requested() if debug is None else debug
+    target = cache_target(level, debug)
     if target.exists():
         try:
             _open(target)
@@ -282,7 +295,7 @@ def _build_at_first_use(level: Level) -> Path:
     timeout = float(os.environ.get("PRESCIENT_NATIVE_BUILD_TIMEOUT", BUILD_TIMEOUT_SECONDS))
     with tmp:
         built = Path(tmp.name) / target.name
-        build_level(level, built, timeout=timeout)
+        build_level(level, built, timeout=timeout, debug=debug)
         os.replace(built, target)
     try:
         _open(target)
@@ -303,15 +316,17 @@ def compiler() -> str:
     return found
 
 
-def build_level(level: Level, out: Path, *, timeout: float, jobs: int | None = None) -> str:
+def build_level(
+    level: Level, out: Path, *, timeout: float, jobs: int | None = None, debug: bool = False
+) -> str:
     """Compiles every source for the level (in parallel, `jobs` compilers at once) and links them into out.
     Returns the compiler's warnings. Raises KernelsUnavailable when a compiler fails or the whole build takes longer
     than timeout seconds; every compiler runs in its own process group, and every group is killed before this
-    returns, so no compiler process outlives the build."""
+    returns, so no compiler process outlives the build. `debug` adds the argument checks (DEBUG_CFLAGS)."""
     cc = compiler()
     objects = [out.parent / f"{out.stem}.{source.stem}.o" for source in SOURCES]
     compiles = [
-        [cc, *CFLAGS, *level.cflags, "-c", str(source), "-o", str(obj)]
+        [cc, *CFLAGS, *(DEBUG_CFLAGS if debug else ()), *level.cflags, "-c", str(source), "-o", str(obj)]
         for source, obj in zip(SOURCES, objects, strict=True)
     ]
     deadline = time.monotonic() + timeout
@@ -399,6 +414,29 @@ def build(out_dir: Path | None = None, names: list[str] | None = None, echo=prin
         f"this CPU ({platform.machine()}) gets the {runnable[-1] if runnable else 'PyTorch (no level)'} level"
     )
     return seconds
+
+
+def build_debug(names: list[str] | None = None, echo=print) -> list[Path]:
+    """Builds the debug library (DEBUG_CFLAGS) of the levels this CPU runs (those named) into the cache, where
+    load() finds it under PRESCIENT_KERNEL_DEBUG=1; says where each went and any compiler warning."""
+    built = []
+    for level in cpu_levels():
+        if names is None or level.name in names:
+            target = cache_target(level, debug=True)
+            target.unlink(missing_ok=True)
+            with tempfile.TemporaryDirectory(dir=_mkdir(target.parent)) as tmp:
+                warnings = build_level(level, Path(tmp) / target.name, timeout=float("inf"), debug=True)
+                os.replace(Path(tmp) / target.name, target)
+            echo(f"kernels {level.name:8s} debug build: {target}")
+            if warnings.strip():
+                echo(warnings.rstrip())
+            built.append(target)
+    return built
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _names(items) -> str:

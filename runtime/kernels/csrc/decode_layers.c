@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "check.h"
 #include "kernels.h"
 
 typedef struct {
@@ -59,6 +60,11 @@ static void project(const projection_t *p, const void *x, int x_bf16, int64_t M,
 
 void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_t num_layers, const decode_step_t *s,
                    int threads) {
+    CHECK(num_layers >= 0, num_layers);
+    CHECK(threads > 0, threads);
+    CHECK_PTR(m, 1);
+    CHECK_PTR(s, 1);
+    CHECK_PTR(layers, num_layers);
     const int64_t M = s->M, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int bf16 = m->bf16;
     add_rms_norm(s->h, NULL, s->first_norm, s->x, M, m->hidden, m->eps, bf16, threads);

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "check.h"
 #include "kernels.h"
 
 #include "vector_exp.h"
@@ -65,6 +66,12 @@ static inline void vstore(void *p, int64_t i, vf f, int bf16) {
  * out = weight * dtype(h * rsqrt(mean(h^2) + eps)). */
 void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int64_t T, int64_t D, float eps,
                   int bf16, int num_threads) {
+    CHECK(T >= 0, T);
+    CHECK(D > 0, D);
+    CHECK(num_threads > 0, num_threads);
+    CHECK_PTR(h, T);
+    CHECK_PTR(weight, T);
+    CHECK_PTR(out, T);
     const int64_t Dv = D - D % W;
     _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * D, num_threads))")
     for (int64_t t = 0; t < T; t++) {
@@ -101,6 +108,11 @@ void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int
 #define SILU_COST 4 /* an exp and a division per element: counts as 4 elements of the others' work */
 /* gate_up [T, 2I] (gate then up) -> out [T, I] = dtype(silu(gate)) * up. */
 void silu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, int num_threads) {
+    CHECK(T >= 0, T);
+    CHECK(I > 0, I);
+    CHECK(num_threads > 0, num_threads);
+    CHECK_PTR(gate_up, T);
+    CHECK_PTR(out, T);
     const int64_t Iv = I - I % W;
     _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * I * SILU_COST, num_threads))")
     for (int64_t t = 0; t < T; t++) {
@@ -123,6 +135,21 @@ void silu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, in
 void rope_write_kv(const void *qkv, const int64_t *positions, const void *cos, const void *sin_signed,
                    void *q_out, void *k_cache, void *v_cache, const int64_t *slots, int64_t T, int64_t H,
                    int64_t KVH, int64_t D, int bf16, int q_f32, int num_threads) {
+    CHECK(T >= 0, T);
+    CHECK(H > 0, H);
+    CHECK(KVH > 0, KVH);
+    CHECK(D > 0 && D % 2 == 0, D);
+    CHECK(num_threads > 0, num_threads);
+    CHECK_PTR(qkv, T);
+    CHECK_PTR(positions, T);
+    CHECK_PTR(cos, T);
+    CHECK_PTR(sin_signed, T);
+    CHECK_PTR(q_out, T);
+    CHECK_PTR(k_cache, T);
+    CHECK_PTR(v_cache, T);
+    CHECK_PTR(slots, T);
+    CHECK_EACH(t, T, positions[t] >= 0, positions[t]);
+    CHECK_EACH(t, T, slots[t] >= 0, slots[t]);
     const int64_t half = D / 2, width = (H + 2 * KVH) * D, kv_row = KVH * D;
     const int q_bf16 = bf16 && !q_f32;
     const int vector = half % W == 0;

@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "check.h"
 #include "kernels.h"
 #include "vector_exp.h"
 
@@ -151,6 +152,16 @@ static int64_t sample_row(const float *x, int64_t V, float temperature, float to
  * (0, 1]); uniforms: one U[0, 1) per row; out: R token ids. */
 void nucleus_sample(const float *logits, int64_t R, int64_t V, int64_t stride, const float *temperature,
                     const float *top_p, const double *uniforms, float *work, int64_t *out, int num_threads) {
+    CHECK(R >= 0, R);
+    CHECK(V > 0, V);
+    CHECK(stride >= 0, stride); /* 0: one row broadcast to all */
+    CHECK(num_threads > 0, num_threads);
+    CHECK_PTR(logits, R);
+    CHECK_PTR(temperature, R);
+    CHECK_PTR(top_p, R);
+    CHECK_PTR(uniforms, R);
+    CHECK_PTR(work, R);
+    CHECK_PTR(out, R);
     const int threads = R > 1 ? threads_for(R * V, num_threads) : 1;
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
     for (int64_t r = 0; r < R; r++)

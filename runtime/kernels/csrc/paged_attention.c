@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "check.h"
 #include "kernels.h"
 #include "vector_exp.h"
 
@@ -396,10 +397,31 @@ static int fast_path(int64_t H, int64_t KVH, int64_t D) {
     return (D == 64 || D == 128) && H % KVH == 0 && H / KVH <= 8;
 }
 
+/* The decode kernels' argument checks (debug build only, check.h): the generic kernel's limits unless the
+ * fast path takes the shape, and every context within its row of the block table. */
+#define DECODE_CHECKS()                                                                                        \
+    CHECK(B >= 0, B);                                                                                          \
+    CHECK(KVH > 0, KVH);                                                                                       \
+    CHECK(H > 0 && H % KVH == 0, H);                                                                           \
+    CHECK(fast_path(H, KVH, D) || H / KVH <= MAX_GROUP, H / KVH);                                              \
+    CHECK(fast_path(H, KVH, D) || H <= MAX_GROUP * 64, H);                                                     \
+    CHECK(D > 0 && (fast_path(H, KVH, D) || D % 16 == 0), D);                                                  \
+    CHECK(block_size > 0, block_size);                                                                         \
+    CHECK(max_blocks >= 0, max_blocks);                                                                        \
+    CHECK_PTR(q, B);                                                                                           \
+    CHECK_PTR(k_pool, B);                                                                                      \
+    CHECK_PTR(v_pool, B);                                                                                      \
+    CHECK_PTR(block_tables, B);                                                                                \
+    CHECK_PTR(context_lens, B);                                                                                \
+    CHECK_PTR(out, B);                                                                                         \
+    CHECK_EACH(b, B, context_lens[b] >= 0 && context_lens[b] <= max_blocks * block_size, context_lens[b]);     \
+    CHECK_EACH(i, B * max_blocks, block_tables[i] >= 0, block_tables[i])
+
 void paged_decode_attention_f32(const float *q, const float *k_pool, const float *v_pool,
                                 const int64_t *block_tables, const int64_t *context_lens, float *out, int64_t B,
                                 int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t max_blocks,
                                 float scale, int num_threads) {
+    DECODE_CHECKS();
     (fast_path(H, KVH, D) ? fast_f32 : generic_f32)(q, k_pool, v_pool, block_tables, context_lens, out, B, H,
                                                     KVH, D, block_size, max_blocks, scale, num_threads);
 }
@@ -408,6 +430,7 @@ void paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const u
                                  const int64_t *block_tables, const int64_t *context_lens, float *out,
                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                                  int64_t max_blocks, float scale, int num_threads) {
+    DECODE_CHECKS();
     (fast_path(H, KVH, D) ? fast_bf16 : generic_bf16)(q, k_pool, v_pool, block_tables, context_lens, out, B, H,
                                                       KVH, D, block_size, max_blocks, scale, num_threads);
 }
@@ -493,6 +516,23 @@ static int longer_first(const void *a, const void *b) {
 void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *tables, int64_t max_blocks,    \
           const int64_t *spans, int64_t num_chunks, void *out, int io_bf16, int64_t H, int64_t KVH, int64_t D, \
           int64_t block_size, float scale, int num_threads) {                                                  \
+    CHECK(num_chunks >= 0, num_chunks);                                                                        \
+    CHECK(KVH > 0, KVH);                                                                                       \
+    CHECK(H > 0 && H % KVH == 0, H);                                                                           \
+    CHECK(H / KVH <= W || H / KVH % W == 0, H / KVH);                                                          \
+    CHECK(D > 0 && D % W == 0, D);                                                                             \
+    CHECK(block_size > 0, block_size);                                                                         \
+    CHECK(max_blocks >= 0, max_blocks);                                                                        \
+    CHECK_PTR(q, num_chunks);                                                                                  \
+    CHECK_PTR(k_pool, num_chunks);                                                                             \
+    CHECK_PTR(v_pool, num_chunks);                                                                             \
+    CHECK_PTR(tables, num_chunks);                                                                             \
+    CHECK_PTR(spans, num_chunks);                                                                              \
+    CHECK_PTR(out, num_chunks);                                                                                \
+    CHECK_EACH(c, num_chunks, spans[3 * c] >= 0, spans[3 * c]);                                                \
+    CHECK_EACH(c, num_chunks, spans[3 * c + 1] >= 0 && spans[3 * c + 1] <= spans[3 * c + 2], spans[3 * c + 1]); \
+    CHECK_EACH(c, num_chunks, spans[3 * c + 2] <= max_blocks * block_size, spans[3 * c + 2]);                  \
+    CHECK_EACH(i, num_chunks * max_blocks, tables[i] >= 0, tables[i]);                                         \
     const int64_t G = H / KVH, GL = G <= W ? G : W, R = W / GL, row = KVH * D;                                   \
     int64_t total_ctx = 0, tasks = 0, max_ctx = 0;                                                              \
     for (int64_t c = 0; c < num_chunks; c++) {                                                                  \

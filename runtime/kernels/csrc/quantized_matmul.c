@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "check.h"
 #include "kernels.h"
 #include "vector_exp.h"
 
@@ -330,6 +331,16 @@ static inline float row_dot_avx2(const uint8_t *codes, const uint16_t *scale, co
 void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
                       const uint16_t *scale, const uint16_t *offset, int64_t N, int bits, void *out, int out_bf16,
                       int portable, int num_threads) {
+    CHECK(M >= 0, M);
+    CHECK(K > 0 && K % QBLOCK == 0, K);
+    CHECK(N > 0, N);
+    CHECK(bits == 4 || bits == 8, bits);
+    CHECK(num_threads > 0, num_threads);
+    CHECK_PTR(x, M);
+    CHECK_PTR(out, M);
+    CHECK_PTR(codes, 1);
+    CHECK_PTR(scale, 1);
+    CHECK_PTR(offset, 1);
     const int64_t nb = K / QBLOCK, row_bytes = bits == 4 ? K / 2 : K;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
@@ -703,6 +714,17 @@ static inline __attribute__((always_inline)) void gemm_pair(
 void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const uint16_t *tscale,
                     const uint16_t *toffset, int64_t N, int bits, void *out, int out_bf16, int silu, int portable,
                     int num_threads) {
+    CHECK(M >= 0, M);
+    CHECK(K > 0 && K % QBLOCK == 0, K);
+    CHECK(N > 0, N);
+    CHECK(bits == 4 || bits == 8, bits);
+    CHECK(num_threads > 0, num_threads);
+    CHECK_PTR(x, M);
+    CHECK_PTR(out, M);
+    CHECK(!silu || N % (2 * QBLOCK) == 0, N);
+    CHECK_PTR(tiles, 1);
+    CHECK_PTR(tscale, 1);
+    CHECK_PTR(toffset, 1);
     const int64_t nb = K / QBLOCK;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
