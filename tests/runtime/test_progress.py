@@ -16,7 +16,10 @@ import pytest
 from runtime.progress import Progress
 from tests.server.conftest import ROOT
 
-LOAD = "from runtime.model.checkpoint import load_checkpoint; load_checkpoint(None)"
+LOAD = (  # the weights are read as the model takes them (DeferredTensor.load): read them all, as it does
+    "from runtime.model.checkpoint import load_checkpoint\n"
+    "for w in load_checkpoint(None).weights.values(): w.load()"
+)
 
 
 class Terminal(io.StringIO):
