@@ -20,43 +20,19 @@ import urllib.request
 import openai
 import pytest
 
+from tests.processes import children, wait_gone
 from tests.server.conftest import MODEL, ROOT, running_server
 
 pytestmark = pytest.mark.slow  # real servers
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
-
-
 def _core_pid(server) -> int:
     """The core process: the server's child that runs the engine (its command line says spawn_main)."""
-    for child in _children(server.proc.pid):
+    for child in children(server.proc.pid):
         with open(f"/proc/{child}/cmdline", "rb") as f:
             if b"spawn_main" in f.read():
                 return child
     raise AssertionError(f"no engine core process under the server:\n{server.output()}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
@@ -81,7 +57,7 @@ def test_n_best_of_logprobs_and_echo_match_the_engine_thread(server):
     session's server: the default): the same choices, the same logprobs; the sequences' forks and logprobs
     cross the process boundary."""
     with running_server("--no-engine-process") as thread_server:
-        assert not _children(thread_server.proc.pid), "--no-engine-process started a process"
+        assert not children(thread_server.proc.pid), "--no-engine-process started a process"
         assert _core_pid(server)  # the default runs a core process
         thread, core = (
             openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -186,7 +162,7 @@ def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
     with running_server("--engine-process") as server:
         core = _core_pid(server)
         assert server.stop(signal.SIGTERM) == 0
-        assert _wait_gone(core, 10), "the engine core outlived the server's SIGTERM"
+        assert wait_gone([core], 10) == [], "the engine core outlived the server's SIGTERM"
 
 
 def _read(url: str, body: dict, started: threading.Event | None = None) -> tuple[int, list[bytes]]:
@@ -259,7 +235,7 @@ def test_a_killed_server_takes_its_core_with_it():
         core = _core_pid(server)
         server.proc.kill()
         server.proc.wait()
-        assert _wait_gone(core, 10), "the engine core outlived its server (SIGKILL)"
+        assert wait_gone([core], 10) == [], "the engine core outlived its server (SIGKILL)"
 
 
 def _startup_error(*flags: str) -> str:
