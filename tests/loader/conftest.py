@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from loader import FileDataset
+from loader import DataLoader, FileDataset
 
 SAMPLE_BYTES = 64
 
@@ -50,6 +50,18 @@ class CountingFiles(FileDataset):
     def read_counts(self) -> np.ndarray:
         with self.reads.get_lock():
             return np.array(self.reads[:], dtype=np.int64)
+
+
+def shuffled(dataset, batch_size: int, seed: int, cls=DataLoader, **settings):
+    """A loader of `cls` (ours, or torch's for a reference) that shuffles `dataset` in the order of
+    torch.Generator().manual_seed(seed); settings as DataLoader takes."""
+    return cls(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        **settings,
+    )
 
 
 class Sleeping(tud.Dataset):

@@ -12,11 +12,10 @@ import textwrap
 import time
 
 import pytest
-import torch
 
 from loader import DataLoader, FileDataset
 from loader.cache.ram import Layout, SharedMemoryFull, SharedState
-from tests.loader.conftest import noisy_decode, shm_names, write_files
+from tests.loader.conftest import noisy_decode, shm_names, shuffled, write_files
 from tests.processes import alive, children
 
 
@@ -36,11 +35,10 @@ def test_budgets_are_never_exceeded(tmp_path, workers):
     sizes = lambda i: 40 + (i * 37) % 200  # noqa: E731 - uneven samples
     dataset = FileDataset(write_files(tmp_path / "data", 80, size=sizes), decode=noisy_decode)
     ram, disk, staging = 2000, 3000, 900
-    dl = DataLoader(
+    dl = shuffled(
         dataset,
-        batch_size=4,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(2),
+        4,
+        seed=2,
         num_workers=workers,
         cache_ram=ram,
         cache_disk=str(tmp_path / "disk"),
