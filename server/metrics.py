@@ -15,6 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from runtime import RequestOutput
 
 PREFIX = "prescient:"
+SECONDS_1_TO_80 = [1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+"""The buckets above a second that vLLM's time-to-first-token and inter-token histograms share."""
 TTFT_BUCKETS = [
     0.001,
     0.005,
@@ -27,39 +29,12 @@ TTFT_BUCKETS = [
     0.25,
     0.5,
     0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
+    *SECONDS_1_TO_80,
     160.0,
     640.0,
     2560.0,
 ]
-TOKEN_LATENCY_BUCKETS = [
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-]
+TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, *SECONDS_1_TO_80]
 REQUEST_LATENCY_BUCKETS = [
     0.3,
     0.5,

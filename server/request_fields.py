@@ -217,36 +217,34 @@ FUNCTION_NAME = {
     "pattern": "^[A-Za-z0-9_.\\-]{1,64}$",
     "title": "1-64 of A-Z a-z 0-9 _ . -",
 }
-TOOL_CALL = {
-    "type": "object",
-    "required": ["function"],
-    "properties": {
-        "id": {"type": "string"},
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+
+
+def _function_object(function_properties: dict, required: list[str], **properties) -> dict:
+    """A chat API object of type "function" (a tool, a tool call, a named tool_choice): `properties`, then
+    its type and its function, whose name is required."""
+    return {
+        "type": "object",
+        "required": required,
+        "properties": {
+            **properties,
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": function_properties},
         },
+    }
+
+
+TOOL_CALL = _function_object(
+    {"name": {"type": "string"}, "arguments": {"type": "string"}}, ["function"], id={"type": "string"}
+)
+TOOL = _function_object(
+    {
+        "name": FUNCTION_NAME,
+        "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "JSON Schema of the arguments"},
+        "strict": {"type": "boolean"},
     },
-}
-TOOL = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": FUNCTION_NAME,
-                "description": {"type": "string"},
-                "parameters": {"type": "object", "description": "JSON Schema of the arguments"},
-                "strict": {"type": "boolean"},
-            },
-        },
-    },
-}
+    ["type", "function"],
+)
 MESSAGE = {
     "type": "object",
     "required": ["role"],
@@ -290,18 +288,7 @@ CHAT_ONLY = {
     "tool_choice": {
         "oneOf": [
             {"type": "string", "enum": ["none", "auto", "required"]},
-            {
-                "type": "object",
-                "required": ["type", "function"],
-                "properties": {
-                    "type": {"const": "function"},
-                    "function": {
-                        "type": "object",
-                        "required": ["name"],
-                        "properties": {"name": {"type": "string"}},
-                    },
-                },
-            },
+            _function_object({"name": {"type": "string"}}, ["type", "function"]),
         ],
         "description": "auto (default with tools), none, required, or a named function; required and named "
         "constrain the call's arguments to the function's schema",

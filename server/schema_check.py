@@ -4,9 +4,9 @@ The request fields (server/request_fields.py) are declared once, as JSON Schema;
 those schemas and this module enforces them, so what is documented and what is accepted cannot drift.
 It reads the subset the fields use: type (a name or a list), enum, const, minimum, maximum,
 exclusiveMinimum, minLength, maxLength, pattern, minItems, maxItems, items, properties, required,
-maxProperties, additionalProperties (a schema), propertyNames and oneOf. Counts and lengths are checked
-before the items, so an oversized value is refused without walking it. `title`, where a schema has one, is the phrase
-an error uses for what the value must be.
+minProperties, maxProperties, additionalProperties (a schema), propertyNames and oneOf. Counts and
+lengths are checked before the items, so an oversized value is refused without walking it. `title`, where
+a schema has one, is the phrase an error uses for what the value must be.
 
 A null property counts as absent (clients such as LangChain send `"stop": null`), so a required one that
 is null is missing. An integer is a JSON number without a fraction *and* not a boolean, as Python reads it.
@@ -49,17 +49,11 @@ def check(value, schema: dict, path: str) -> None:
     if _is_number(value):
         _check_range(value, schema, path)
     elif isinstance(value, str):
-        if len(value) < schema.get("minLength", 0):
-            _fail(schema, value, path, "must not be empty" if schema["minLength"] == 1 else None)
-        if len(value) > schema.get("maxLength", len(value)):
-            _fail(schema, value, path, f"may be at most {schema['maxLength']} characters, got {len(value)}")
+        _check_size(value, schema, path, "Length", "must not be empty", "may be at most {} characters")
         if "pattern" in schema and not re.search(schema["pattern"], value):
             _fail(schema, value, path)
     elif isinstance(value, list):
-        if len(value) < schema.get("minItems", 0):
-            _fail(schema, value, path, "must be a non-empty array" if schema["minItems"] == 1 else None)
-        if len(value) > schema.get("maxItems", len(value)):
-            _fail(schema, value, path, f"may hold at most {schema['maxItems']} items, got {len(value)}")
+        _check_size(value, schema, path, "Items", "must be a non-empty array", "may hold at most {} items")
         if "items" in schema and not (schema["items"] == _INTEGER and all(type(v) is int for v in value)):
             for i, item in enumerate(value):  # (an array of token ids is checked at C speed above)
                 check(item, schema["items"], f"{path}[{i}]")
@@ -69,8 +63,7 @@ def check(value, schema: dict, path: str) -> None:
 
 def check_object(value: dict, schema: dict, path: str) -> None:
     properties = schema.get("properties", {})
-    if len(value) > schema.get("maxProperties", len(value)):
-        _fail(schema, value, path, f"may hold at most {schema['maxProperties']} entries, got {len(value)}")
+    _check_size(value, schema, path, "Properties", "must not be empty", "may hold at most {} entries")
     prefix = f"{path}." if path else ""
     for name, item in value.items():
         if item is None:
@@ -87,6 +80,16 @@ def check_object(value: dict, schema: dict, path: str) -> None:
     for name in schema.get("required", ()):
         if value.get(name) is None:
             raise bad_request(f"'{prefix}{name}' is required", prefix + name, "missing_required_parameter")
+
+
+def _check_size(value, schema: dict, path: str, counted: str, empty: str, at_most: str) -> None:
+    """len(value) against the schema's min<counted> and max<counted> (Length, Items, Properties): `empty` is
+    the error for a minimum of 1, `at_most` the one for the maximum ({} stands for it)."""
+    size = len(value)
+    if size < schema.get("min" + counted, 0):
+        _fail(schema, value, path, empty if schema["min" + counted] == 1 else None)
+    if size > schema.get("max" + counted, size):
+        _fail(schema, value, path, f"{at_most.format(schema['max' + counted])}, got {size}")
 
 
 def _meant(value, branches: list[dict]) -> dict | None:

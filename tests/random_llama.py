@@ -15,42 +15,30 @@ import torch
 from runtime.model.checkpoint_types import TokenizerSource
 from runtime.model_config import ModelConfig
 
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_word_embeddings",
 )
-LLAMA_1B = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
-TINY = dict(
-    vocab_size=512,
-    hidden_size=192,
-    intermediate_size=384,
-    num_hidden_layers=3,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+"""The LlamaConfig keywords a shape sets, in the order of the table below."""
+
+
+def llama_shape(*values) -> dict:
+    """LlamaConfig keywords from the values of SHAPE_KEYS, in order."""
+    return dict(zip(SHAPE_KEYS, values, strict=True))
+
+
+# vocab, hidden, intermediate, layers, heads, kv heads, context, rope theta, rms eps, tied embeddings
+SMOLLM2_135M = llama_shape(49152, 576, 1536, 30, 9, 3, 8192, 100000.0, 1e-5, True)
+LLAMA_1B = llama_shape(128256, 2048, 8192, 16, 32, 8, 8192, 500000.0, 1e-5, True)
+TINY = llama_shape(512, 192, 384, 3, 6, 2, 1024, 10000.0, 1e-6, False)
 
 
 def hf_llama(shape: dict, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -63,6 +51,18 @@ def hf_llama(shape: dict, device: str = "cpu", dtype: torch.dtype = torch.float3
     with torch.device(device):
         model = LlamaForCausalLM(config)
     return model.to(dtype).eval()
+
+
+def save_llama_dir(path: Path, shape: dict, tokenizer, seed: int = 0, **config):
+    """transformers' LlamaForCausalLM of `shape` and `config`, with its own random initialisation (from
+    `seed`), saved with `tokenizer` (a transformers tokenizer) as a Hugging Face directory; the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**shape, **config)).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model
 
 
 def word_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:

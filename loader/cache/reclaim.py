@@ -32,6 +32,8 @@ import re
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from multiprocessing import resource_tracker, shared_memory
 
 SHM_DIR = "/dev/shm"
@@ -114,29 +116,38 @@ def _unlocked(path: str) -> int | None:
     return None
 
 
-def reclaim_shared_memory(prefix: str) -> list[str]:
-    """Unlink /dev/shm segments named `<prefix><pid>_...` that no process locks; the names removed."""
+def _matching(root: str, pattern: str) -> list[str]:
+    """The names in `root` that fullmatch `pattern`; none when `root` cannot be listed."""
     try:
-        names = os.listdir(SHM_DIR)
+        names = os.listdir(root)
     except OSError:
         return []
-    pattern = re.compile(re.escape(prefix) + r"\d+_[0-9a-f]+")
+    regex = re.compile(pattern)
+    return [name for name in names if regex.fullmatch(name)]
+
+
+def _remove_owned(owner: str, fd: int, remove: Callable[[], object]) -> bool:
+    """remove() if `owner` is still the file whose lock `fd` holds (not a newer one under its name); closes
+    fd. Whether it removed."""
+    try:
+        if _same_file(owner, fd):
+            remove()
+            return True
+    except OSError:  # its tracker got there first, or not ours to remove
+        pass
+    finally:
+        os.close(fd)
+    return False
+
+
+def reclaim_shared_memory(prefix: str) -> list[str]:
+    """Unlink /dev/shm segments named `<prefix><pid>_...` that no process locks; the names removed."""
     removed = []
-    for name in names:
-        if not pattern.fullmatch(name):
-            continue
+    for name in _matching(SHM_DIR, re.escape(prefix) + r"\d+_[0-9a-f]+"):
         path = os.path.join(SHM_DIR, name)
         fd = _unlocked(path)
-        if fd is None:
-            continue
-        try:
-            if _same_file(path, fd):
-                os.unlink(path)
-                removed.append(name)
-        except OSError:  # its tracker got there first, or not ours to remove
-            pass
-        finally:
-            os.close(fd)
+        if fd is not None and _remove_owned(path, fd, partial(os.unlink, path)):
+            removed.append(name)
     return removed
 
 
@@ -144,15 +155,10 @@ def reclaim_directories(root: str, prefix: str) -> list[str]:
     """Remove directories under `root` named `<prefix><pid>-...` whose owner file no process locks
     (or that have none: a loader killed while creating it, or one older than owner files); the
     paths removed."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    pattern = re.compile(re.escape(prefix) + r"\d+-.+")
     removed = []
-    for name in names:
+    for name in _matching(root, re.escape(prefix) + r"\d+-.+"):
         path = os.path.join(root, name)
-        if not pattern.fullmatch(name) or not os.path.isdir(path) or os.path.islink(path):
+        if not os.path.isdir(path) or os.path.islink(path):
             continue
         owner = os.path.join(path, OWNER_FILE)
         try:  # no owner file yet: take the directory as its owner would, whoever creates the file wins
@@ -164,12 +170,6 @@ def reclaim_directories(root: str, prefix: str) -> list[str]:
             fd = _unlocked(owner)
         except OSError:
             continue
-        if fd is None:
-            continue
-        try:
-            if _same_file(owner, fd):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-        finally:
-            os.close(fd)
+        if fd is not None and _remove_owned(owner, fd, partial(shutil.rmtree, path, ignore_errors=True)):
+            removed.append(path)
     return removed

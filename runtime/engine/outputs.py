@@ -11,13 +11,37 @@ type.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from runtime.sample.logprobs import TokenLogprob
 
 
+@dataclass(kw_only=True)
+class SequenceStatus:
+    """Where a sequence stands: each delta carries the latest, a RequestOutput keeps it."""
+
+    finished: bool = False
+    finish_reason: str | None = None
+    """'stop' (eos, stop token or stop string), 'length' (max_tokens or context) or 'abort'."""
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    error: str | None = None
+    """Set when the request failed inside the engine: what failed, without details. A delta carrying it is
+    final (finish_reason 'abort'); the engine itself keeps serving."""
+
+
+_LATEST_STATUS = tuple(f.name for f in fields(SequenceStatus) if f.name != "arrival_time")
+"""What a RequestOutput takes from each delta as it is; arrival_time only when the delta has one."""
+
+
 @dataclass
-class OutputDelta:
+class OutputDelta(SequenceStatus):
     """What one sequence gained since the last delta its reader took."""
 
     request_id: str
@@ -35,20 +59,6 @@ class OutputDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """Every prompt position's, once, on the sequence's first delta (when SamplingParams.prompt_logprobs
     is set); the first is None (nothing precedes it)."""
-    finished: bool = False
-    finish_reason: str | None = None
-    """'stop' (eos, stop token or stop string), 'length' (max_tokens or context) or 'abort'."""
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache."""
-    arrival_time: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
-    error: str | None = None
-    """Set when the request failed inside the engine: what failed, without details. The delta is then
-    final (finish_reason 'abort'); the engine itself keeps serving."""
 
 
 def coalesce(deltas: list[OutputDelta]) -> list[OutputDelta]:
@@ -75,7 +85,7 @@ def _merge(group: list[OutputDelta]) -> OutputDelta:
 
 
 @dataclass
-class RequestOutput:
+class RequestOutput(SequenceStatus):
     """One sequence's whole output, assembled from its deltas (append)."""
 
     request_id: str
@@ -84,25 +94,13 @@ class RequestOutput:
     """All tokens generated so far (a stop token id or eos is included)."""
     text_parts: list[str] = field(default_factory=list)
     """The released text in the pieces it came in; `text` joins them (once, when read)."""
-    finished: bool = False
-    finish_reason: str | None = None
-    """'stop' (eos, stop token or stop string), 'length' (max_tokens or context) or 'abort'."""
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    arrival_time: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     """time.monotonic() when each generated token was produced; same length as token_ids."""
-    num_preemptions: int = 0
     index: int = 0
     logprobs: list[TokenLogprob] | None = None
     """One per generated token when SamplingParams.logprobs is set."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """One per prompt token when SamplingParams.prompt_logprobs is set; the first is None."""
-    error: str | None = None
-    """See OutputDelta.error."""
 
     @property
     def text(self) -> str:
@@ -124,15 +122,8 @@ class RequestOutput:
             self.logprobs += delta.new_logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
-        self.finished = delta.finished
-        self.finish_reason = delta.finish_reason
-        self.stop_reason = delta.stop_reason
-        self.num_cached_tokens = delta.num_cached_tokens
+        for name in _LATEST_STATUS:
+            setattr(self, name, getattr(delta, name))
         if delta.arrival_time is not None:
             self.arrival_time = delta.arrival_time
-        self.first_scheduled_time = delta.first_scheduled_time
-        self.first_token_time = delta.first_token_time
-        self.finished_time = delta.finished_time
-        self.num_preemptions = delta.num_preemptions
-        self.error = delta.error
         return self

@@ -6,12 +6,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import time
 
 import numpy as np
 import pytest
 import torch
+import torch.utils.data as tud
 
-from loader import FileDataset
+from loader import DataLoader, FileDataset
 
 SAMPLE_BYTES = 64
 
@@ -48,6 +50,32 @@ class CountingFiles(FileDataset):
     def read_counts(self) -> np.ndarray:
         with self.reads.get_lock():
             return np.array(self.reads[:], dtype=np.int64)
+
+
+def shuffled(dataset, batch_size: int, seed: int, cls=DataLoader, **settings):
+    """A loader of `cls` (ours, or torch's for a reference) that shuffles `dataset` in the order of
+    torch.Generator().manual_seed(seed); settings as DataLoader takes."""
+    return cls(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        **settings,
+    )
+
+
+class Sleeping(tud.Dataset):
+    """Items 0 .. length - 1, each read after `seconds` of sleep: a slow storage, to catch a worker mid-read."""
+
+    def __init__(self, length: int, seconds: float):
+        self.length, self.seconds = length, seconds
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        time.sleep(self.seconds)
+        return index
 
 
 @pytest.fixture(scope="session")

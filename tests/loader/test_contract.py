@@ -14,7 +14,7 @@ import torch
 import torch.utils.data as tud
 
 from loader import DataLoader, FileDataset
-from tests.loader.conftest import same
+from tests.loader.conftest import Sleeping, same
 
 
 def both(make):
@@ -48,17 +48,8 @@ def test_worker_error_is_reraised_with_the_workers_traceback():
         assert "no sample five" in str(error) and "in __getitem__" in str(error)
 
 
-class Sleeps(tud.Dataset):
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, index):
-        time.sleep(5)
-        return index
-
-
 def test_timeout_raises_torchs_error():
-    theirs, ours = (error_of(dl) for dl in both(lambda cls: cls(Sleeps(), num_workers=1, timeout=0.5)))
+    theirs, ours = (error_of(dl) for dl in both(lambda cls: cls(Sleeping(4, 5), num_workers=1, timeout=0.5)))
     assert type(ours) is type(theirs) is RuntimeError
     assert str(ours) == str(theirs) and "timed out after 0.5 seconds" in str(ours)
 

@@ -11,7 +11,7 @@ import torch.utils.data as tud
 
 from loader import DataLoader, FileDataset
 from loader.cache.fill_ring import SETS, RingSets, ring_count
-from tests.loader.conftest import noisy_decode, same
+from tests.loader.conftest import noisy_decode, same, shuffled
 
 
 def test_ring_sets_have_one_owner_each():
@@ -28,14 +28,7 @@ def test_ring_sets_have_one_owner_each():
 def run(cls, files, **extra):
     """Three iterators alive at once, then whole epochs; a training step draws from the global RNG."""
     torch.manual_seed(0)
-    dl = cls(
-        FileDataset(files, decode=noisy_decode),
-        batch_size=4,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(5),
-        num_workers=2,
-        **extra,
-    )
+    dl = shuffled(FileDataset(files, decode=noisy_decode), 4, seed=5, cls=cls, num_workers=2, **extra)
     old = iter(dl)
     batches = [next(old)]
     new, third = iter(dl), iter(dl)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loader import DataLoader, FileDataset
-from tests.loader.conftest import SAMPLE_BYTES, write_files
+from tests.loader.conftest import SAMPLE_BYTES, shuffled, write_files
 
 
 def free_port() -> int:
@@ -101,18 +101,9 @@ def test_cache_items_for_a_deterministic_plain_dataset():
             return {"x": torch.tensor([index * index]), "i": index}
 
     data = Squares()
-    reference = torch.utils.data.DataLoader(
-        Squares(), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(4)
-    )
+    reference = shuffled(Squares(), 3, seed=4, cls=torch.utils.data.DataLoader)
     theirs = [list(reference) for _ in range(3)]
-    dl = DataLoader(
-        data,
-        batch_size=3,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(4),
-        cache_items=True,
-        cache_ram="1MiB",
-    )
+    dl = shuffled(data, 3, seed=4, cache_items=True, cache_ram="1MiB")
     epochs = [list(dl) for _ in range(3)]
     stats = dl.stats()
     dl.close()

@@ -48,6 +48,18 @@ def start_loader(files, disk, workers: int, then: str, pid_namespace: bool = Fal
     )
 
 
+def cached_loader(files, disk, **settings) -> DataLoader:
+    """This process's loader, with the RAM and the disk tier (under `disk`) that a leftover could hit."""
+    return DataLoader(
+        FileDataset(files, decode=head),
+        batch_size=4,
+        cache_ram="1MiB",
+        cache_disk=str(disk),
+        cache_disk_bytes="1MiB",
+        **settings,
+    )
+
+
 def needs_pid_namespace() -> None:
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs unshare --pid (root) to start a loader in another PID namespace")
@@ -57,14 +69,7 @@ def test_a_loader_in_another_pid_namespace_leaves_a_live_loaders_files(files, tm
     needs_pid_namespace()
     disk = tmp_path / "disk"
     expected = list(DataLoader(FileDataset(files, decode=head), batch_size=4))
-    dl = DataLoader(
-        FileDataset(files, decode=head),
-        batch_size=4,
-        cache_ram="1MiB",
-        cache_disk=str(disk),
-        cache_disk_bytes="1MiB",
-        num_workers=2,
-    )
+    dl = cached_loader(files, disk, num_workers=2)
     it = iter(dl)
     batches = [next(it)]
     segment = f"/dev/shm/{dl._engine.shared.name}"
@@ -98,13 +103,7 @@ def test_a_killed_loaders_files_and_unlocked_ones_are_reclaimed(files, tmp_path)
     orphan_dir = disk / f"prescient-{os.getpid()}-orphan"
     orphan_dir.mkdir()
     (orphan_dir / "3").write_bytes(b"sample")
-    dl = DataLoader(
-        FileDataset(files, decode=head),
-        batch_size=4,
-        cache_ram="1MiB",
-        cache_disk=str(disk),
-        cache_disk_bytes="1MiB",
-    )
+    dl = cached_loader(files, disk)
     torch_loader = DataLoader(FileDataset(files, decode=head), batch_size=4)
     assert same(list(dl), list(torch_loader))
     assert not os.path.exists(segment) and not os.path.exists(orphan)

@@ -15,7 +15,7 @@ import torch.utils.data as tud
 from torch.utils.data import DistributedSampler
 
 from loader import DataLoader, FileDataset
-from tests.loader.conftest import noisy_decode, same
+from tests.loader.conftest import noisy_decode, same, shuffled
 
 CASES = {
     "generator": lambda ds, g: dict(shuffle=True, generator=g),
@@ -176,22 +176,9 @@ def test_resume_with_other_num_workers_yields_the_rest_once(files, resumed_worke
     workers' augmentation streams differ, as in torch when num_workers changes), with a warning."""
 
     def make(workers):
-        return DataLoader(
-            FileDataset(files, decode=plain_decode),
-            batch_size=4,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(5),
-            num_workers=workers,
-        )
+        return shuffled(FileDataset(files, decode=plain_decode), 4, seed=5, num_workers=workers)
 
-    expected = list(
-        tud.DataLoader(
-            FileDataset(files, decode=plain_decode),
-            batch_size=4,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(5),
-        )
-    )
+    expected = list(shuffled(FileDataset(files, decode=plain_decode), 4, seed=5, cls=tud.DataLoader))
     dl = make(2)
     for step, _ in enumerate(dl):
         if step + 1 == STOP:
@@ -224,13 +211,8 @@ def test_state_keys_match_torchdata_where_they_overlap(files, workers):
 
     states = []
     for cls, extra in ((StatefulDataLoader, {"snapshot_every_n_steps": 1}), (DataLoader, {})):
-        dl = cls(
-            FileDataset(files, decode=plain_decode),
-            batch_size=4,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(5),
-            num_workers=workers,
-            **extra,
+        dl = shuffled(
+            FileDataset(files, decode=plain_decode), 4, seed=5, cls=cls, num_workers=workers, **extra
         )
         iterator = iter(dl)
         for _ in range(STOP):

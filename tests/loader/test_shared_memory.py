@@ -12,11 +12,11 @@ import textwrap
 import time
 
 import pytest
-import torch
 
 from loader import DataLoader, FileDataset
 from loader.cache.ram import Layout, SharedMemoryFull, SharedState
-from tests.loader.conftest import noisy_decode, shm_names, write_files
+from tests.loader.conftest import noisy_decode, shm_names, shuffled, write_files
+from tests.processes import alive, children
 
 
 def disk_usage(directory: str) -> int:
@@ -35,11 +35,10 @@ def test_budgets_are_never_exceeded(tmp_path, workers):
     sizes = lambda i: 40 + (i * 37) % 200  # noqa: E731 - uneven samples
     dataset = FileDataset(write_files(tmp_path / "data", 80, size=sizes), decode=noisy_decode)
     ram, disk, staging = 2000, 3000, 900
-    dl = DataLoader(
+    dl = shuffled(
         dataset,
-        batch_size=4,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(2),
+        4,
+        seed=2,
         num_workers=workers,
         cache_ram=ram,
         cache_disk=str(tmp_path / "disk"),
@@ -106,32 +105,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def children(pid: int) -> set[int]:
-    out = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    fields = handle.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.add(int(entry))
-    return out
-
-
-def running(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as handle:
-                if handle.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.add(pid)
-        except OSError:
-            pass
-    return alive
-
-
 @pytest.mark.slow  # training programs in fresh interpreters
 @pytest.mark.parametrize("ending", ["raise", "sigkill", "hang"])
 def test_released_when_the_process_dies(files, tmp_path, ending):
@@ -162,9 +135,10 @@ def test_released_when_the_process_dies(files, tmp_path, ending):
         process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     killed = time.monotonic()
-    while (running(workers) or shm_names(pid)) and time.monotonic() < killed + 15:
+    while (any(alive(p) for p in workers) or shm_names(pid)) and time.monotonic() < killed + 15:
         time.sleep(0.1)
-    assert not running(workers), f"workers alive {time.monotonic() - killed:.1f} s after the main process"
+    left = [p for p in workers if alive(p)]
+    assert not left, f"workers alive {time.monotonic() - killed:.1f} s after the main process"
     assert not shm_names(pid)
     if ending == "raise":
         assert "the training step failed" in process.stderr.read()

@@ -15,6 +15,7 @@ import pytest
 
 from loader import DataLoader, FileDataset
 from tests.loader.conftest import write_files
+from tests.processes import alive, wait_gone
 
 pytestmark = pytest.mark.slow  # training programs in fresh interpreters
 
@@ -51,28 +52,12 @@ time.sleep(60)
 """
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for a reaper that may not exist here)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(running(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if running(p)]
-
-
 def test_dropped_iterator_stops_its_workers(tmp_path):
     dl = DataLoader(FileDataset(write_files(tmp_path, 40)), batch_size=4, num_workers=2, cache_ram="1MiB")
     it = iter(dl)
     next(it)
     pids = [w.pid for w in it.workers]
-    assert all(running(p) for p in pids)
+    assert all(alive(p) for p in pids)
     del it
     gc.collect()
     assert wait_gone(pids, 1.0) == []
@@ -112,7 +97,7 @@ def test_main_process_killed_leaves_no_orphan_worker(tmp_path, results):
     )
     try:
         pids = [int(p) for p in main.stdout.readline().split()]
-        assert len(pids) == (2 if results == "cached_files" else 1) and all(running(p) for p in pids)
+        assert len(pids) == (2 if results == "cached_files" else 1) and all(alive(p) for p in pids)
         time.sleep(1.0)  # the workers fill what they may before the kill
     finally:
         main.send_signal(signal.SIGKILL)

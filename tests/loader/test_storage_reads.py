@@ -14,7 +14,7 @@ from torch.utils.data import DistributedSampler
 
 from loader import DataLoader
 from loader.cache.batch_reads import FAST_READ_SECONDS, BatchReader
-from tests.loader.conftest import SAMPLE_BYTES, CountingFiles, noisy_decode, same, write_files
+from tests.loader.conftest import SAMPLE_BYTES, CountingFiles, noisy_decode, same, shuffled, write_files
 
 
 def epochs_of_reads(dl, dataset, epochs: int) -> list[np.ndarray]:
@@ -135,11 +135,10 @@ def farthest_in_future(stream: list[int], capacity: int, epoch_len: int) -> list
 def test_thirty_percent_cache_reads_no_more_than_the_optimum(counting, workers):
     n, epochs, capacity = 60, 4, 18  # 18 of 60 samples: 30 %
     dataset = counting(n)
-    dl = DataLoader(
+    dl = shuffled(
         dataset,
-        batch_size=4,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(21),
+        4,
+        seed=21,
         num_workers=workers,
         cache_ram=capacity * SAMPLE_BYTES,
         prefetch_bytes=8 * SAMPLE_BYTES,

@@ -18,7 +18,7 @@ import torch
 import torch.utils.data as tud
 
 from loader import DataLoader
-from tests.loader.conftest import same
+from tests.loader.conftest import Sleeping, same
 
 
 def test_torch_internals_the_loader_relies_on_exist():
@@ -36,15 +36,6 @@ def test_torch_internals_the_loader_relies_on_exist():
     assert hasattr(tud.DataLoader(range(3)), "_IterableDataset_len_called")
 
 
-class Slow(tud.Dataset):
-    def __len__(self):
-        return 40
-
-    def __getitem__(self, index):
-        time.sleep(0.05)
-        return index
-
-
 def _pids(it) -> list[int]:
     return [
         w.pid for w in (it._workers if isinstance(it, tud.dataloader._BaseDataLoaderIter) else it.workers)
@@ -53,7 +44,7 @@ def _pids(it) -> list[int]:
 
 def test_worker_killed_by_a_signal_is_reported_as_torch_reports_it():
     def failure(cls):
-        it = iter(cls(Slow(), batch_size=2, num_workers=2))
+        it = iter(cls(Sleeping(40, 0.05), batch_size=2, num_workers=2))
         next(it)
         pid = _pids(it)[0]
         os.kill(pid, signal.SIGKILL)
@@ -285,15 +276,6 @@ def test_installed_torch_is_in_the_range_pyproject_declares():
     assert release(low) <= release(torch.__version__) < release(high)
 
 
-class Sleepy(tud.Dataset):
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, index):
-        time.sleep(3)
-        return index
-
-
 def test_a_worker_that_dies_wakes_a_waiting_next_at_once(monkeypatch):
     """torch's SIGCHLD handler raises the moment a worker dies; with its status poll made 30 s
     long, the loader must still raise within seconds while next() waits (worker_watch.py)."""
@@ -301,7 +283,7 @@ def test_a_worker_that_dies_wakes_a_waiting_next_at_once(monkeypatch):
 
     monkeypatch.setattr(multiprocess_iterator, "STATUS_SECONDS", 30.0)
     for cls in (tud.DataLoader, DataLoader):
-        it = iter(cls(Sleepy(), batch_size=2, num_workers=2))
+        it = iter(cls(Sleeping(8, 3), batch_size=2, num_workers=2))
         pid = _pids(it)[0]
         started = time.monotonic()
         killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))

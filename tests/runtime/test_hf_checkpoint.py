@@ -7,32 +7,17 @@ import pytest
 import torch
 
 from runtime import Engine, SamplingParams
+from tests.random_llama import llama_shape, save_llama_dir
 from tests.runtime.conftest import reference_greedy
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, reference):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     ref_tok, _ = reference
     path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=ref_tok.vocab_size,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    ref_tok.save_pretrained(path)
+    # vocab, hidden, intermediate, layers, heads, kv heads, context, rope theta, rms eps, tied embeddings
+    shape = llama_shape(ref_tok.vocab_size, 64, 160, 2, 4, 2, 512, 10000.0, 1e-6, False)
+    model = save_llama_dir(path, shape, ref_tok, eos_token_id=2, bos_token_id=1)
     return path, model
 
 

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from runtime.kernels import library as native_kernels
+from tests.processes import alive, wait_gone
 
 pytestmark = pytest.mark.slow  # builds the C kernels from scratch or loads the real model
 
@@ -63,15 +64,6 @@ def test_unwritable_cache_directory(tmp_path):
     assert len(warnings) == 1 and "not writable" in warnings[0] and "PRESCIENT_CACHE" in warnings[0]
 
 
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (an orphan's zombie waits for a reaper, but runs nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _hung_compiler(tmp_path) -> tuple[os.PathLike, os.PathLike]:
     """A fake compiler (a hung one cannot be had for real) that starts a child, as cc starts cc1, and sleeps;
     each process of it appends "pid pgid" to a file."""
@@ -104,12 +96,9 @@ def test_hung_compiler_is_killed_with_its_children(tmp_path):
     groups = {pgid for _, pgid in started}
     assert len(started) >= 2 and all(pid != os.getpid() for pid, _ in started)  # compilers and their children
     assert os.getpgid(0) not in groups  # each compiler led a group of its own
-    deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid, _ in started) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid, _ in started if _alive(pid)], "a compiler process outlived the build"
+    assert wait_gone([pid for pid, _ in started], 5) == [], "a compiler process outlived the build"
     for pgid in groups:  # and no process at all is left in the compilers' groups
-        members = [p for p in os.listdir("/proc") if p.isdigit() and _alive(int(p)) and _pgid(int(p)) == pgid]
+        members = [p for p in os.listdir("/proc") if p.isdigit() and alive(int(p)) and _pgid(int(p)) == pgid]
         assert members == [], f"process group {pgid} still has {members}"
 
 

@@ -56,6 +56,18 @@ class Server:
         self.stop()
         raise RuntimeError(f"server did not become healthy:\n{self.output()}")
 
+    def openai_client(self, api_key: str = "unused", **settings):
+        """The official openai client on this server, without retries; settings as OpenAI takes."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **settings)
+
+    def async_openai_client(self, api_key: str = "unused", **settings):
+        """The same as openai_client, asynchronous."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **settings)
+
     def output(self) -> str:
         self.log.flush()
         with open(self.log_path) as f:
@@ -108,9 +120,7 @@ def offline_engine():
 
 @pytest.fixture
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai_client(timeout=120)
 
 
 def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:

@@ -8,7 +8,7 @@ import signal
 
 import aiohttp
 import pytest
-from openai import AuthenticationError, OpenAI
+from openai import AuthenticationError
 
 from tests.server.conftest import MODEL, Server, running_server, wait_idle
 
@@ -25,12 +25,7 @@ def keyed_server(tmp_path_factory):
 
 def test_missing_and_wrong_keys_get_401(keyed_server):
     for key in ("sk-wrong", ""):
-        client = OpenAI(
-            base_url=keyed_server.url + "/v1",
-            api_key=key or "x",
-            max_retries=0,
-            default_headers={} if key else {"Authorization": ""},
-        )
+        client = keyed_server.openai_client(key or "x", default_headers={} if key else {"Authorization": ""})
         with pytest.raises(AuthenticationError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert info.value.status_code == 401
@@ -39,7 +34,7 @@ def test_missing_and_wrong_keys_get_401(keyed_server):
 
 def test_keys_bill_their_tenants(keyed_server):
     for key, tokens in (("sk-alpha", 5), ("sk-beta", 3)):
-        client = OpenAI(base_url=keyed_server.url + "/v1", api_key=key, max_retries=0)
+        client = keyed_server.openai_client(key)
         out = client.completions.create(
             model=MODEL,
             prompt="Hello there",

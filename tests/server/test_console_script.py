@@ -64,11 +64,11 @@ def test_prescient_serve_model_with_api_keys():
             and "Bearer" in body["error"]["message"]
         )
         for key in ("key-one", "key-two"):
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+            client = server.openai_client(key, timeout=60)
             assert [m.id for m in client.models.list().data] == [MODEL]
             resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, user="alice")
             assert resp.usage.completion_tokens >= 1
-        wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="key-three", max_retries=0, timeout=60)
+        wrong = server.openai_client("key-three", timeout=60)
         with pytest.raises(openai.AuthenticationError) as info:
             wrong.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
         assert info.value.code == "invalid_api_key" and info.value.status_code == 401

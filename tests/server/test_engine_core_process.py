@@ -17,57 +17,57 @@ import time
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 
+from tests.processes import children, wait_gone
 from tests.server.conftest import MODEL, ROOT, running_server
 
 pytestmark = pytest.mark.slow  # real servers
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
-
-
 def _core_pid(server) -> int:
     """The core process: the server's child that runs the engine (its command line says spawn_main)."""
-    for child in _children(server.proc.pid):
+    for child in children(server.proc.pid):
         with open(f"/proc/{child}/cmdline", "rb") as f:
             if b"spawn_main" in f.read():
                 return child
     raise AssertionError(f"no engine core process under the server:\n{server.output()}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
+def _read(
+    url: str, body: dict, started: threading.Event | None = None, timeout: float = 60
+) -> tuple[int, list[bytes]]:
+    """POST and read the whole answer: (status, SSE data lines, or the body as the one line)."""
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
+            if not body.get("stream"):
+                return r.status, [r.read()]
+            lines = []
+            for line in r:
+                if line.startswith(b"data: "):
+                    lines.append(line[6:].strip())
+                    if started is not None:
+                        started.set()
+            return r.status, lines
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+        return exc.code, [exc.read()]
+
+
+def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
+    """POST a request that does not stream: (status, body)."""
+    status, (payload,) = _read(url, body, timeout=timeout)
+    return status, payload
+
+
+def _assert_unhealthy(url: str) -> None:
+    try:
+        urllib.request.urlopen(url + "/health", timeout=10)
+        raise AssertionError("/health answered 200 with a dead engine core")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 500
 
 
 def _same_logprobs(a: list, b: list) -> None:
@@ -81,12 +81,9 @@ def test_n_best_of_logprobs_and_echo_match_the_engine_thread(server):
     session's server: the default): the same choices, the same logprobs; the sequences' forks and logprobs
     cross the process boundary."""
     with running_server("--no-engine-process") as thread_server:
-        assert not _children(thread_server.proc.pid), "--no-engine-process started a process"
+        assert not children(thread_server.proc.pid), "--no-engine-process started a process"
         assert _core_pid(server)  # the default runs a core process
-        thread, core = (
-            openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            for s in (thread_server, server)
-        )
+        thread, core = (s.openai_client(timeout=120) for s in (thread_server, server))
         asks = [
             dict(prompt="My favourite fruit is", max_tokens=6, temperature=1.0, seed=7, n=3, logprobs=2),
             dict(prompt="My favourite fruit is", max_tokens=5, temperature=1.0, seed=21, best_of=3),
@@ -177,36 +174,12 @@ def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
         status, body = _post(server.url, {"prompt": "Hello again", "max_tokens": 3}, timeout=30)
         assert status == 500 and json.loads(body)["error"]["code"] == "engine_dead"
         assert time.monotonic() - started < 10
-        try:
-            urllib.request.urlopen(server.url + "/health", timeout=10)
-            raise AssertionError("/health answered 200 with a dead engine core")
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 500
+        _assert_unhealthy(server.url)
 
     with running_server("--engine-process") as server:
         core = _core_pid(server)
         assert server.stop(signal.SIGTERM) == 0
-        assert _wait_gone(core, 10), "the engine core outlived the server's SIGTERM"
-
-
-def _read(url: str, body: dict, started: threading.Event | None = None) -> tuple[int, list[bytes]]:
-    """POST and read the whole answer: (status, SSE data lines, or the body as the one line)."""
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            if not body.get("stream"):
-                return r.status, [r.read()]
-            lines = []
-            for line in r:
-                if line.startswith(b"data: "):
-                    lines.append(line[6:].strip())
-                    if started is not None:
-                        started.set()
-            return r.status, lines
-    except urllib.error.HTTPError as exc:
-        return exc.code, [exc.read()]
+        assert wait_gone([core], 10) == [], "the engine core outlived the server's SIGTERM"
 
 
 def _code(payload: bytes) -> str:
@@ -243,11 +216,7 @@ def test_a_core_killed_while_requests_stream_and_queue_answers_every_client():
                     status == 200 and lines[-1] == b"[DONE]" and _code(lines[-2]) == "engine_dead"
                 ), (status, lines)
             assert time.monotonic() - killed < 30
-        try:
-            urllib.request.urlopen(server.url + "/health", timeout=10)
-            raise AssertionError("/health answered 200 with a dead engine core")
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 500
+        _assert_unhealthy(server.url)
         assert server.stop(signal.SIGTERM) == 0
         with open(server.log_path) as f:
             output = f.read()
@@ -259,7 +228,7 @@ def test_a_killed_server_takes_its_core_with_it():
         core = _core_pid(server)
         server.proc.kill()
         server.proc.wait()
-        assert _wait_gone(core, 10), "the engine core outlived its server (SIGKILL)"
+        assert wait_gone([core], 10) == [], "the engine core outlived its server (SIGKILL)"
 
 
 def _startup_error(*flags: str) -> str:

@@ -63,7 +63,7 @@ def test_unknown_model_is_404_model_not_found(client):
 
 
 async def test_async_client_sees_the_same_codes(server):
-    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+    async with server.async_openai_client() as client:
         with pytest.raises(openai.BadRequestError) as info:
             await client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True, top_p=0)
         assert (info.value.code, info.value.param) == ("invalid_value", "top_p")

@@ -119,9 +119,7 @@ def test_chat_logprobs_sync_and_async_streaming(client, server, offline_engine):
     assert all(bytes(t.bytes).decode("utf-8", "replace") == t.token for t in content)
 
     async def streamed():
-        async with openai.AsyncOpenAI(
-            base_url=server.url + "/v1", api_key="unused", max_retries=0
-        ) as aclient:
+        async with server.async_openai_client() as aclient:
             stream = await aclient.chat.completions.create(
                 model=MODEL,
                 messages=messages,
@@ -189,9 +187,7 @@ def test_n_choices_sync_and_async_stream_each_with_its_seed(client, server, offl
     assert [c.text for c in resp.choices[:3]] == alone
 
     async def streamed():
-        async with openai.AsyncOpenAI(
-            base_url=server.url + "/v1", api_key="unused", max_retries=0
-        ) as aclient:
+        async with server.async_openai_client() as aclient:
             stream = await aclient.chat.completions.create(
                 model=MODEL,
                 messages=[{"role": "user", "content": "Name a fruit."}],

@@ -27,7 +27,7 @@ def caps_server():
 
 @pytest.fixture(scope="module")
 def client(caps_server):
-    return openai.OpenAI(base_url=caps_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return caps_server.openai_client(timeout=120)
 
 
 def post(url: str, path: str, body: bytes | dict, content_type: str | None = "application/json", key=None):

@@ -89,7 +89,7 @@ def ask(name: str) -> list[dict]:
 
 
 async def test_json_schemas_async_batched(server):
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client = server.async_openai_client(timeout=300)
     resps = await asyncio.gather(
         *[
             client.chat.completions.create(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from tests.random_llama import llama_shape, save_llama_dir
 from tests.server.conftest import running_server
 from tests.server.test_bad_inputs import call
 
@@ -25,27 +25,16 @@ MSG = [{"role": "user", "content": "Hi there"}]
 def bos_model_dir(tmp_path_factory):
     import os
 
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from runtime.model.checkpoint import default_model_path
 
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     path = tmp_path_factory.mktemp("bos-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        bos_token_id=BOS,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    # vocab, hidden, intermediate, layers, heads, kv heads, context, rope theta, rms eps, tied embeddings
+    shape = llama_shape(len(tokenizer), 32, 64, 1, 2, 1, 256, 10000.0, 1e-6, False)
+    save_llama_dir(path, shape, tokenizer, bos_token_id=BOS, eos_token_id=2)
     settings = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**settings, "add_bos_token": True}))
     return path

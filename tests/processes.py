@@ -1,0 +1,41 @@
+"""Watching real processes through Linux's /proc, for the tests that check none is left behind."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie waits for a reaper that may not exist
+    here, but runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children(pid: int) -> set[int]:
+    """The processes whose parent is `pid`."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.add(int(entry))
+    return out
+
+
+def wait_gone(pids: Iterable[int], seconds: float) -> list[int]:
+    """Wait up to `seconds` for every process of `pids` to end; those still alive then."""
+    pids = list(pids)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
