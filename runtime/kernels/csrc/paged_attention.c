@@ -225,7 +225,7 @@ static inline vf hsum_x4(vf a0, vf a1, vf a2, vf a3) {
 }
 #endif
 
-/* exp(x) for x <= 0, W at a time (the scalar exp_nonpositive's polynomial) */
+/* exp(x) for x <= 0, W at a time (the scalar exp_nonpositive's rounding; vector_exp.h's polynomial) */
 static inline vf vexp_nonpositive(vf x) {
     vi under = x < -87.f;
     x = (vf)(((vi)x & ~under) | ((vi)((vf){0} - 87.f) & under));
@@ -233,15 +233,7 @@ static inline vf vexp_nonpositive(vf x) {
     vi n = __builtin_convertvector(t, vi);
     n += (vi)(__builtin_convertvector(n, vf) > t);
     const vf f = (t - __builtin_convertvector(n, vf)) * 0.69314718055994531f;
-    vf p = (vf){0} + 1.f / 5040.f;
-    p = p * f + 1.f / 720.f;
-    p = p * f + 1.f / 120.f;
-    p = p * f + 1.f / 24.f;
-    p = p * f + 1.f / 6.f;
-    p = p * f + 0.5f;
-    p = p * f + 1.f;
-    p = p * f + 1.f;
-    return (vf)((vi)(p * (vf)((n + 127) << 23)) & ~under);
+    return (vf)((vi)(vexp_taylor(f) * (vf)((n + 127) << 23)) & ~under);
 }
 
 #define DEFINE_GROUP_TASK(NAME, ELEM, LOADW)                                                                    \

@@ -45,6 +45,19 @@ static inline float hsum(vf v) {
     return s;
 }
 
+/* e^f for |f| <= ln 2 by its Taylor polynomial to degree 7 (Horner): the exp kernels' shared core. */
+static inline vf vexp_taylor(vf f) {
+    vf p = (vf){0} + 1.f / 5040.f;
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    return p;
+}
+
 /* exp(x), x clamped to [-87, 88]: 2^n e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by its Taylor
  * polynomial to degree 7; relative error ~1e-7 (the float32 path's tests allow 1e-5). */
 static inline vf vexp(vf x) {
@@ -55,15 +68,7 @@ static inline vf vexp(vf x) {
     const vf r = x * 1.44269504088896341f + shifter;
     const vi n = (vi)r - (vi)shifter;
     const vf f = x - (r - shifter) * 0.69314718055994531f;
-    vf p = (vf){0} + 1.f / 5040.f;
-    p = p * f + 1.f / 720.f;
-    p = p * f + 1.f / 120.f;
-    p = p * f + 1.f / 24.f;
-    p = p * f + 1.f / 6.f;
-    p = p * f + 0.5f;
-    p = p * f + 1.f;
-    p = p * f + 1.f;
-    return p * (vf)((n + 127) << 23);
+    return vexp_taylor(f) * (vf)((n + 127) << 23);
 }
 
 /* log(x) for finite x > 0, W at a time: x = m 2^e with m in [sqrt(1/2), sqrt(2)), log(m) by Cephes' logf
