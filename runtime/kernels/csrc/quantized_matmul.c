@@ -648,9 +648,13 @@ static inline __attribute__((always_inline)) void gemm_pair(
 #if !QMM_VNNI && !QMM_AVX2
             (void)pf_g, (void)pf_phase; /* prefetching is for the vector tiles */
 #endif
+#if QMM_VNNI || QMM_AVX2
 #if QMM_VNNI
-            if (!portable) {
 #define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, K, m0, R, t, pf_g, groups, pf_phase)
+#else
+#define GEMM_TILE(B, R) gemm_tile_avx2(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, xs, K, m0, R, t, pf_g, groups, pf_phase)
+#endif
+            if (!portable) {
                 if (bits == 4) {
                     switch (rows) {
                     case 4: GEMM_TILE(4, 4); break;
@@ -660,36 +664,18 @@ static inline __attribute__((always_inline)) void gemm_pair(
                     }
                 } else {
                     switch (rows) {
+#if GEMM_ROWS_8BIT > 4
                     case 6: GEMM_TILE(8, 6); break;
                     case 5: GEMM_TILE(8, 5); break;
+#endif
                     case 4: GEMM_TILE(8, 4); break;
                     case 3: GEMM_TILE(8, 3); break;
                     case 2: GEMM_TILE(8, 2); break;
                     default: GEMM_TILE(8, 1); break;
                     }
                 }
-#undef GEMM_TILE
             } else
-#elif QMM_AVX2
-            if (!portable) {
-#define GEMM_TILE(B, R) gemm_tile_avx2(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, xs, K, m0, R, t, pf_g, groups, pf_phase)
-                if (bits == 4) {
-                    switch (rows) {
-                    case 4: GEMM_TILE(4, 4); break;
-                    case 3: GEMM_TILE(4, 3); break;
-                    case 2: GEMM_TILE(4, 2); break;
-                    default: GEMM_TILE(4, 1); break;
-                    }
-                } else {
-                    switch (rows) {
-                    case 4: GEMM_TILE(8, 4); break;
-                    case 3: GEMM_TILE(8, 3); break;
-                    case 2: GEMM_TILE(8, 2); break;
-                    default: GEMM_TILE(8, 1); break;
-                    }
-                }
 #undef GEMM_TILE
-            } else
 #endif
                 gemm_tile_portable(tiles, tscale, toffset, nb, bits, gg, xq, dx, sx, K, m0, rows, t);
         }
