@@ -7,14 +7,7 @@ torch's packed int4 kernel (the path the kernel replaces) for greedy agreement."
 
 from __future__ import annotations
 
-import ctypes
-import os
-import platform
-import shutil
-import signal
-import subprocess
 from functools import cache
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -23,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from runtime import Engine
-from runtime.device import cpu_flags
 from runtime.kernels import layer_ops as native_layer_ops
 from runtime.kernels import library as native_kernels
 from runtime.kernels import quantized_matmul as native_matmul
@@ -33,58 +25,25 @@ from runtime.quant import linear, routing
 from runtime.quant.gguf_blocks import GGUFBlocks
 from runtime.quant.linear import Int4Linear, pack_gguf
 from tests.bench.perplexity import perplexity
+from tests.runtime.native_levels import LEVELS
 
 pytestmark = pytest.mark.skipif(
     native_kernels.load() is None, reason="the native kernels cannot be built here"
 )
 
-MATMUL_SOURCE = Path(native_matmul.__file__).parent / "csrc" / "quantized_matmul.c"
-LEVELS = {  # instruction-set level: (compiler flags, CPU flags it needs, which vector loops it has)
-    "generic": (["-march=x86-64"] if platform.machine() == "x86_64" else [], set(), 0),
-    "avx2": (["-march=x86-64-v3"], {"avx2", "fma", "f16c"}, 1),
-    "avx512": (["-march=x86-64-v4", "-mavx512vnni"], {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, 2),
-}
-RUNNABLE = [
-    level
-    for level, (_, needs, _) in LEVELS.items()
-    if level == "generic" or (platform.machine() == "x86_64" and needs <= cpu_flags())
-]
-"""The levels this CPU can run: every kernel is checked at each of them (and the generic one everywhere)."""
+VECTOR_LOOPS = {"generic": 0, "avx2": 1, "avx512": 2}
+"""Which vector loops quantized_matmul_vectorized() reports for each level's build."""
 
 
-@cache
-def _level_library(level: str) -> ctypes.CDLL:
-    """csrc/quantized_matmul.c alone, built at `level` into a scratch directory (its own process group, killed
-    whole at the timeout), its two kernels bound as runtime.kernels.library binds them."""
-    flags, _, vector = LEVELS[level]
-    out = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"prescient-matmul-{os.getpid()}-{level}.so"
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    cmd = [compiler, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(MATMUL_SOURCE), "-o", str(out), "-lm"]
-    build = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True)
-    try:
-        _, err = build.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(build.pid, signal.SIGKILL)
-        build.wait()
-        raise
-    assert build.returncode == 0, err
-    lib = ctypes.CDLL(str(out))
-    out.unlink()
-    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.quantized_matmul.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint]
-    lib.quantized_gemm.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, cint, ptr, cint, cint, cint, cint]
-    lib.quantized_matmul.restype = lib.quantized_gemm.restype = None
-    lib.quantized_matmul_vectorized.restype = cint
-    assert lib.quantized_matmul_vectorized() == vector, "the build's vector loops are not its level's"
-    return lib
-
-
-@pytest.fixture(params=RUNNABLE)
-def level(request, monkeypatch) -> str:
-    """The kernels of one instruction-set level (built for it) stand in for the engine's library."""
-    lib = _level_library(request.param)
-    monkeypatch.setattr(native_matmul, "load", lambda: lib)
-    return request.param
+@pytest.fixture(params=LEVELS)
+def level(request) -> str:
+    """The kernels of one instruction-set level this CPU runs (the generic one everywhere), through the
+    library's own per-level build, stand in for the engine's."""
+    with native_kernels.use_level(request.param) as lib:
+        assert lib.quantized_matmul_vectorized() == VECTOR_LOOPS[request.param], (
+            "not its level's vector loops"
+        )
+        yield request.param
 
 
 def _tiled(blocks: GGUFBlocks, dtype: torch.dtype) -> native_matmul.NativeMatmul:
