@@ -12,7 +12,7 @@ from runtime.attention.c_backend import CBackend
 from runtime.attention.metadata import ScheduledRows
 from runtime.attention.torch_backend import TorchBackend
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
-from tests.runtime.test_attention_window import BS, SHAPES, pool, reference, seq
+from tests.runtime.test_attention_window import BS, SHAPES, pool, reference, seq  # noqa: F401 (also theirs)
 
 LIMITS = [(40, 5.0)]  # a window and a cap that bites (each alone: test_attention_window.py)
 
