@@ -1,12 +1,12 @@
-"""Decode attention on CPU (float32 or bfloat16 KV) in a small C kernel (csrc/paged_attention.c); a
-step's prefill chunks run in its own kernel in the same file, all in one call (prefill_attention), or
-through the decode kernel row by row where that one does not take the shape (attention.py).
+"""Paged attention on CPU (float32 or bfloat16 KV) in small C kernels (csrc/paged_attention.c): a step's
+decodes in one call (decode_attention), its prefill chunks in another (prefill_attention), both with an
+optional sliding window and logit soft-cap. runtime/attention/c_backend.py is the backend that calls them.
 
 Pure PyTorch has to gather each sequence's KV blocks into a contiguous copy
 before its matmuls; for decode that copy costs more than the attention math.
-The kernel reads the pool in place. It lives in the library native_kernels
-builds once per instruction-set level; where none can be had, attention.py
-keeps the PyTorch path.
+The kernels read the pool in place. They live in the library native_kernels
+builds once per instruction-set level; where none can be had, the runner
+chooses the PyTorch backend.
 """
 
 from __future__ import annotations
