@@ -6,8 +6,9 @@ blocks of 16 shuffled over the pool: a decode step of 1 and of 32 sequences at c
 chunk of 512 rows after a 512-token cached prefix; `ratio` is PyTorch's time over C's. Rows 4-6: SmolLM2's
 shape (9 heads, 3 KV heads, head_dim 64), no window, the same steps; the baseline is the library named by
 PRESCIENT_BASELINE_KERNELS (a .so built from another tree with the signature before the window and softcap
-arguments, e.g. main's native_build/prescient-kernels-<level>.so), `ratio` its time over this tree's. A
-and B alternate within each round; medians of ROUNDS; the machine's threads (torch.get_num_threads())."""
+arguments, e.g. main's native_build/prescient-kernels-<level>.so), both kernels called directly through
+ctypes; `ratio` is its time over this tree's. A and B alternate within each round, each first in every
+other round; medians of ROUNDS; at one thread, then at the machine's threads."""
 
 from __future__ import annotations
 
@@ -56,32 +57,32 @@ def _time(fn) -> float:
 def _compare(a, b, rounds=ROUNDS) -> tuple[float, float]:
     a(), b()  # warm
     ta, tb = [], []
-    for _ in range(rounds):
-        ta.append(_time(a))
-        tb.append(_time(b))
+    for r in range(rounds):  # each goes first in every other round
+        for fn, times in ((a, ta), (b, tb)) if r % 2 else ((b, tb), (a, ta)):
+            times.append(_time(fn))
     return statistics.median(ta), statistics.median(tb)
 
 
-def _old_decode(lib, q, k, v, tables, lens, scale):
+def _decode(lib, limits, q, k, v, tables, lens, scale):
+    """The f32 decode kernel of `lib` called directly; limits: () for a build before the window and softcap
+    arguments, else (window, softcap)."""
     out = torch.empty_like(q)
     b, h, d = q.shape
-    lib.paged_decode_attention_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        b, h, k.shape[2], d, k.shape[1], tables.shape[1], scale, torch.get_num_threads(),
-    )  # fmt: skip
+    ptrs = [t.data_ptr() for t in (q, k, v, tables, lens, out)]
+    shape = [b, h, k.shape[2], d, k.shape[1], tables.shape[1]]
+    lib.paged_decode_attention_f32(*ptrs, *shape, scale, *limits, torch.get_num_threads())
     return out
 
 
-def _old_prefill(lib, q, k, v, tables, spans, scale, out):
-    h, d = q.shape[1], q.shape[2]
-    lib.paged_prefill_attention_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1], spans.data_ptr(),
-        spans.shape[0], out.data_ptr(), 0, h, k.shape[2], d, k.shape[1], scale,
-        torch.get_num_threads(),
-    )  # fmt: skip
+def _prefill(lib, limits, q, k, v, tables, spans, scale, out):
+    """The f32 prefill kernel of `lib` called directly (limits as _decode's)."""
+    ptrs = [t.data_ptr() for t in (q, k, v, tables)]
+    rest = [tables.shape[1], spans.data_ptr(), spans.shape[0], out.data_ptr(), 0]
+    shape = [q.shape[1], k.shape[2], q.shape[2], k.shape[1]]
+    lib.paged_prefill_attention_f32(*ptrs, *rest, *shape, scale, *limits, torch.get_num_threads())
 
 
-def run() -> dict:
+def _run(threads: int) -> tuple[list[dict], list[str]]:
     g = torch.Generator().manual_seed(0)
     c, pt = CBackend(), TorchBackend()
     cpu = platform.processor() or platform.machine()
@@ -100,12 +101,20 @@ def run() -> dict:
             partial(c.forward, q, None, None, k, v, mc, scale, 512, None),
             partial(pt.forward, q, None, None, k, v, mt, scale, 512, None),
         )
-        rows.append({"case": f"hd256 window 512 {name}", "C ms": tc * 1e3, "baseline ms": tt * 1e3,
-                     "baseline": "PyTorch windowed", "ratio": tt / tc})  # fmt: skip
+        rows.append(
+            {
+                "case": f"hd256 window 512 {name}",
+                "threads": threads,
+                "C ms": tc * 1e3,
+                "baseline ms": tt * 1e3,
+                "baseline": "PyTorch windowed",
+                "ratio": tt / tc,
+            }
+        )
     baseline = os.environ.get("PRESCIENT_BASELINE_KERNELS")
-    notes = [f"CPU {cpu}, {torch.get_num_threads()} threads, level {native_kernels.chosen_level()}"]
+    notes = [f"CPU {cpu}, level {native_kernels.chosen_level()}"]
     if baseline:
-        old = ctypes.CDLL(baseline)
+        old, new = ctypes.CDLL(baseline), native_kernels.load()
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         old.paged_decode_attention_f32.argtypes = [ptr] * 6 + [i64] * 6 + [f32, i32]
         old.paged_prefill_attention_f32.argtypes = (
@@ -116,17 +125,39 @@ def run() -> dict:
             meta = c.build(sched[:done], sched[done:], None, BS, torch.device("cpu"))
             scale = 64**-0.5
             if prefill:
-                out = torch.empty_like(q)
-                args = (q, k, v, meta.prefill_tables, meta.prefill_spans, scale, out)
-                old_fn = partial(_old_prefill, old, *args)
+                args = (q, k, v, meta.prefill_tables, meta.prefill_spans, scale, torch.empty_like(q))
+                new_fn, old_fn = partial(_prefill, new, (0, 0.0), *args), partial(_prefill, old, (), *args)
             else:
                 args = (q, k, v, meta.decode_block_tables, meta.decode_context_lens, scale)
-                old_fn = partial(_old_decode, old, *args)
-            tc, to = _compare(partial(c.forward, q, None, None, k, v, meta, scale), old_fn)
-            rows.append({"case": f"hd64 no window {name}", "C ms": tc * 1e3, "baseline ms": to * 1e3,
-                         "baseline": os.path.basename(baseline), "ratio": to / tc})  # fmt: skip
+                new_fn, old_fn = partial(_decode, new, (0, 0.0), *args), partial(_decode, old, (), *args)
+            tc, to = _compare(new_fn, old_fn)
+            rows.append(
+                {
+                    "case": f"hd64 no window {name}",
+                    "threads": threads,
+                    "C ms": tc * 1e3,
+                    "baseline ms": to * 1e3,
+                    "baseline": os.path.basename(baseline),
+                    "ratio": to / tc,
+                }
+            )
     else:
         notes.append("no PRESCIENT_BASELINE_KERNELS: the head_dim 64 rows against another build are left out")
+    return rows, notes
+
+
+def run() -> dict:
+    """Each row at one thread and at the machine's threads: on a loaded machine torch's thread pool waits
+    for its second thread far longer than the work takes, which the one-thread rows leave out."""
+    threads = torch.get_num_threads()
+    rows = []
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            more, notes = _run(n)
+            rows += more
+    finally:
+        torch.set_num_threads(threads)
     return {
         "title": "Sliding-window attention: C vs PyTorch; C vs another build",
         "rows": rows,
