@@ -12,6 +12,7 @@ from runtime.kernels import paged_attention as native_attention
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
 
 BS = 16
+F32, BF16 = torch.float32, torch.bfloat16  # the caches' dtypes
 # (heads, kv_heads, head_dim): GQA groups of 2, 4 and 8; head_dim 64, 128, 256; the last one the generic loops
 SHAPES = [(8, 4, 64), (8, 2, 128), (8, 1, 256), (4, 2, 32)]
 # (window, softcap) in the tests below: windows shorter than the contexts (3: narrower than a prefill task's
@@ -47,9 +48,8 @@ def seq(cache, table, n):
     return cache[table].flatten(0, 1)[:n].float()
 
 
-@pytest.mark.parametrize("window, softcap", [(13, None), (40, 5.0)])
+@pytest.mark.parametrize("window, softcap, dtype", [(13, None, F32), (40, 5.0, F32), (40, 5.0, BF16)])
 @pytest.mark.parametrize("heads, kv_heads, d", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.usefixtures("kernel_level")
 def test_decode_window_and_softcap_match_dense(heads, kv_heads, d, dtype, window, softcap):
     """Ten sequences of 1-90 tokens (some inside the window, some far past it, some ending mid-block), one
@@ -73,9 +73,10 @@ def test_decode_window_and_softcap_match_dense(heads, kv_heads, d, dtype, window
         torch.testing.assert_close(got[b : b + 1], expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("window, softcap", [(3, None), (None, 5.0), (40, 5.0)])  # 3: < a task's rows
+@pytest.mark.parametrize(  # a window of 3: narrower than a task's rows
+    "window, softcap, dtype", [(3, None, F32), (None, 5.0, BF16), (40, 5.0, F32), (40, 5.0, BF16)]
+)
 @pytest.mark.parametrize("heads, kv_heads, d", SHAPES[:3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.usefixtures("kernel_level")
 def test_prefill_window_and_softcap_match_dense(heads, kv_heads, d, dtype, window, softcap):
     """Three chunks in one call as a step has them (after decode rows the kernel must leave alone): a whole
