@@ -87,3 +87,12 @@ class KVCache:
         src = torch.tensor([a for a, _ in copies], device=self.pool.device)
         dst = torch.tensor([b for _, b in copies], device=self.pool.device)
         self.pool[:, :, dst] = self.pool[:, :, src]
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: [T, kv_heads, head_dim] into their slots of one layer's pool."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)

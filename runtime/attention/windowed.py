@@ -1,21 +1,17 @@
-"""Paged attention with a sliding window and a logit soft-cap, in plain PyTorch.
+"""The PyTorch backend's attention for layers with a sliding window or a logit soft-cap (Mistral, Gemma 2/3,
+Phi-3, Qwen with windows); the C and Triton backends take both in their kernels.
 
-The C and Triton kernels compute plain causal attention; a model whose layers slide (Mistral, Gemma 2/3,
-Phi-3) or soft-cap their scores (Gemma 2) runs its attention here instead, on CPU and CUDA alike. The
-query at position p sees the key at position j when j <= p and p - j < window (transformers' and
+The query at position p sees the key at position j when j <= p and p - j < window (transformers' and
 llama.cpp's rule: the window counts the query's own key). Scores are capped before the mask:
-s -> cap * tanh(s / cap).
-
-Every row is described by its block table and its causal length (the keys it sees, itself included):
-decode rows by the runner's decode tables, a prefill chunk's rows by the chunk's table, and the Triton
-runner's rows by their own tables (AttentionMetadata.row_tables).
+s -> cap * tanh(s / cap). Every row is described by its block table and its causal length (the keys it
+sees, itself included): decode rows by the metadata's decode tables, a prefill chunk's rows by the chunk's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from runtime.attention.paged import AttentionMetadata
+from runtime.attention.metadata import AttentionMetadata
 
 
 def windowed_attention(
@@ -29,10 +25,6 @@ def windowed_attention(
 ) -> torch.Tensor:
     """q: [T, heads, D], the new keys and values already in the cache. Returns [T, heads, D]."""
     out = torch.empty_like(q)
-    if meta.row_tables is not None:
-        tables = meta.row_tables[meta.row_table_index]
-        out[:] = _rows(q, k_cache, v_cache, tables, meta.row_lens, scale, window, softcap)
-        return out
     if meta.num_decode:
         b = meta.num_decode
         out[:b] = _rows(

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from runtime.attention.kv_cache import KVCache, bytes_per_block
-from runtime.attention.paged import AttentionMetadata, PrefillChunk
+from runtime.attention.metadata import ScheduledRows
 from runtime.config import EngineConfig
 from runtime.device import resolve_device, resolve_dtype
 from runtime.engine.output_tracker import OutputTracker
@@ -367,10 +367,8 @@ class Engine:
         num_blocks = (len(ids) + bs - 1) // bs
         scratch = KVCache(self.model.config, num_blocks, bs, self.model.dtype, self.model.device)
         device = self.model.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(len(ids), device=device),
-            prefills=[PrefillChunk(0, len(ids), len(ids), torch.arange(num_blocks, device=device))],
-        )
+        prompt = ScheduledRows(list(range(num_blocks)), 0, len(ids))
+        meta = self.runner.attention.build([], [prompt], torch.arange(len(ids), device=device), bs, device)
         hidden = self.model.forward(
             torch.tensor(ids, device=device), torch.arange(len(ids), device=device), meta, scratch
         )

@@ -59,11 +59,14 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, heads, D]; caches [blocks, block_size, kv_heads, D]; block_tables [B, >= ceil(len / block_size)]
     (integer); context_lens [B] (>= 1). Returns [B, heads, D] in q's dtype (or writes `out`); float32 math.
     table_rows [B]: query i reads block_tables[table_rows[i]] (the rows of a prefill chunk share their
-    sequence's table, each with its own causal length); None: row i.
+    sequence's table, each with its own causal length); None: row i. window: a row of length L sees its
+    positions > L - 1 - window only; softcap: scores s become softcap * tanh(s / softcap) (None: neither).
 
     The number of splits follows the tables' width (every length fits in it), not the lengths themselves,
     so a launch does not depend on the lengths: splits past a sequence's end return at once."""
@@ -91,6 +94,8 @@ def decode_attention(
         total,
         acc,
         scale,
+        window or 0,
+        softcap or 1.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -106,6 +111,7 @@ def decode_attention(
         SPLIT=SPLIT,
         IEEE=q.dtype == torch.float32,
         HAS_ROWS=table_rows is not None,
+        SOFTCAP=softcap is not None,
         num_warps=WARPS,
     )
     _merge_splits[(b, heads)](
@@ -113,6 +119,7 @@ def decode_attention(
         total,
         acc,
         context_lens,
+        window or 0,
         out,
         out.stride(0),
         out.stride(1),
@@ -140,6 +147,8 @@ if triton is not None:
         total_ptr,
         acc_ptr,
         scale,
+        window,
+        softcap,
         stride_qb,
         stride_qh,
         stride_kb,
@@ -155,6 +164,7 @@ if triton is not None:
         SPLIT: tl.constexpr,
         IEEE: tl.constexpr,
         HAS_ROWS: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         """One split of one sequence for the query heads of one KV head: running max, sum of exponentials and
         weighted values of its positions."""
@@ -162,8 +172,9 @@ if triton is not None:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(lens_ptr + seq)
+        lo = tl.maximum(length - window, 0) if window > 0 else 0  # the first position its window sees
         first = split * SPLIT
-        if first < length:
+        if first < length and first + SPLIT > lo:
             g = tl.arange(0, GROUP_P)
             d = tl.arange(0, D)
             t = tl.arange(0, TILE)
@@ -179,7 +190,7 @@ if triton is not None:
             total = tl.zeros([GROUP_P], tl.float32)
             acc = tl.zeros([GROUP_P, D], tl.float32)
             last = tl.minimum(first + SPLIT, length)
-            for start in range(first, last, TILE):
+            for start in range(tl.maximum(first, lo), last, TILE):
                 pos = start + t
                 valid = pos < last
                 block = tl.load(table + pos // BLOCK, mask=valid, other=0).to(tl.int64)
@@ -190,7 +201,13 @@ if triton is not None:
                     scores = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     scores = tl.dot(q, tl.trans(k))
-                scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # [GROUP_P, TILE]
+                scores = scores * scale
+                if SOFTCAP:  # softcap * tanh(scores / softcap), tanh|y| = (1 - e) / (1 + e), e = exp(-2|y|)
+                    y = scores / softcap
+                    e = tl.exp(-2.0 * tl.abs(y))
+                    t_abs = (1.0 - e) / (1.0 + e)
+                    scores = tl.where(y < 0, -t_abs, t_abs) * softcap
+                scores = tl.where(valid[None, :], scores, float("-inf"))  # [GROUP_P, TILE]
                 m_new = tl.maximum(m, tl.max(scores, axis=1))
                 p = tl.exp(scores - m_new[:, None])
                 alpha = tl.exp(m - m_new)
@@ -211,6 +228,7 @@ if triton is not None:
         total_ptr,
         acc_ptr,
         lens_ptr,
+        window,
         out_ptr,
         stride_ob,
         stride_oh,
@@ -223,10 +241,12 @@ if triton is not None:
         """One query head of one sequence: its splits' partial softmaxes rescaled to a common max, summed."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
-        used = tl.cdiv(tl.load(lens_ptr + seq), SPLIT)
+        length = tl.load(lens_ptr + seq)
+        used = tl.cdiv(length, SPLIT)
+        skipped = tl.maximum(length - window, 0) // SPLIT if window > 0 else 0  # splits before the window
         s = tl.arange(0, S_P)
         d = tl.arange(0, D)
-        valid = s < used
+        valid = (s < used) & (s >= skipped)
         row = (seq * heads + head) * splits + s
         m = tl.load(m_ptr + row, mask=valid, other=float("-inf"))
         weight = tl.where(valid, tl.exp(m - tl.max(m, axis=0)), 0.0)

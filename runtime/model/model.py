@@ -6,8 +6,8 @@ scalings). Tokens of all sequences in a step arrive flattened: input_ids [T], po
 AttentionMetadata says which rows decode and which are prefill chunks. Q/K/V and gate/up projections are
 fused into one matmul each. Projection weights are dense tensors or packed quantized ones
 (runtime.quant.linear). A plain Llama layer runs its element-wise work in the fused layer ops (C on CPU,
-Triton on CUDA); every other feature runs in the PyTorch layer loop (forward), and a layer that slides or
-soft-caps attends in windowed_attention.
+Triton on CUDA); every other feature runs in the PyTorch layer loop (forward). Attention is the backend
+the metadata names (runtime/attention/backend.py), given each layer's sliding window and soft-cap.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.kv_cache import KVCache
-from runtime.attention.paged import AttentionMetadata, paged_attention, write_kv
-from runtime.attention.windowed import windowed_attention
+from runtime.attention.kv_cache import KVCache, write_kv
+from runtime.attention.metadata import AttentionMetadata
 from runtime.kernels import layer_ops as native_layer_ops
-from runtime.kernels import paged_attention as native_attention
 from runtime.kernels import triton_layer_ops
 from runtime.model.checkpoint_types import DeferredTensor
 from runtime.model.decode_layers import NativeDecode
@@ -307,10 +305,9 @@ class LlamaModel:
                 q, k = rope.rotate(q, cos, sin, rope.half), rope.rotate(k, cos, sin, rope.half)
             k_cache, v_cache = kv.layer(i)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            if window is None and c.attn_logit_softcap is None:
-                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            else:
-                attn = windowed_attention(q, k_cache, v_cache, meta, self.scale, window, c.attn_logit_softcap)
+            attn = meta.backend.forward(
+                q, k, v, k_cache, v_cache, meta, self.scale, window, c.attn_logit_softcap
+            )
             o = linear(attn.reshape(t, c.q_size), layer.o)
             if layer.attn_out_norm is not None:
                 o = rms_norm(o, layer.attn_out_norm, eps)
@@ -329,10 +326,10 @@ class LlamaModel:
     ) -> torch.Tensor:
         """forward with each layer's element-wise work fused (layer_ops: C on CPU, Triton on CUDA): a few
         calls per layer instead of ~40 torch ops. On CPU, steps that only decode take the C attention kernel
-        straight from float32 queries; others (and CUDA) paged_attention."""
+        straight from float32 queries."""
         c, ops = self.config, self.layer_ops
         t, eps = input_ids.shape[0], c.rms_norm_eps
-        decode_only = not meta.prefills and meta.num_decode == t and meta.native_decode
+        decode_only = not meta.prefills and meta.num_decode == t and meta.backend.native
         h = self.embed[input_ids].contiguous()
         if decode_only and (layers := self._decode_layers(kv)) is not None and layers.usable(t):
             return layers.forward(h, positions.contiguous(), meta)
@@ -354,14 +351,9 @@ class LlamaModel:
                 v_cache,
                 meta.slot_mapping,
             )
-            if decode_only:
-                attn = native_attention.decode_attention(
-                    q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
-                ).view(t, c.q_size)
-                o = self._project(attn, layer.o)
-            else:  # the new keys and values are read back from the cache
-                attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
-                o = linear(attn.view(t, c.q_size), layer.o)
+            # the new keys and values are read back from the cache
+            attn = meta.backend.forward(q, None, None, k_cache, v_cache, meta, self.scale).view(t, c.q_size)
+            o = self._project(attn, layer.o) if decode_only else linear(attn, layer.o)
             ops.add_rms_norm(h, o, layer.post_norm, x, eps)
             gate_up = layer.gate_up
             if not (isinstance(gate_up, Int4Linear) and gate_up.silu_mul_into(x, act)):

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from runtime.attention.kv_cache import KVCache
-from runtime.attention.paged import AttentionMetadata
+from runtime.attention.metadata import AttentionMetadata
+from runtime.attention.triton_backend import TritonBackend
 
 FIELDS = 5
 """Rows of the input buffer: ids, positions, slots, lengths, table index."""
@@ -35,9 +36,8 @@ def warm_up(model, kv: KVCache) -> None:
     nothing yet: a sequence writes each slot before it reads it."""
     dev = model.device
     two = torch.arange(2, device=dev)
-    meta = AttentionMetadata(
+    meta = TritonBackend().metadata(
         slot_mapping=two,
-        decode_backend="triton",
         row_tables=torch.zeros(1, 1, dtype=torch.int64, device=dev),
         row_lens=two + 1,
         row_table_index=torch.zeros(2, dtype=torch.int64, device=dev),
@@ -95,9 +95,8 @@ class StepGraphs:
 
     def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids, positions, slots, lens, index = self.inputs[:, :size]
-        meta = AttentionMetadata(
+        meta = TritonBackend().metadata(
             slot_mapping=slots,
-            decode_backend="triton",
             row_tables=self.tables,
             row_lens=lens,
             row_table_index=index,
@@ -120,7 +119,7 @@ class StepGraphs:
         lens: list[int],
         index: list[int],
     ) -> torch.Tensor:
-        """One step (as ModelRunner.row_inputs lays it out; fits() must hold): hidden states [tokens,
+        """One step (as triton_backend.row_inputs lays it out; fits() must hold): hidden states [tokens,
         hidden], valid until the next replay."""
         t = len(ids)
         size = self.size_for(t)

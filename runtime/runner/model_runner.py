@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.attention.kv_cache import KVCache
-from runtime.attention.paged import AttentionMetadata, PrefillChunk, decode_backend
+from runtime.attention.metadata import AttentionMetadata, ScheduledRows
+from runtime.attention.selector import select_backend
+from runtime.attention.triton_backend import row_inputs
 from runtime.model.model import LlamaModel
 from runtime.runner.cuda_graphs import StepGraphs, warm_up
 from runtime.sample.logits_processors import apply_logits_processors
@@ -104,11 +106,13 @@ class ModelRunner:
         self.block_size = kv.block_size
         self._seqs: dict[str, _Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
-        # The decode attention backend, chosen once: the C kernel (CPU), the Triton kernel (CUDA), else PyTorch.
-        probe = torch.empty(1, model.config.num_heads, 1, dtype=model.dtype, device=self.device)
-        self.decode_backend = decode_backend(probe, kv.layer(0)[0])
+        probe = torch.empty(
+            1, model.config.num_heads, model.config.head_dim, dtype=model.dtype, device=self.device
+        )
+        self.attention = select_backend(probe, kv.layer(0)[0])
+        """The attention backend, chosen once: the C kernels (CPU), the Triton kernel (CUDA), else PyTorch."""
         self.graphs: StepGraphs | None = None
-        if self.device.type == "cuda" and self.decode_backend == "triton":
+        if self.device.type == "cuda" and self.attention.capturable:
             warm_up(model, kv)
             if graph_tokens:
                 context = max_model_len or model.config.max_model_len
@@ -122,17 +126,21 @@ class ModelRunner:
         work = [_Work(rid, self._seqs[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
         decodes = [w for w in work if w.num_tokens == 1 and w.samples]
         prefills = [w for w in work if not (w.num_tokens == 1 and w.samples)]
+        work = decodes + prefills  # the rows' order: one per decode, then each prefill's chunk
         ids, positions, slots = [], [], []
-        meta = AttentionMetadata(
-            slot_mapping=None, num_decode=len(decodes), decode_backend=self.decode_backend
-        )
-        self.prepare_decode(decodes, ids, positions, slots, meta)
-        sample_rows = list(range(len(decodes)))
-        sample_rows += self.prepare_prefill(prefills, ids, positions, slots, meta)
-        if self.decode_backend == "triton":
-            hidden = self.run_rows(decodes + prefills, ids, positions, slots, meta)
+        sample_rows = self.prepare_rows(decodes + prefills, ids, positions, slots)
+        scheduled = [ScheduledRows(w.seq.block_table, w.seq.num_computed_tokens, w.end) for w in work]
+        if self.graphs is not None and self.graphs.fits(len(ids), len(scheduled)):
+            hidden = self.graphs.run(ids, positions, slots, *row_inputs(scheduled, self.block_size))
         else:
-            meta.slot_mapping = torch.tensor(slots, device=self.device)
+            slot_mapping = torch.tensor(slots, device=self.device)
+            meta = self.attention.build(
+                scheduled[: len(decodes)],
+                scheduled[len(decodes) :],
+                slot_mapping,
+                self.block_size,
+                self.device,
+            )
             hidden = self.run(ids, positions, meta)
         out = ModelRunnerOutput()
         scored = [
@@ -254,104 +262,21 @@ class ModelRunner:
             seq.block_table.extend(cached.new_block_ids)
             seq.num_computed_tokens = cached.num_computed_tokens
 
-    def prepare_decode(
-        self,
-        decodes: list[_Work],
-        ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        meta: AttentionMetadata,
-    ) -> None:
-        """One row per decoding sequence (its last token); their padded block tables and lengths."""
-        if not decodes:
-            return
-        bs = self.block_size
-        for w in decodes:
-            pos = w.seq.num_computed_tokens
-            ids.append(w.seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(w.seq.block_table[pos // bs] * bs + pos % bs)
-        if self.decode_backend == "triton":  # its rows carry their tables (run_rows)
-            return
-        lengths = [w.end for w in decodes]
-        width = (max(lengths) + bs - 1) // bs
-        tables = [w.seq.block_table[:width] + [0] * (width - len(w.seq.block_table[:width])) for w in decodes]
-        meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=self.device)
-        meta.decode_context_lens = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        if self.decode_backend == "torch":  # PyTorch's decode masks the padding with an additive bias
-            span = torch.arange(width * bs, device=self.device).unsqueeze(0)
-            visible = span < meta.decode_context_lens.unsqueeze(1)
-            meta.decode_bias = (
-                torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
-                .masked_fill_(~visible, float("-inf"))
-                .view(len(decodes), 1, 1, -1)
-            )
-
-    def prepare_prefill(
-        self,
-        prefills: list[_Work],
-        ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        meta: AttentionMetadata,
+    def prepare_rows(
+        self, work: list[_Work], ids: list[int], positions: list[int], slots: list[int]
     ) -> list[int]:
-        """A chunk of rows per prefilling sequence; returns the rows to sample (chunks that end a prompt)."""
+        """Each scheduled sequence's rows (a decode's last token, a prefill's chunk): their token ids,
+        positions and KV slots; returns the rows to sample (each sequence's last row where it ends now)."""
         bs = self.block_size
         sample_rows = []
-        for w in prefills:
+        for w in work:
             start, end, table = w.seq.num_computed_tokens, w.end, w.seq.block_table
-            row = len(ids)
             ids.extend(w.seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            meta.prefills.append(
-                PrefillChunk(
-                    row,
-                    row + w.num_tokens,
-                    end,
-                    # the Triton backend reads the tables of run_rows instead
-                    None
-                    if self.decode_backend == "triton"
-                    else torch.tensor(table[: (end + bs - 1) // bs], device=self.device),
-                )
-            )
             if w.samples:
-                sample_rows.append(row + w.num_tokens - 1)
+                sample_rows.append(len(ids) - 1)
         return sample_rows
-
-    def row_inputs(self, work: list[_Work]) -> tuple[list[list[int]], list[int], list[int]]:
-        """Every row's attention as one decode (the Triton kernel): each scheduled sequence's block table,
-        each row's causal length (a chunk's row i sees its cached prefix and rows 0..i) and its table."""
-        bs = self.block_size
-        tables, lens, index = [], [], []
-        for k, w in enumerate(work):
-            tables.append(w.seq.block_table[: (w.end + bs - 1) // bs])
-            lens.extend(range(w.seq.num_computed_tokens + 1, w.end + 1))
-            index.extend([k] * w.num_tokens)
-        return tables, lens, index
-
-    def run_rows(
-        self,
-        work: list[_Work],
-        ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The Triton backend's step (work: decodes, then prefills, as the rows lie): a captured graph when
-        one holds it, else eagerly with every row's attention in one launch."""
-        tables, lens, index = self.row_inputs(work)
-        if self.graphs is not None and self.graphs.fits(len(ids), len(tables)):
-            return self.graphs.run(ids, positions, slots, tables, lens, index)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        meta.row_tables = torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=dev
-        )
-        meta.row_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
-        meta.row_table_index = torch.tensor(index, dtype=torch.int64, device=dev)
-        meta.slot_mapping = torch.tensor(slots, device=dev)
-        return self.run(ids, positions, meta)
 
     def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
         """The model over the flattened batch: hidden states [rows, hidden]."""

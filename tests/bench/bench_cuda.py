@@ -103,7 +103,7 @@ def transformers_rates(model, vocab: int) -> dict:
 
 
 def attention_row(bandwidth: float) -> dict:
-    from runtime.attention.paged import _decode
+    from runtime.attention.torch_backend import _decode
     from runtime.kernels.triton_attention import decode_attention
 
     seqs, length, heads, kv_heads, d, bs = 64, 1024, 9, 3, 64, 8

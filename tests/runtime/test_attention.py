@@ -1,11 +1,14 @@
-"""Paged attention (the C decode kernel, the PyTorch decode path, chunked prefill) against dense attention."""
+"""Paged attention (the C backend, the PyTorch backend; decodes and chunked prefill) against dense attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.attention.paged import AttentionMetadata, PrefillChunk, paged_attention, write_kv
+from runtime.attention.c_backend import CBackend
+from runtime.attention.kv_cache import write_kv
+from runtime.attention.metadata import PrefillChunk, ScheduledRows
+from runtime.attention.torch_backend import TorchBackend, _decode
 from runtime.kernels import paged_attention as native_attention
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
 
@@ -44,31 +47,17 @@ def build(lengths, new_tokens, seed=0):
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[1, 5, 16, 17, 40, 100], [37]])  # many sequences, and one split by head
-def test_decode_matches_dense(native, dtype, lengths, monkeypatch):
+def test_decode_matches_dense(native, dtype, lengths):
     if native:
         assert native_attention.load() is not None, (
             "the C kernel must build on this machine (gcc is required)"
         )
-    else:
-        monkeypatch.setattr(native_attention, "usable", lambda *a: False)
+    backend = CBackend() if native else TorchBackend()
     k_cache, v_cache, seqs, qs = build(lengths, [1] * len(lengths))
-    width = max(len(t) for t, _, _ in seqs)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t, _, _ in seqs])
-    lens = torch.tensor(lengths)
-    bias = (
-        torch.zeros(len(lengths), width * BS)
-        .masked_fill(torch.arange(width * BS) >= lens.unsqueeze(1), float("-inf"))
-        .view(len(lengths), 1, 1, -1)
-    )
+    decodes = [ScheduledRows(t, n - 1, n) for (t, _, _), n in zip(seqs, lengths)]
+    meta = backend.build(decodes, [], torch.zeros(0, dtype=torch.long), BS, torch.device("cpu"))
     q = torch.cat(qs).to(dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long),
-        num_decode=len(lengths),
-        decode_block_tables=tables,
-        decode_context_lens=lens,
-        decode_bias=bias,
-    )
-    out = paged_attention(
+    out = backend.forward(
         q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache.to(dtype), v_cache.to(dtype), meta, D**-0.5
     )
     assert out.dtype == dtype
@@ -80,25 +69,21 @@ def test_decode_matches_dense(native, dtype, lengths, monkeypatch):
 
 
 @pytest.mark.parametrize("native", [True, False])  # the C kernel row by row; torch's flash kernel
-def test_prefill_chunks_after_cached_prefix_match_dense(native, monkeypatch):
+def test_prefill_chunks_after_cached_prefix_match_dense(native):
     if native:
         assert native_attention.load() is not None, (
             "the C kernel must build on this machine (gcc is required)"
         )
-    else:
-        monkeypatch.setattr(native_attention, "usable", lambda *a: False)
+    backend = CBackend() if native else TorchBackend()
     lengths, new = [30, 50, 7], [30, 12, 3]  # a whole prompt, and chunks after 38 and 4 cached tokens
     k_cache, v_cache, seqs, qs = build(lengths, new, seed=1)
-    chunks, row = [], 0
-    for (table, _, _), n, length in zip(seqs, new, lengths):
-        chunks.append(PrefillChunk(row, row + n, length, torch.tensor(table)))
-        row += n
+    prefills = [ScheduledRows(t, length - n, length) for (t, _, _), n, length in zip(seqs, new, lengths)]
+    meta = backend.build([], prefills, torch.zeros(0, dtype=torch.long), BS, torch.device("cpu"))
     q = torch.cat(qs)
     k_new = torch.cat([k[-n:] for (_, k, _), n in zip(seqs, new)])
     v_new = torch.cat([v[-n:] for (_, _, v), n in zip(seqs, new)])
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), prefills=chunks)
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, D**-0.5)
-    for (_, k, v), chunk, qi in zip(seqs, chunks, qs):
+    out = backend.forward(q, k_new, v_new, k_cache, v_cache, meta, D**-0.5)
+    for (_, k, v), chunk, qi in zip(seqs, meta.prefills, qs):
         torch.testing.assert_close(
             out[chunk.start : chunk.end], dense(qi, k, v, D**-0.5), atol=1e-5, rtol=1e-5
         )
@@ -121,8 +106,6 @@ def test_native_decode_matches_pytorch_decode_across_head_shapes(heads, kv_heads
     loops (other shapes) against the PyTorch decode path, bfloat16 KV, sequences of 1-300 tokens."""
     if native_attention.load() is None:
         pytest.skip("the native kernels cannot be built here")
-    from runtime.attention.paged import _decode
-
     g = torch.Generator().manual_seed(3)
     lens = torch.randint(1, 300, (batch,), generator=g)
     width = (int(lens.max()) + BS - 1) // BS
@@ -180,8 +163,8 @@ def test_native_prefill_matches_dense_across_head_shapes(heads, kv_heads, d, n, 
 
 
 def test_metadata_made_outside_the_runner_takes_the_prefill_kernel(monkeypatch):
-    """Engine.prompt_logits builds its AttentionMetadata itself (no packed chunk tables, no backend chosen):
-    its chunks still go to the C prefill kernel, in one call, and give what a dense causal attention gives."""
+    """Metadata made by hand rather than by CBackend.build (no packed chunk tables): its chunks still go to
+    the C prefill kernel, in one call, and give what a dense causal attention gives."""
     if native_attention.load() is None:
         pytest.skip("the native kernels cannot be built here")
     g = torch.Generator().manual_seed(5)
@@ -197,8 +180,9 @@ def test_metadata_made_outside_the_runner_takes_the_prefill_kernel(monkeypatch):
     calls = []
     kernel = native_attention.prefill_attention
     monkeypatch.setattr(native_attention, "prefill_attention", lambda *a: calls.append(1) or kernel(*a))
-    meta = AttentionMetadata(slot_mapping=torch.arange(sum(lens)), prefills=chunks)
-    got = paged_attention(q, None, None, k_cache, v_cache, meta, d**-0.5)
+    backend = CBackend()
+    meta = backend.metadata(slot_mapping=torch.arange(sum(lens)), prefills=chunks)
+    got = backend.forward(q, None, None, k_cache, v_cache, meta, d**-0.5)
     assert len(calls) == 1
     for c in chunks:
         n = c.end - c.start

@@ -123,6 +123,7 @@ def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
         import tempfile, pathlib
         import torch
         from runtime import SamplingParams
+        from runtime.attention.triton_backend import TritonBackend
         from runtime.kernels import triton_layer_ops
         from tests.random_llama import TINY, engine_for, hf_llama
         from tests.runtime.test_cuda import teacher_forced_check
@@ -140,7 +141,7 @@ def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
         assert (fused - plain).abs().max().item() < 1e-4, (fused - plain).abs().max().item()
         assert (fused - theirs).abs().max().item() < 1e-4
         engine.model.native_decode = True
-        engine.runner.decode_backend = "triton"
+        engine.runner.attention = TritonBackend()
         prompts = [[3 + (5 * i + 3 * j) % 500 for j in range(4 + 13 * i)] for i in range(3)]
         outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
@@ -209,7 +210,7 @@ def test_engine_on_cuda_matches_transformers_with_graphs_and_eager(tiny_cuda, tm
             max_num_seqs=16,
             max_num_batched_tokens=32,  # long prompts prefill in chunks beside decodes
         )
-        assert engine.runner.decode_backend == "triton"
+        assert engine.runner.attention.name == "triton"
         assert (engine.runner.graphs is None) == eager
         with torch.no_grad():
             theirs = tiny_cuda(torch.tensor([prompts[4]], device="cuda")).logits[0].float()
@@ -225,7 +226,7 @@ def test_graph_replay_computes_the_eager_step_and_writes_only_its_slots(tiny_cud
     """One step of 3 decodes and a 4-token prefill chunk through the graph of 8 tokens (bfloat16): the same
     hidden states as the eager forward, and the pool changes only at the 7 new tokens' slots and the scratch
     block."""
-    from runtime.attention.paged import AttentionMetadata
+    from runtime.attention.triton_backend import TritonBackend
 
     engine = engine_for(tiny_cuda, tmp_path, torch.bfloat16, "cuda", max_num_seqs=8)
     runner, kv = engine.runner, engine.kv
@@ -246,9 +247,8 @@ def test_graph_replay_computes_the_eager_step_and_writes_only_its_slots(tiny_cud
     kv.pool.copy_(before)
     dev = "cuda"
     width = max(map(len, tables))
-    meta = AttentionMetadata(
+    meta = TritonBackend().metadata(
         slot_mapping=torch.tensor(slots, device=dev),
-        decode_backend="triton",
         row_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev),
         row_lens=torch.tensor(lens, device=dev),
         row_table_index=torch.tensor(index, device=dev),

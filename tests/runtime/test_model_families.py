@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from runtime import Engine, SamplingParams
+from runtime.attention import torch_backend
+from runtime.kernels import paged_attention as native_attention
 from runtime.model.checkpoint import load_checkpoint
 from runtime.model.model import LlamaModel
 from runtime.model.tokenizer import Tokenizer
@@ -58,16 +60,32 @@ def family(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_logits_and_greedy_tokens_match_transformers(family, source):
+def test_logits_and_greedy_tokens_match_transformers(family, source, monkeypatch):
+    """Logits within 1e-4 and the same 32 greedy tokens; every layer's attention, windowed and soft-capped
+    ones too, runs in the C backend's kernels where they take the head_dim (the PyTorch windowed path is
+    then not called), else in the PyTorch backend."""
     name, _, hf_dir, gguf_file, ids, theirs, expected = family
     path = hf_dir if source == "hf" else gguf_file
     engine = Engine.from_pretrained(str(path), dtype="float32", device="cpu", kv_cache_bytes=4 << 20)
+    c_kernels = engine.model.config.head_dim % 16 == 0  # qwen2's and phi3's head_dim 20 is not one they take
+    assert engine.runner.attention.name == ("c" if c_kernels else "torch")
+    limits = []  # (window, softcap) of every C kernel call
+    for kernel in ("decode_attention", "prefill_attention"):
+        real = getattr(native_attention, kernel)
+        at = 6 if kernel == "decode_attention" else 7  # where window and softcap sit in its arguments
+        monkeypatch.setattr(
+            native_attention, kernel, lambda *a, real=real, at=at: limits.append(a[at:]) or real(*a)
+        )
+    if c_kernels:
+        monkeypatch.setattr(torch_backend, "windowed_attention", None)  # calling it would fail the test
     arch = {"llama3": "llama", "mistral": "llama"}.get(name, name)
     assert engine.model.config.architecture == arch
     diff = (engine.prompt_logits(ids) - theirs).abs().max().item()
     assert diff < 1e-4, f"{name} from {source}: max logit difference {diff}"
     out = engine.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == expected
+    cap = engine.model.config.attn_logit_softcap
+    assert set(limits) == ({(w, cap) for w in engine.model.windows} if c_kernels else set())
 
 
 def test_each_feature_changes_the_logits(family):

@@ -200,7 +200,7 @@ def test_engine_starts_and_generates_with_a_hung_compiler(tmp_path):
         engine = Engine.from_pretrained(dtype="float32", device="cpu", kv_cache_bytes=16 << 20)
         out = engine.generate("Hello", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
         assert len(out.token_ids) == 3
-        print("GENERATED", engine.runner.decode_backend)
+        print("GENERATED", engine.runner.attention.name)
     """)
     kernel, warnings, _ = probe(
         {

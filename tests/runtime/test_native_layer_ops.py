@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import SamplingParams
-from runtime.attention.paged import write_kv
+from runtime.attention.kv_cache import write_kv
 from runtime.kernels import layer_ops as native_layer_ops
 from runtime.kernels import library as native_kernels
 from runtime.model.model import RotaryEmbedding, rms_norm

@@ -76,11 +76,11 @@ void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_
         if (bf16)
             paged_decode_attention_bf16(s->q, (const uint16_t *)l->k_cache, (const uint16_t *)l->v_cache,
                                         s->block_tables, s->context_lens, s->attn, M, H, KVH, D, m->block_size,
-                                        s->max_blocks, m->scale, threads);
+                                        s->max_blocks, m->scale, 0, 0.f, threads);
         else
             paged_decode_attention_f32(s->q, (const float *)l->k_cache, (const float *)l->v_cache, s->block_tables,
                                        s->context_lens, s->attn, M, H, KVH, D, m->block_size, s->max_blocks, m->scale,
-                                       threads);
+                                       0, 0.f, threads);
         project(&l->o, s->attn, 0, M, s->o, bf16, threads);
         add_rms_norm(s->h, s->o, l->post_norm, s->x, M, m->hidden, m->eps, bf16, threads);
         if (one_row(&l->gate_up, M) || l->gate_up.n % 64) {
