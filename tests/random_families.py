@@ -93,11 +93,12 @@ FAMILIES = {
 """transformers class, config class and the family's settings over COMMON."""
 
 
-def hf_model(family: str, seed: int = 0):
-    """transformers' model of this family with random weights, biases and norm weights, float32, eval."""
+def hf_model(family: str, seed: int = 0, **overrides):
+    """transformers' model of this family with random weights, biases and norm weights, float32, eval;
+    overrides: config fields over the family's."""
     import transformers
 
-    spec = dict(FAMILIES[family])
+    spec = dict(FAMILIES[family]) | overrides
     cls, config_cls = getattr(transformers, spec.pop("cls")), getattr(transformers, spec.pop("config"))
     config = config_cls(**(COMMON | spec))
     if family == "qwen2":

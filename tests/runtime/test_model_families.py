@@ -4,7 +4,9 @@ A tiny random model of each family (tests/random_families.py: sliding windows sh
 soft-caps that bite, llama3 / LongRoPE scaling over a 32-token original context, head_dim != hidden /
 heads, randomised biases and norm weights) is saved both ways; our engine, in float32, must give
 transformers' logits within 1e-4 and its 32 greedy tokens, from both files. A second test shows that each
-feature matters: the same weights with the feature turned off miss transformers' logits by far.
+feature matters: the same weights with the feature turned off miss transformers' logits by far. Every family
+runs on the fused C layer ops (asserted), and its decode steps on the C layer loop where the C attention
+kernels take its layers (asserted: the same tokens and logprobs as the Python loop over the same kernels).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import dataclasses
 import pytest
 import torch
 
+import runtime.model.decode_layers as native_decode
+import runtime.model.model
 from runtime import Engine, SamplingParams
+from runtime.kernels import layer_ops as native_layer_ops
 from runtime.model.checkpoint import load_checkpoint
 from runtime.model.model import LlamaModel
 from runtime.model.tokenizer import Tokenizer
@@ -57,17 +62,95 @@ def family(request, tmp_path_factory):
     return name, model, hf_dir, gguf_file, ids, logits, reference_greedy(model, ids, 32)
 
 
+def _counting_fused_calls(monkeypatch) -> list[int]:
+    """Counts the fused layer ops' RoPE calls (one a layer and step)."""
+    calls = []
+    rope_write_kv = native_layer_ops.rope_write_kv
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return rope_write_kv(*args, **kwargs)
+
+    monkeypatch.setattr(native_layer_ops, "rope_write_kv", counted)
+    return calls
+
+
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_logits_and_greedy_tokens_match_transformers(family, source):
+def test_logits_and_greedy_tokens_match_transformers(family, source, monkeypatch):
     name, _, hf_dir, gguf_file, ids, theirs, expected = family
     path = hf_dir if source == "hf" else gguf_file
     engine = Engine.from_pretrained(str(path), dtype="float32", device="cpu", kv_cache_bytes=4 << 20)
     arch = {"llama3": "llama", "mistral": "llama"}.get(name, name)
     assert engine.model.config.architecture == arch
+    assert engine.model.layer_ops is native_layer_ops and engine.model.native_decode
+    fused = _counting_fused_calls(monkeypatch)
     diff = (engine.prompt_logits(ids) - theirs).abs().max().item()
     assert diff < 1e-4, f"{name} from {source}: max logit difference {diff}"
     out = engine.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == expected
+    assert len(fused) >= 33 * engine.model.config.num_layers  # the prompt and every decode step, fused
+
+
+def test_bfloat16_follows_transformers(family, monkeypatch):
+    """bfloat16 on the fused path: the logits stay near float32 transformers' (a few bfloat16 roundings a
+    layer) and the first greedy token agrees."""
+    name, _, hf_dir, _, ids, theirs, expected = family
+    engine = Engine.from_pretrained(str(hf_dir), dtype="bfloat16", device="cpu", kv_cache_bytes=4 << 20)
+    fused = _counting_fused_calls(monkeypatch)
+    logits = engine.prompt_logits(ids)
+    assert fused
+    assert (logits - theirs).abs().max().item() < 0.05 * theirs.abs().max().item(), name
+    out = engine.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.token_ids[0] == expected[0]
+
+
+PACKABLE = dict(hidden_size=128, intermediate_size=128)
+"""Widths the int8 groups of 32 divide (the exactness models' 80 is chosen not to)."""
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def packable_family(request, tmp_path_factory):
+    """(family, HF directory, prompt ids) of a model with PACKABLE widths."""
+    name = request.param
+    extra = dict(PACKABLE)
+    if name == "phi3":  # LongRoPE's factors: one per frequency of head_dim 32
+        rope = dict(FAMILIES[name]["rope_parameters"])
+        rope.update(
+            short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[1.0 + 0.9 * i for i in range(16)]
+        )
+        extra["rope_parameters"] = rope
+    hf_dir = save_hf_dir(hf_model(name, **extra), tmp_path_factory.mktemp(f"{name}-packable") / "hf")
+    ids = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(6)).tolist()
+    return name, hf_dir, ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_c_layer_loop_takes_the_family(packable_family, dtype, monkeypatch):
+    """Packed (int8) projections: decode steps run in the C layer loop wherever the C attention kernels take
+    every layer (no window, no soft-cap), with the same tokens and logprobs as the Python loop over the same
+    kernels; where they do not, every step stays in the Python loop."""
+    name, hf_dir, ids = packable_family
+    monkeypatch.setattr(runtime.model.model, "measure_row_paths", lambda w: (4, None))  # the one-row kernel
+    engine = Engine.from_pretrained(
+        str(hf_dir), dtype=dtype, device="cpu", quantization="int8", kv_cache_bytes=4 << 20
+    )
+    model = engine.model
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    ran = []
+    forward = native_decode.NativeDecode.forward
+
+    def counted(self, *args):
+        ran.append(1)
+        return forward(self, *args)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "forward", counted)
+    model._native_decode = None
+    with_c = [(o.token_ids, o.logprobs) for o in engine.generate([ids, ids[:20]], params)]
+    assert bool(ran) == model.attention_in_c, (name, len(ran))
+    monkeypatch.setattr(native_decode.NativeDecode, "possible", staticmethod(lambda model, kv: False))
+    model._native_decode = None
+    without_c = [(o.token_ids, o.logprobs) for o in engine.generate([ids, ids[:20]], params)]
+    assert with_c == without_c
 
 
 def test_each_feature_changes_the_logits(family):
