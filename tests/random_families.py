@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 VOCAB = 512
+END_OF_TURN = VOCAB - 1
+"""The GGUF vocabulary's <end_of_turn> (write_gguf)."""
 PROMPT_LEN = 40
 """Prompt tokens of the tests: longer than the sliding windows and the 32-token original contexts."""
 ORIGINAL_CONTEXT = 32
@@ -124,10 +126,11 @@ def save_hf_dir(model, path: Path) -> Path:
 
 def _gpt2_vocab(size: int) -> list[str]:
     """A byte-level BPE vocabulary of `size` tokens with one merge, "! !" (token ids are what the tests
-    feed; a BPE vocabulary without merges is refused, as llama.cpp refuses it)."""
+    feed; a BPE vocabulary without merges is refused, as llama.cpp refuses it), its last token an
+    end-of-turn control token (END_OF_TURN) besides the EOS "</s>"."""
     singles = [chr(c) for c in range(0x21, 0x7F)] + [chr(c) for c in range(0x100, 0x100 + 256 - 94)]
     tokens = ["<unk>", "<s>", "</s>"] + singles + ["!!"]
-    return tokens + [f"t{i}" for i in range(size - len(tokens))]
+    return tokens + [f"t{i}" for i in range(size - len(tokens) - 1)] + ["<end_of_turn>"]
 
 
 def _llama3_rope_freqs(head_dim: int, rope: dict) -> np.ndarray:
