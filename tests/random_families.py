@@ -95,6 +95,19 @@ FAMILIES = {
 """transformers class, config class and the family's settings over COMMON."""
 
 
+def packable(family: str) -> dict:
+    """hf_model overrides that make every width a multiple of 32 (int8 groups divide them) and head_dim a
+    power of two (the Triton kernels' rule): COMMON's 80 is chosen to be neither."""
+    extra: dict = dict(hidden_size=128, intermediate_size=128)
+    if family == "phi3":  # LongRoPE's factors: one per frequency of head_dim 32
+        rope = dict(FAMILIES[family]["rope_parameters"])
+        rope.update(
+            short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[1.0 + 0.9 * i for i in range(16)]
+        )
+        extra["rope_parameters"] = rope
+    return extra
+
+
 def hf_model(family: str, seed: int = 0, **overrides):
     """transformers' model of this family with random weights, biases and norm weights, float32, eval;
     overrides: config fields over the family's."""

@@ -6,8 +6,8 @@ scalings). Tokens of all sequences in a step arrive flattened: input_ids [T], po
 AttentionMetadata says which rows decode and which are prefill chunks. Q/K/V and gate/up projections are
 fused into one matmul each. Projection weights are dense tensors or packed quantized ones
 (runtime.quant.linear). On CPU every family's layers run their element-wise work in the fused C layer ops
-(_forward_native) and decode-only steps in one C call (decode_layers); on CUDA plain Llama layers in the
-Triton twins; elsewhere the PyTorch layer loop (forward) computes the same function. A layer that slides or
+(_forward_native) and decode-only steps in one C call (decode_layers); on CUDA in the Triton twins;
+elsewhere the PyTorch layer loop (forward) computes the same function. A layer that slides or
 soft-caps attends in windowed_attention.
 """
 
@@ -197,15 +197,11 @@ class LlamaModel:
         """Each layer's sliding window (None: full causal attention)."""
         self.embed_scale = torch.tensor(c.embed_scale, dtype=dtype) if c.embed_scale != 1.0 else None
         self.layer_ops = None
-        """The layers' element-wise work fused: native_layer_ops (C, CPU) or triton_layer_ops (CUDA; its
-        kernels take plain Llama layers only (ModelConfig.plain_llama), other families run forward)."""
+        """The layers' element-wise work fused, every family's: native_layer_ops (C, CPU) or
+        triton_layer_ops (CUDA)."""
         if native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0:
             self.layer_ops = native_layer_ops
-        elif (
-            c.plain_llama
-            and triton_layer_ops.usable(dtype, device)
-            and config.head_dim & (config.head_dim - 1) == 0
-        ):
+        elif triton_layer_ops.usable(dtype, device) and config.head_dim & (config.head_dim - 1) == 0:
             self.layer_ops = triton_layer_ops
         self.native_decode = self.layer_ops is not None
         """Every step runs the layers' element-wise work in layer_ops (on CPU, steps that only decode their

@@ -12,6 +12,11 @@ kernels take its layers (asserted: the same tokens and logprobs as the Python lo
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -23,7 +28,7 @@ from runtime.kernels import layer_ops as native_layer_ops
 from runtime.model.checkpoint import load_checkpoint
 from runtime.model.model import LlamaModel
 from runtime.model.tokenizer import Tokenizer
-from tests.random_families import FAMILIES, PROMPT_LEN, VOCAB, hf_model, save_hf_dir, write_gguf
+from tests.random_families import FAMILIES, PROMPT_LEN, VOCAB, hf_model, packable, save_hf_dir, write_gguf
 from tests.runtime.conftest import reference_greedy
 
 pytestmark = pytest.mark.slow  # builds and runs transformers models
@@ -104,21 +109,11 @@ def test_bfloat16_follows_transformers(family, monkeypatch):
     assert len(out.token_ids) == 4 and out.token_ids[0] == expected[0]
 
 
-PACKABLE = dict(hidden_size=128, intermediate_size=128)
-"""Widths the int8 groups of 32 divide (the exactness models' 80 is chosen not to)."""
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def packable_family(request, tmp_path_factory):
-    """(family, HF directory, prompt ids) of a model with PACKABLE widths."""
+    """(family, HF directory, prompt ids) of a model with packable widths (random_families.packable)."""
     name = request.param
-    extra = dict(PACKABLE)
-    if name == "phi3":  # LongRoPE's factors: one per frequency of head_dim 32
-        rope = dict(FAMILIES[name]["rope_parameters"])
-        rope.update(
-            short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[1.0 + 0.9 * i for i in range(16)]
-        )
-        extra["rope_parameters"] = rope
+    extra = packable(name)
     hf_dir = save_hf_dir(hf_model(name, **extra), tmp_path_factory.mktemp(f"{name}-packable") / "hf")
     ids = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(6)).tolist()
     return name, hf_dir, ids
@@ -164,3 +159,34 @@ def test_each_feature_changes_the_logits(family):
         engine = Engine(model, tokenizer, None, kv_cache_bytes=4 << 20)
         diff = (engine.prompt_logits(ids) - theirs).abs().max().item()
         assert diff > 1e-2, f"{name}: {field}={plain!r} changes the logits by only {diff}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra)")
+def test_triton_layer_ops_take_every_family_in_the_interpreter(tmp_path):
+    """CUDA's fused path on CPU under Triton's interpreter: with the Triton twins as the layer ops, each
+    family scores a prompt within 1e-4 of transformers (QKV bias, q/k norms, GELU, sandwich norms, embedding
+    scale, two RoPE bases, windows and soft-caps all on the path)."""
+    script = textwrap.dedent(f"""
+        import torch
+        from runtime import Engine
+        from runtime.kernels import triton_layer_ops
+        from tests.random_families import FAMILIES, PROMPT_LEN, VOCAB, hf_model, packable, save_hf_dir
+        import pathlib
+        ids = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
+        for name in FAMILIES:
+            model = hf_model(name, **packable(name))
+            path = save_hf_dir(model, pathlib.Path({str(tmp_path)!r}) / name)
+            with torch.no_grad():
+                theirs = model(torch.tensor([ids])).logits[0]
+            engine = Engine.from_pretrained(str(path), dtype="float32", device="cpu", kv_cache_bytes=4 << 20)
+            assert engine.model.config.head_dim == 32
+            engine.model.layer_ops = triton_layer_ops
+            diff = (engine.prompt_logits(ids) - theirs).abs().max().item()
+            assert diff < 1e-4, (name, diff)
+        print("OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
