@@ -446,8 +446,9 @@ def _names(items) -> str:
 # --- The exported functions' signatures (each declared once in csrc/kernels.h; a test compares the two) ---
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ATTENTION = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _float, _int]
-_PREFILL = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _int, _i64, _i64, _i64, _i64, _float, _int]
+_LIMITS = [_float, _i64, _float, _int]  # scale, window, softcap, num_threads
+_ATTENTION = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, *_LIMITS]
+_PREFILL = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _int, _i64, _i64, _i64, _i64, *_LIMITS]
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "paged_decode_attention_f32": (None, _ATTENTION),
     "paged_decode_attention_bf16": (None, _ATTENTION),

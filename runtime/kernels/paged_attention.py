@@ -1,4 +1,4 @@
-"""Decode attention on CPU (float32 or bfloat16 KV) in a small C kernel (csrc/paged_decode_attention.c); a
+"""Decode attention on CPU (float32 or bfloat16 KV) in a small C kernel (csrc/paged_attention.c); a
 step's prefill chunks run in its own kernel in the same file, all in one call (prefill_attention), or
 through the decode kernel row by row where that one does not take the shape (attention.py).
 
@@ -35,9 +35,12 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, heads, D]; caches [blocks, block_size, kv_heads, D] (float32 or bfloat16); returns [B, heads, D] in
-    q's dtype. The math is float32."""
+    q's dtype. The math is float32. window: the row at position p sees keys at positions > p - window;
+    softcap: scores s become softcap * tanh(s / softcap) (None: neither)."""
     dtype = q.dtype
     q = q.to(torch.float32).contiguous()
     out = torch.empty_like(q)
@@ -60,16 +63,18 @@ def decode_attention(
         k_cache.shape[1],
         block_tables.shape[1],
         scale,
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     return out.to(dtype)
 
 
 def prefill_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Shapes the prefill kernel takes (head_dim 64 or 128, up to 16 query heads a KV head, which fit one
+    """Shapes the prefill kernel takes (head_dim 64, 128 or 256, up to 16 query heads a KV head, which fit one
     vector's lanes or fill several: lanes 16 on AVX-512, 8 on AVX2, 4 on the generic level); usable() too."""
     heads, kv_heads, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
-    if not (d in (64, 128) and heads % kv_heads == 0 and heads // kv_heads <= 16 and usable(q, k_cache)):
+    if not (d in (64, 128, 256) and heads % kv_heads == 0 and heads // kv_heads <= 16 and usable(q, k_cache)):
         return False
     group, lanes = heads // kv_heads, load().prescient_vector_lanes()
     return group <= lanes or group % lanes == 0
@@ -83,12 +88,15 @@ def prefill_attention(
     spans: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention of every prefill chunk of a step, in one call: chunk c's rows are
     q[first : first + n] (spans[c] = (first, n, context_len): positions context_len - n ..) over the first
     context_len positions of its blocks tables[c] (int64, rows padded; its own K/V already written). Writes
     those rows of out ([T, heads, D], q's shape); the math is float32. q and out in float32 or bfloat16
-    are read and written as they are (the kernel converts), any other dtype through float32 copies."""
+    are read and written as they are (the kernel converts), any other dtype through float32 copies.
+    window and softcap as decode_attention's."""
     io = q.dtype if q.dtype in (torch.float32, torch.bfloat16) and out.dtype == q.dtype else torch.float32
     qk = q.to(io).contiguous()
     res = out if out.dtype == io and out.is_contiguous() else torch.empty_like(qk)
@@ -115,6 +123,8 @@ def prefill_attention(
         d,
         k_cache.shape[1],
         scale,
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     if res is not out:

@@ -184,7 +184,6 @@ class NativeDecode:
             and model.dtype in (torch.float32, torch.bfloat16)
             and kv.pool.dtype == model.dtype
             and load() is not None
-            and model.attention_in_c
             and all(
                 isinstance(w, Int4Linear) and w.native is not None
                 for layer in model.layers

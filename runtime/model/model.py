@@ -7,8 +7,8 @@ AttentionMetadata says which rows decode and which are prefill chunks. Q/K/V and
 fused into one matmul each. Projection weights are dense tensors or packed quantized ones
 (runtime.quant.linear). On CPU every family's layers run their element-wise work in the fused C layer ops
 (_forward_native) and decode-only steps in one C call (decode_layers); on CUDA in the Triton twins;
-elsewhere the PyTorch layer loop (forward) computes the same function. A layer that slides or
-soft-caps attends in windowed_attention.
+elsewhere the PyTorch layer loop (forward) computes the same function. A layer that slides or soft-caps
+attends in the C decode kernel on CPU decode steps, else in windowed_attention.
 """
 
 from __future__ import annotations
@@ -206,9 +206,6 @@ class LlamaModel:
         self.native_decode = self.layer_ops is not None
         """Every step runs the layers' element-wise work in layer_ops (on CPU, steps that only decode their
         attention in C too); False: the PyTorch ops."""
-        self.attention_in_c = c.attn_logit_softcap is None and all(w is None for w in self.windows)
-        """The C attention kernels serve every layer (no window, no soft-cap): where not, such layers attend
-        in windowed_attention and decode steps keep the Python layer loop."""
         self.scale = config.attention_scale or config.head_dim**-0.5
         self._native_decode: tuple[KVCache, NativeDecode | None] | None = None
         """The KV cache the C layer loop was made for, and that loop (_decode_layers)."""
@@ -336,8 +333,8 @@ class LlamaModel:
         """forward with each layer's element-wise work fused (layer_ops: C on CPU, Triton on CUDA): a few
         calls per layer instead of ~40 torch ops, every family's features included (QKV bias and q/k norms in
         rope_write_kv, GELU in gelu_mul, sandwich norms as add_rms_norm without an add). On CPU, steps that
-        only decode take the C attention kernel straight from float32 queries; others (and CUDA)
-        paged_attention; layers that slide or soft-cap windowed_attention."""
+        only decode take the C attention kernel straight from float32 queries (windows and soft-caps
+        included); others (and CUDA) paged_attention, or windowed_attention where a layer slides or soft-caps."""
         c, ops = self.config, self.layer_ops
         t, eps = input_ids.shape[0], c.rms_norm_eps
         decode_only = not meta.prefills and meta.num_decode == t and meta.native_decode
@@ -371,16 +368,23 @@ class LlamaModel:
                 meta.slot_mapping,
                 **extras,
             )
-            if window is not None or c.attn_logit_softcap is not None:
+            if decode_only:
+                attn = native_attention.decode_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    self.scale,
+                    window,
+                    c.attn_logit_softcap,
+                ).view(t, c.q_size)
+                o = self._project(attn, layer.o)
+            elif window is not None or c.attn_logit_softcap is not None:
                 attn = windowed_attention(
                     q.to(self.dtype), k_cache, v_cache, meta, self.scale, window, c.attn_logit_softcap
                 )
                 o = linear(attn.view(t, c.q_size), layer.o)
-            elif decode_only:
-                attn = native_attention.decode_attention(
-                    q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
-                ).view(t, c.q_size)
-                o = self._project(attn, layer.o)
             else:  # the new keys and values are read back from the cache
                 attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
                 o = linear(attn.view(t, c.q_size), layer.o)

@@ -128,7 +128,6 @@ def run() -> dict:
         f"quantization {model.quantization!r} (what 'auto' gave), layer path: "
         + ("fused C layer ops" if model.layer_ops is not None else "PyTorch")
         + (", C decode loop" if model._native_decode and model._native_decode[1] is not None else "")
-        + ("" if model.attention_in_c else ", windowed layers in windowed_attention")
     ]
     if all(r is not None for r in cpp_runs):
         cpp_prefill = statistics.median(v for r in cpp_runs for v in r["prefill"])

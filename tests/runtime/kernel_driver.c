@@ -72,13 +72,13 @@ int main(int argc, char **argv) {
         gelu_mul(P(0), P(1), Q(2), Q(3), I(4), I(5));
     else if (!strcmp(name, "paged_decode_attention_f32"))
         paged_decode_attention_f32(P(0), P(1), P(2), P(3), P(4), P(5), Q(6), Q(7), Q(8), Q(9), Q(10), Q(11), F(12),
-                                   I(13));
+                                   Q(13), F(14), I(15));
     else if (!strcmp(name, "paged_decode_attention_bf16"))
         paged_decode_attention_bf16(P(0), P(1), P(2), P(3), P(4), P(5), Q(6), Q(7), Q(8), Q(9), Q(10), Q(11), F(12),
-                                    I(13));
+                                    Q(13), F(14), I(15));
     else if (!strcmp(name, "paged_prefill_attention_bf16"))
         paged_prefill_attention_bf16(P(0), P(1), P(2), P(3), Q(4), P(5), Q(6), P(7), I(8), Q(9), Q(10), Q(11), Q(12),
-                                     F(13), I(14));
+                                     F(13), Q(14), F(15), I(16));
     else if (!strcmp(name, "nucleus_sample"))
         nucleus_sample(P(0), Q(1), Q(2), Q(3), P(4), P(5), P(6), P(7), P(8), I(9));
     else if (!strcmp(name, "prescient_vector_lanes"))

@@ -37,7 +37,7 @@ v = rng.standard_normal((8, BS, KVH, D), dtype=np.float32)
 tables = np.array([[0, 1, 2], [3, 4, 5]], dtype=np.int64)
 lens = np.array([12 if case != "attention_context" else 13, 7], dtype=np.int64)
 out = np.zeros((B, H, D), dtype=np.float32)
-lib.paged_decode_attention_f32(p(q), p(k), p(v), p(tables), p(lens), p(out), B, H, KVH, D, BS, MB, 0.125, 2)
+lib.paged_decode_attention_f32(p(q), p(k), p(v), p(tables), p(lens), p(out), B, H, KVH, D, BS, MB, 0.125, 0, 0.0, 2)
 print("attention", *out.ravel()[:64].tolist())
 
 # quantized matmul (8-bit codes, one scale and offset a block of 32)

@@ -124,7 +124,8 @@ def test_decode_attention_on_aarch64(driver, tmp_path, heads, kv_heads, d):
     q = torch.randn(len(lens), heads, d, generator=g)
     out = torch.empty_like(q)
     args = [q, k_cache, v_cache, tables, lens, out]
-    args += [("q", v) for v in (len(lens), heads, kv_heads, d, bs, width)] + [("f", d**-0.5), ("i", 2)]
+    args += [("q", v) for v in (len(lens), heads, kv_heads, d, bs, width)]
+    args += [("f", d**-0.5), ("q", 0), ("f", 0.0), ("i", 2)]  # no window, no soft-cap
     run(driver, tmp_path, "paged_decode_attention_bf16", args)
     for b, n in enumerate(lens.tolist()):
         k = k_cache[tables[b]].flatten(0, 1)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
@@ -146,7 +147,7 @@ def test_prefill_attention_on_aarch64(driver, tmp_path, heads, kv_heads):
     out = torch.zeros_like(q)
     spans = torch.tensor([[0, rows, ctx]], dtype=torch.int64)
     args = [q, k_cache, v_cache, tables, ("q", width), spans, ("q", 1), out, ("i", 0)]
-    args += [("q", v) for v in (heads, kv_heads, d, bs)] + [("f", d**-0.5), ("i", 2)]
+    args += [("q", v) for v in (heads, kv_heads, d, bs)] + [("f", d**-0.5), ("q", 0), ("f", 0.0), ("i", 2)]
     run(driver, tmp_path, "paged_prefill_attention_bf16", args)
     k = k_cache[tables[0]].flatten(0, 1)[:ctx].float().repeat_interleave(heads // kv_heads, dim=1)
     v = v_cache[tables[0]].flatten(0, 1)[:ctx].float().repeat_interleave(heads // kv_heads, dim=1)

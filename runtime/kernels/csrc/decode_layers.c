@@ -83,11 +83,11 @@ void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_
         if (bf16)
             paged_decode_attention_bf16(s->q, (const uint16_t *)l->k_cache, (const uint16_t *)l->v_cache,
                                         s->block_tables, s->context_lens, s->attn, M, H, KVH, D, m->block_size,
-                                        s->max_blocks, m->scale, threads);
+                                        s->max_blocks, m->scale, l->window, l->softcap, threads);
         else
             paged_decode_attention_f32(s->q, (const float *)l->k_cache, (const float *)l->v_cache, s->block_tables,
                                        s->context_lens, s->attn, M, H, KVH, D, m->block_size, s->max_blocks, m->scale,
-                                       threads);
+                                       l->window, l->softcap, threads);
         project(&l->o, s->attn, 0, M, s->o, bf16, threads);
         if (l->attn_out_norm) { /* the normalised branch into the free `down` scratch, then added */
             add_rms_norm(s->o, NULL, l->attn_out_norm, s->down, M, m->hidden, m->eps, bf16, threads);

@@ -20,23 +20,24 @@ void rope_write_kv(const void *qkv, const void *bias, const void *q_norm, const 
                    const int64_t *positions, const void *cos, const void *sin_signed, void *q_out, void *k_cache,
                    void *v_cache, const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D, int bf16,
                    int q_f32, int num_threads);
+/* paged_attention.c: window <= 0 is no sliding window, softcap <= 0 no logit soft-cap */
 void paged_decode_attention_f32(const float *q, const float *k_pool, const float *v_pool,
                                 const int64_t *block_tables, const int64_t *context_lens, float *out, int64_t B,
                                 int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t max_blocks,
-                                float scale, int num_threads);
+                                float scale, int64_t window, float softcap, int num_threads);
 void paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool,
                                  const int64_t *block_tables, const int64_t *context_lens, float *out,
                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                                 int64_t max_blocks, float scale, int num_threads);
+                                 int64_t max_blocks, float scale, int64_t window, float softcap, int num_threads);
 
 void paged_prefill_attention_f32(const void *q, const float *k_pool, const float *v_pool, const int64_t *tables,
                                  int64_t max_blocks, const int64_t *spans, int64_t num_chunks, void *out,
                                  int io_bf16, int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
-                                 int num_threads);
+                                 int64_t window, float softcap, int num_threads);
 void paged_prefill_attention_bf16(const void *q, const uint16_t *k_pool, const uint16_t *v_pool,
                                   const int64_t *tables, int64_t max_blocks, const int64_t *spans,
                                   int64_t num_chunks, void *out, int io_bf16, int64_t H, int64_t KVH, int64_t D,
-                                  int64_t block_size, float scale, int num_threads);
+                                  int64_t block_size, float scale, int64_t window, float softcap, int num_threads);
 int quantized_matmul_vectorized(void);
 void nucleus_sample(const float *logits, int64_t R, int64_t V, int64_t stride, const float *temperature,
                     const float *top_p, const double *uniforms, float *work, int64_t *out, int num_threads);

@@ -5,6 +5,10 @@
  * cached vector is read from the pool in place and shared by the query heads of its group (GQA). Math is
  * float32 throughout; bfloat16 K/V are widened on load.
  *
+ * A window (window > 0) limits a query at position p to the keys at positions > p - window (transformers'
+ * sliding_window: the window counts the query's own key); a soft-cap (softcap > 0) maps each scaled score s
+ * to softcap * tanh(s / softcap) before the softmax (Gemma 2).
+ *
  * Layouts (all contiguous):
  *   q             [B, H, D] float32
  *   k_pool/v_pool [num_blocks, block_size, KVH, D] (float32 or bfloat16)
@@ -12,7 +16,7 @@
  *   out           [B, H, D] float32
  *
  * Two implementations, both with GCC vector extensions of the build's register width (W lanes, vector_exp.h:
- * AVX-512, AVX2, SSE2 or NEON): the fast path at the end of the file (head_dim 64 or 128, up to 8 query heads
+ * AVX-512, AVX2, SSE2 or NEON): the fast path at the end of the file (head_dim 64, 128 or 256, up to 8 query heads
  * a KV head: every model this engine serves today) and the generic kernels here (D % 16 == 0, H / KVH <=
  * MAX_GROUP). The generic ones run dot products 8 cached positions at a time so that 8 independent
  * accumulators hide the FMA latency; the weighted sum of V keeps a W-wide slice of every group's output in
@@ -54,10 +58,17 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* The first position a query at position ctx - 1 sees: keys at positions > p - window (transformers'
+ * sliding_window, the query's own key counted); window <= 0: all from 0. */
+static inline int64_t window_start(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
 #define DEFINE_KERNEL(NAME, ELEM, LOAD)                                                                        \
 static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *block_tables,                \
           const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,              \
-          int64_t block_size, int64_t max_blocks, float scale, int num_threads) {                              \
+          int64_t block_size, int64_t max_blocks, float scale, int64_t window, float softcap,                  \
+          int num_threads) {                                                                                   \
     const int64_t G = H / KVH, C = D / W, row = KVH * D;                                                       \
     /* a task is one sequence (its cached rows are read whole, in order) unless too few to share out */      \
     const int64_t heads_per_task = B >= 2 * num_threads ? KVH : 1;                                             \
@@ -73,13 +84,14 @@ static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const i
         _Pragma("omp for schedule(dynamic, 1)")                                                                \
         for (int64_t task = 0; task < B * tasks_per_seq; task++) {                                             \
             const int64_t b = task / tasks_per_seq, h0 = task % tasks_per_seq * heads_per_task;                \
-            const int64_t h1 = h0 + heads_per_task, ctx = context_lens[b];                                     \
+            const int64_t h1 = h0 + heads_per_task, lo = window_start(context_lens[b], window);               \
+            const int64_t ctx = context_lens[b] - lo;                /* the positions lo .. seen */            \
             const int64_t *table = block_tables + b * max_blocks;                                              \
             const int64_t nq = heads_per_task * G;                 /* query heads of this task */            \
             const float *qb = q + (b * H + h0 * G) * D;                                                        \
             for (int64_t i = 0; i < nq * D; i++) qs[i] = qb[i] * scale;                                        \
             for (int64_t t = 0; t < ctx; t++)                                                                  \
-                rows[t] = (table[t / block_size] * block_size + t % block_size) * row;                         \
+                rows[t] = (table[(lo + t) / block_size] * block_size + (lo + t) % block_size) * row;           \
             /* scores[i][t] = q_i . k_t, TILE positions at a time (independent accumulators) */              \
             float maxs[MAX_GROUP * 64];                                                                        \
             for (int64_t i = 0; i < nq; i++) maxs[i] = -INFINITY;                                              \
@@ -97,7 +109,7 @@ static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const i
                         }                                                                                      \
                         float *si = scores + i * ctx;                                                          \
                         for (int j = 0; j < n; j++) {                                                          \
-                            const float s = hsum(a[j]);                                                        \
+                            const float s = softcap > 0.f ? softcap * tanhf(hsum(a[j]) / softcap) : hsum(a[j]); \
                             si[t0 + j] = s;                                                                    \
                             if (s > maxs[i]) maxs[i] = s;                                                      \
                         }                                                                                      \
@@ -152,7 +164,7 @@ DEFINE_KERNEL(generic_bf16, uint16_t, vload_bf16)
  * (AVX2, SSE2) neither spills nor takes minutes to compile. The key walk takes KEY_GROUP(G) query heads a
  * pass over the keys (all G where they fit) and the value walk VALUE_SLICE(G, C) vectors of each output a
  * pass over the values; each sum still runs over the positions in order, so the results do not depend on the
- * split. Taken where D is 64 or 128 and G <= 8; other shapes run the kernels above.
+ * split. Taken where D is 64, 128 or 256 and G <= 8; other shapes run the kernels above.
  *
  * A task takes all of a sequence's KV heads when there are SEQUENCE_TASKS_PER_THREAD sequences a thread:
  * its key walk then reads whole rows (every head's part, contiguous) instead of one head's 2 lines at a 6-line
@@ -236,10 +248,28 @@ static inline vf vexp_nonpositive(vf x) {
     return (vf)((vi)(vexp_taylor(f) * (vf)((n + 127) << 23)) & ~under);
 }
 
+/* The logit soft-cap cap * tanh(x / cap), W at a time: tanh|y| = (1 - e) / (1 + e) with e = exp(-2|y|), the
+ * sign put back (absolute error ~1e-7 x cap). */
+static inline vf vsoftcap(vf x, float cap) {
+    const vf y = x * (1.f / cap);
+    const vi sign = (vi)y & ((vi){0} + INT32_MIN);
+    const vf e = vexp_nonpositive((vf)((vi)y ^ sign) * -2.f);
+    return (vf)((vi)((1.f - e) / (1.f + e) * cap) | sign);
+}
+
+/* Soft-caps n scores in place (cap > 0); their maximum *m with them (tanh is monotonic). */
+static inline void softcap_scores(float *s, int64_t n, float *m, float cap) {
+    int64_t t = 0;
+    for (; t + W <= n; t += W) *(vf *)(s + t) = vsoftcap(vload_f32(s + t), cap);
+    for (; t < n; t++) s[t] = cap * tanhf(s[t] / cap);
+    *m = cap * tanhf(*m / cap);
+}
+
 #define DEFINE_GROUP_TASK(NAME, ELEM, LOADW)                                                                    \
 static inline __attribute__((always_inline)) void NAME(                                                         \
     const int G, const int C, const int64_t nh, const float *q, const ELEM *k_pool, const ELEM *v_pool,        \
-    const int64_t *rows, int64_t ctx, int64_t h0, float *qs, float *scores, float *out, float scale) {          \
+    const int64_t *rows, int64_t ctx, int64_t h0, float *qs, float *scores, float *out, float scale,           \
+    float softcap) {                                                                                            \
     /* q, out: the nh x G query heads of KV heads h0 .. h0 + nh - 1 [nh G, D]; rows[t]: offset of position t's  \
      * row in the pools; qs: scratch for the scaled queries; scores: [nh G, ctx] */                             \
     const int64_t D = C * W, heads = nh * G, off = h0 * D;                                                      \
@@ -294,6 +324,8 @@ static inline __attribute__((always_inline)) void NAME(                         
             }                                                                                                   \
         }                                                                                                       \
     }                                                                                                           \
+    if (softcap > 0.f)                                                                                          \
+        for (int64_t i = 0; i < heads; i++) softcap_scores(scores + i * ctx, ctx, maxs + i, softcap);          \
     float inv[heads];                                                                                           \
     for (int64_t i = 0; i < heads; i++) {                                                                       \
         float *s = scores + i * ctx;                                                                            \
@@ -352,7 +384,8 @@ static int64_t heads_per_task(int64_t B, int64_t KVH, int num_threads) {
 #define DEFINE_FAST_KERNEL(NAME, ELEM, TASK)                                                                    \
 static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *block_tables,           \
                  const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,         \
-                 int64_t block_size, int64_t max_blocks, float scale, int num_threads) {                        \
+                 int64_t block_size, int64_t max_blocks, float scale, int64_t window, float softcap,            \
+                 int num_threads) {                                                                             \
     const int64_t G = H / KVH, row = KVH * D, nh = heads_per_task(B, KVH, num_threads), per_seq = KVH / nh;    \
     int64_t max_ctx = 0;                                                                                        \
     for (int64_t b = 0; b < B; b++) if (context_lens[b] > max_ctx) max_ctx = context_lens[b];                  \
@@ -364,29 +397,32 @@ static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const i
         int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(max_ctx + 1));                            \
         _Pragma("omp for schedule(dynamic, 1)")                                                                 \
         for (int64_t task = 0; task < tasks; task++) {                                                          \
-            const int64_t b = task / per_seq, h = task % per_seq * nh, ctx = context_lens[b];                   \
+            const int64_t b = task / per_seq, h = task % per_seq * nh;                                          \
+            const int64_t lo = window_start(context_lens[b], window), ctx = context_lens[b] - lo;              \
             const int64_t *table = block_tables + b * max_blocks;                                               \
-            for (int64_t blk = 0, t = 0; t < ctx; blk++) {                                                      \
-                const int64_t base = table[blk] * block_size * row;                                             \
-                for (int64_t j = 0; j < block_size && t < ctx; j++, t++) rows[t] = base + j * row;              \
+            for (int64_t p = lo, t = 0; t < ctx;) {               /* rows[t]: position lo + t's row */        \
+                const int64_t base = table[p / block_size] * block_size * row;                                  \
+                for (int64_t j = p % block_size; j < block_size && t < ctx; j++, t++, p++) rows[t] = base + j * row; \
             }                                                                                                   \
             const float *qg = q + (b * H + h * G) * D;                                                          \
             float *og = out + (b * H + h * G) * D;                                                              \
             if (ctx == 0) { memset(og, 0, sizeof(float) * (size_t)(nh * G * D)); continue; }                   \
-            if (D == 64) { GROUP_CASES(TASK, 64 / W) } else { GROUP_CASES(TASK, 128 / W) }                             \
+            if (D == 64) { GROUP_CASES(TASK, 64 / W) }                                                          \
+            else if (D == 128) { GROUP_CASES(TASK, 128 / W) }                                                   \
+            else { GROUP_CASES(TASK, 256 / W) }                                                                 \
         }                                                                                                       \
         free(scores);                                                                                           \
         free(qs);                                                                                               \
         free(rows);                                                                                             \
     }                                                                                                           \
 }
-#define ARGS nh, qg, k_pool, v_pool, rows, ctx, h, qs, scores, og, scale
+#define ARGS nh, qg, k_pool, v_pool, rows, ctx, h, qs, scores, og, scale, softcap
 DEFINE_FAST_KERNEL(fast_f32, float, group_task_f32)
 DEFINE_FAST_KERNEL(fast_bf16, uint16_t, group_task_bf16)
 #undef ARGS
 
 static int fast_path(int64_t H, int64_t KVH, int64_t D) {
-    return (D == 64 || D == 128) && H % KVH == 0 && H / KVH <= 8;
+    return (D == 64 || D == 128 || D == 256) && H % KVH == 0 && H / KVH <= 8;
 }
 
 /* The decode kernels' argument checks (debug build only, check.h): the generic kernel's limits unless the
@@ -412,19 +448,20 @@ static int fast_path(int64_t H, int64_t KVH, int64_t D) {
 void paged_decode_attention_f32(const float *q, const float *k_pool, const float *v_pool,
                                 const int64_t *block_tables, const int64_t *context_lens, float *out, int64_t B,
                                 int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t max_blocks,
-                                float scale, int num_threads) {
+                                float scale, int64_t window, float softcap, int num_threads) {
     DECODE_CHECKS();
     (fast_path(H, KVH, D) ? fast_f32 : generic_f32)(q, k_pool, v_pool, block_tables, context_lens, out, B, H,
-                                                    KVH, D, block_size, max_blocks, scale, num_threads);
+                                                    KVH, D, block_size, max_blocks, scale, window, softcap, num_threads);
 }
 
 void paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool,
                                  const int64_t *block_tables, const int64_t *context_lens, float *out,
                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                                 int64_t max_blocks, float scale, int num_threads) {
+                                 int64_t max_blocks, float scale, int64_t window, float softcap,
+                                 int num_threads) {
     DECODE_CHECKS();
     (fast_path(H, KVH, D) ? fast_bf16 : generic_bf16)(q, k_pool, v_pool, block_tables, context_lens, out, B, H,
-                                                      KVH, D, block_size, max_blocks, scale, num_threads);
+                                                      KVH, D, block_size, max_blocks, scale, window, softcap, num_threads);
 }
 
 /* --- Prefill: a chunk's causal attention, query rows and heads across the vector lanes. ---
@@ -444,7 +481,7 @@ void paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const u
 
 static inline __attribute__((always_inline)) void prefill_task(
     int64_t D, int64_t L, const float *kf, const float *vals, const vf *qt, vf *s, const vf *mask_from,
-    int64_t first_masked, vf *acc_out) {
+    int64_t first_masked, const vf *mask_to, int64_t last_masked, float softcap, vf *acc_out) {
     /* scores s[t] = sum_d qt[d] * kf[t][d] */
     int64_t t = 0;
     for (; t + PF_TILE <= L; t += PF_TILE) {
@@ -464,6 +501,12 @@ static inline __attribute__((always_inline)) void prefill_task(
         for (int64_t d = 0; d < D; d++) a += qt[d] * kf[t * D + d];
         s[t] = a;
     }
+    if (softcap > 0.f)
+        for (t = 0; t < L; t++) s[t] = vsoftcap(s[t], softcap);
+    /* window: position t < last_masked is hidden from the lanes whose mask_to[t] is all ones (their windows
+     * start after it) */
+    for (t = 0; t < last_masked; t++)
+        s[t] = (vf)(((vi)mask_to[t] & (vi)((vf){0} - INFINITY)) | (~(vi)mask_to[t] & (vi)s[t]));
     /* causal mask: position t >= first_masked is hidden from the lanes whose mask_from[t - first_masked]
      * is all ones (their rows end before it) */
     for (t = first_masked; t < L; t++)
@@ -507,7 +550,7 @@ static int longer_first(const void *a, const void *b) {
 #define DEFINE_PREFILL(NAME, ELEM, LOADW)                                                                      \
 void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *tables, int64_t max_blocks,    \
           const int64_t *spans, int64_t num_chunks, void *out, int io_bf16, int64_t H, int64_t KVH, int64_t D, \
-          int64_t block_size, float scale, int num_threads) {                                                  \
+          int64_t block_size, float scale, int64_t window, float softcap, int num_threads) {                   \
     CHECK(num_chunks >= 0, num_chunks);                                                                        \
     CHECK(KVH > 0, KVH);                                                                                       \
     CHECK(H > 0 && H % KVH == 0, H);                                                                           \
@@ -573,7 +616,7 @@ void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *
         vf *qt = (vf *)aligned_alloc(64, sizeof(vf) * (size_t)D);                                         \
         vf *s = (vf *)aligned_alloc(64, sizeof(vf) * (size_t)(max_ctx + 1));                              \
         vf *acc = (vf *)aligned_alloc(64, sizeof(vf) * (size_t)D);                                        \
-        vf mask_from[W];                                                                                     \
+        vf mask_from[W], mask_to[W];                                                                          \
         _Pragma("omp for schedule(dynamic, 1)")                                                                 \
         for (int64_t i = 0; i < tasks; i++) {                                                                   \
             const prefill_task_t task = list[i];                                                                \
@@ -581,6 +624,8 @@ void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *
             const int64_t first = spans[3 * c], n = spans[3 * c + 1], ctx = spans[3 * c + 2];                   \
             const int64_t nr = n - r0 < R ? n - r0 : R;                                                         \
             const int64_t first_masked = L - nr + 1;             /* the first row sees up to here */           \
+            const int64_t lo = window_start(L - nr + 1, window);  /* the first row sees from here */           \
+            const int64_t last_masked = window_start(L, window);  /* the last row sees from here */            \
             for (int64_t d = 0; d < D; d++) {                                                                   \
                 vf col = {0};                                                                                 \
                 for (int64_t r = 0; r < nr; r++)                                                                \
@@ -597,8 +642,16 @@ void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *
                         for (int64_t g = 0; g < GL; g++) m[r * GL + g] = -1;                                    \
                 mask_from[t - first_masked] = (vf)m;                                                          \
             }                                                                                                   \
-            const int64_t at = (base[c] * KVH + h * ctx) * D;                                                   \
-            prefill_task(D, L, kf + at, vfb + at, qt, s, mask_from, first_masked, acc);                         \
+            for (int64_t t = lo; t < last_masked; t++) {          /* before the window of rows after t */      \
+                vi m = {0};                                                                                   \
+                for (int64_t r = 0; r < nr; r++)                                                                \
+                    if (window_start(ctx - n + r0 + r + 1, window) > t)                                         \
+                        for (int64_t g = 0; g < GL; g++) m[r * GL + g] = -1;                                    \
+                mask_to[t - lo] = (vf)m;                                                                      \
+            }                                                                                                   \
+            const int64_t at = (base[c] * KVH + h * ctx + lo) * D;                                              \
+            prefill_task(D, L - lo, kf + at, vfb + at, qt, s, mask_from, first_masked - lo, mask_to,            \
+                         last_masked - lo, softcap, acc);                                                       \
             for (int64_t r = 0; r < nr; r++)                                                                    \
                 for (int64_t g = 0; g < GL; g++) {                                                              \
                     const int64_t at = ((first + r0 + r) * H + h * G + g0 + g) * D;                             \
