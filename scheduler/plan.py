@@ -43,6 +43,8 @@ class NewRequestData:
     forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
     """(request id, params) of sibling sequences (n > 1) that sample their first token from this
     request's last prompt row, then start from its KV blocks by reference."""
+    eog_token_ids: tuple[int, ...] = ()
+    """The other end-of-generation tokens (Request.eog_token_ids): banned with eos_token_id."""
 
 
 @dataclass(frozen=True)

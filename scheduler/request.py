@@ -45,6 +45,9 @@ class Request:
     cache_salt: str | None = None
     """Prefix-cache namespace: cached blocks are shared only between requests with the same salt, so one
     tenant cannot probe another's prompts through cache hits. None: the tenant's name."""
+    eog_token_ids: tuple[int, ...] = ()
+    """Tokens besides eos_token_id that end the generation (end-of-turn tokens such as Gemma's
+    <end_of_turn>, Llama 3's <|eot_id|>), unless ignore_eos."""
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

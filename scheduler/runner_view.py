@@ -57,6 +57,7 @@ def new_request_data(request: Request) -> NewRequestData:
         request.num_computed_tokens,
         request.eos_token_id,
         [(c.request_id, c.sampling_params) for c in request.forks],
+        request.eog_token_ids,
     )
 
 

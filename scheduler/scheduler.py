@@ -319,7 +319,7 @@ class Scheduler:
             self._tenants[request.tenant].service_tokens += 1
             params = request.sampling_params
             status = None
-            if token == request.eos_token_id and not params.ignore_eos:
+            if not params.ignore_eos and (token == request.eos_token_id or token in request.eog_token_ids):
                 status = RequestStatus.FINISHED_STOPPED
             elif params.stop_token_ids and token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 VOCAB = 512
+END_OF_TURN = VOCAB - 1
+"""The GGUF vocabulary's <end_of_turn> (write_gguf)."""
 PROMPT_LEN = 40
 """Prompt tokens of the tests: longer than the sliding windows and the 32-token original contexts."""
 ORIGINAL_CONTEXT = 32
@@ -93,11 +95,25 @@ FAMILIES = {
 """transformers class, config class and the family's settings over COMMON."""
 
 
-def hf_model(family: str, seed: int = 0):
-    """transformers' model of this family with random weights, biases and norm weights, float32, eval."""
+def packable(family: str) -> dict:
+    """hf_model overrides that make every width a multiple of 32 (int8 groups divide them) and head_dim a
+    power of two (the Triton kernels' rule): COMMON's 80 is chosen to be neither."""
+    extra: dict = dict(hidden_size=128, intermediate_size=128)
+    if family == "phi3":  # LongRoPE's factors: one per frequency of head_dim 32
+        rope = dict(FAMILIES[family]["rope_parameters"])
+        rope.update(
+            short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[1.0 + 0.9 * i for i in range(16)]
+        )
+        extra["rope_parameters"] = rope
+    return extra
+
+
+def hf_model(family: str, seed: int = 0, **overrides):
+    """transformers' model of this family with random weights, biases and norm weights, float32, eval;
+    overrides: config fields over the family's."""
     import transformers
 
-    spec = dict(FAMILIES[family])
+    spec = dict(FAMILIES[family]) | overrides
     cls, config_cls = getattr(transformers, spec.pop("cls")), getattr(transformers, spec.pop("config"))
     config = config_cls(**(COMMON | spec))
     if family == "qwen2":
@@ -123,10 +139,11 @@ def save_hf_dir(model, path: Path) -> Path:
 
 def _gpt2_vocab(size: int) -> list[str]:
     """A byte-level BPE vocabulary of `size` tokens with one merge, "! !" (token ids are what the tests
-    feed; a BPE vocabulary without merges is refused, as llama.cpp refuses it)."""
+    feed; a BPE vocabulary without merges is refused, as llama.cpp refuses it), its last token an
+    end-of-turn control token (END_OF_TURN) besides the EOS "</s>"."""
     singles = [chr(c) for c in range(0x21, 0x7F)] + [chr(c) for c in range(0x100, 0x100 + 256 - 94)]
     tokens = ["<unk>", "<s>", "</s>"] + singles + ["!!"]
-    return tokens + [f"t{i}" for i in range(size - len(tokens))]
+    return tokens + [f"t{i}" for i in range(size - len(tokens) - 1)] + ["<end_of_turn>"]
 
 
 def _llama3_rope_freqs(head_dim: int, rope: dict) -> np.ndarray:

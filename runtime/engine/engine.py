@@ -68,6 +68,9 @@ class Engine:
             num_blocks = config.cache.kv_cache_bytes // block_bytes
         self.model = model
         self.tokenizer = tokenizer
+        self._eog_token_ids = tuple(t for t in tokenizer.eog_token_ids if t != tokenizer.eos_token_id)
+        """Tokens that end a generation besides EOS (Tokenizer.eog_token_ids: Gemma's <end_of_turn>, Llama
+        3's <|eot_id|> / <|eom_id|>); every request stops on them, unless ignore_eos."""
         graphs = model.device.type == "cuda" and not config.model.enforce_eager
         self.kv = KVCache(
             model.config, num_blocks, sched.block_size, model.dtype, model.device, scratch=graphs
@@ -184,6 +187,7 @@ class Engine:
             prompt_ids,
             params,
             eos_token_id=self.tokenizer.eos_token_id,
+            eog_token_ids=self._eog_token_ids,
             tenant=tenant,
             weight=weight,
             priority=priority,
@@ -203,6 +207,7 @@ class Engine:
                     prompt_ids,
                     child_params,
                     eos_token_id=request.eos_token_id,
+                    eog_token_ids=request.eog_token_ids,
                     tenant=tenant,
                     weight=weight,
                     priority=priority,

@@ -1,5 +1,6 @@
-"""The element-wise work of a layer in C (csrc/decode_layer_ops.c): residual add + RMSNorm, SiLU-and-multiply,
-RoPE + the KV cache write, each one call instead of several torch ops, for any number of rows.
+"""The element-wise work of a layer in C (csrc/layer_ops.c): residual add + RMSNorm, SiLU- or GELU-and-multiply,
+QKV bias + per-head q/k RMSNorm + RoPE + the KV cache write, each one call instead of several torch ops, for
+any number of rows.
 
 At a few rows a torch op costs more in dispatch than in arithmetic (a layer of
 the PyTorch path is ~40 of them); at many rows one vectorized pass over the
@@ -49,6 +50,18 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     )
 
 
+def gelu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """gate_up [T, 2I] (gate, then up) -> out [T, I] = gelu_tanh(gate) * up (GELU's tanh approximation)."""
+    gate_up = gate_up.contiguous()
+    load().gelu_mul(
+        gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], _bf16(out), torch.get_num_threads()
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def rope_write_kv(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -58,14 +71,23 @@ def rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> None:
-    """qkv [T, (H + 2 KVH) D] -> rotated queries into q_out [T, H, D] (float32 or qkv's dtype), rotated keys
-    and the values into their slots of the caches [blocks, block_size, KVH, D]. cos, sin_signed:
-    RotaryEmbedding's tables."""
+    """qkv [T, (H + 2 KVH) D] (+ bias [(H + 2 KVH) D] where given) -> rotated queries into q_out [T, H, D]
+    (float32 or qkv's dtype), rotated keys and the values into their slots of the caches [blocks,
+    block_size, KVH, D]. q_norm, k_norm [D] (both or neither): each query and key head RMS-normalised with
+    them before the rotation. cos, sin_signed: RotaryEmbedding's tables."""
     qkv = qkv.contiguous()
     t, heads, d = q_out.shape
     load().rope_write_kv(
         qkv.data_ptr(),
+        _ptr(bias),
+        _ptr(q_norm),
+        _ptr(k_norm),
+        eps,
         positions.data_ptr(),
         cos.data_ptr(),
         sin_signed.data_ptr(),

@@ -465,9 +465,11 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "quantized_matmul_vectorized": (_int, []),
     "add_rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int, _int]),
+    "gelu_mul": (None, [_ptr, _ptr, _i64, _i64, _int, _int]),
     "rope_write_kv": (
         None,
-        [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int, _int],
+        [_ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+        + [_i64, _i64, _i64, _i64, _int, _int, _int],
     ),
     "nucleus_sample": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]),
     "decode_layers": (None, [_ptr, _ptr, _i64, _ptr, _int]),

@@ -48,6 +48,15 @@ class _Layer(ctypes.Structure):
         ("next_norm", _ptr),
         ("k_cache", _ptr),
         ("v_cache", _ptr),
+        ("qkv_bias", _ptr),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("attn_out_norm", _ptr),
+        ("mlp_out_norm", _ptr),
+        ("cos", _ptr),
+        ("sin_signed", _ptr),
+        ("window", _i64),
+        ("softcap", ctypes.c_float),
     ]
 
 
@@ -62,6 +71,7 @@ class _Model(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("bf16", ctypes.c_int),
+        ("gelu", ctypes.c_int),
     ]
 
 
@@ -73,8 +83,6 @@ class _Step(ctypes.Structure):
         ("slots", _ptr),
         ("block_tables", _ptr),
         ("context_lens", _ptr),
-        ("cos", _ptr),
-        ("sin_signed", _ptr),
         ("first_norm", _ptr),
         ("h", _ptr),
         ("x", _ptr),
@@ -101,6 +109,10 @@ def _projection(w: Int4Linear) -> _Projection:
         -1 if w.native_rows is None else w.native_rows,
         -1 if w.gemm_rows is None or native.tiles is None else w.gemm_rows,
     )
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _takes(w, rows: int) -> bool:
@@ -131,11 +143,13 @@ class NativeDecode:
             c.rms_norm_eps,
             model.scale,
             int(model.dtype == torch.bfloat16),
+            int(c.hidden_act == "gelu_tanh"),
         )
         layers = []
         for i, layer in enumerate(model.layers):
             k_cache, v_cache = kv.layer(i)
             following = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.norm
+            rope = model.layer_rope(i)
             layers.append(
                 _Layer(
                     *(_projection(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
@@ -143,6 +157,20 @@ class NativeDecode:
                     following.data_ptr(),
                     k_cache.data_ptr(),
                     v_cache.data_ptr(),
+                    *(
+                        _address(t)
+                        for t in (
+                            layer.qkv_bias,
+                            layer.q_norm,
+                            layer.k_norm,
+                            layer.attn_out_norm,
+                            layer.mlp_out_norm,
+                            rope.cos,
+                            rope.sin_signed,
+                        )
+                    ),
+                    model.windows[i] or 0,
+                    c.attn_logit_softcap or 0.0,
                 )
             )
         self.layers = (_Layer * len(layers))(*layers)
@@ -193,8 +221,6 @@ class NativeDecode:
             slots.data_ptr(),
             tables.data_ptr(),
             lens.data_ptr(),
-            model.rope.cos.data_ptr(),
-            model.rope.sin_signed.data_ptr(),
             model.layers[0].input_norm.data_ptr(),
             h.data_ptr(),
             x.data_ptr(),

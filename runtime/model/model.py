@@ -5,9 +5,10 @@ ModelConfig (biases, q/k norms, sandwich norms, GELU, embedding scale, sliding w
 scalings). Tokens of all sequences in a step arrive flattened: input_ids [T], positions [T];
 AttentionMetadata says which rows decode and which are prefill chunks. Q/K/V and gate/up projections are
 fused into one matmul each. Projection weights are dense tensors or packed quantized ones
-(runtime.quant.linear). A plain Llama layer runs its element-wise work in the fused layer ops (C on CPU,
-Triton on CUDA); every other feature runs in the PyTorch layer loop (forward). Attention is the backend
-the metadata names (runtime/attention/backend.py), given each layer's sliding window and soft-cap.
+(runtime.quant.linear). On CPU every family's layers run their element-wise work in the fused C layer ops
+(_forward_native) and decode-only steps in one C call (decode_layers); on CUDA in the Triton twins;
+elsewhere the PyTorch layer loop (forward) computes the same function. Attention is the backend the
+metadata names (runtime/attention/backend.py), given each layer's sliding window and soft-cap.
 """
 
 from __future__ import annotations
@@ -194,11 +195,9 @@ class LlamaModel:
         """Each layer's sliding window (None: full causal attention)."""
         self.embed_scale = torch.tensor(c.embed_scale, dtype=dtype) if c.embed_scale != 1.0 else None
         self.layer_ops = None
-        """The layers' element-wise work fused: native_layer_ops (C, CPU) or triton_layer_ops (CUDA); only
-        for plain Llama layers (ModelConfig.plain_llama)."""
-        if not c.plain_llama:
-            pass
-        elif native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0:
+        """The layers' element-wise work fused, every family's: native_layer_ops (C, CPU) or
+        triton_layer_ops (CUDA)."""
+        if native_layer_ops.usable(dtype, device) and config.head_dim % 2 == 0:
             self.layer_ops = native_layer_ops
         elif triton_layer_ops.usable(dtype, device) and config.head_dim & (config.head_dim - 1) == 0:
             self.layer_ops = triton_layer_ops
@@ -208,6 +207,10 @@ class LlamaModel:
         self.scale = config.attention_scale or config.head_dim**-0.5
         self._native_decode: tuple[KVCache, NativeDecode | None] | None = None
         """The KV cache the C layer loop was made for, and that loop (_decode_layers)."""
+
+    def layer_rope(self, i: int) -> RotaryEmbedding:
+        """Layer i's RoPE: the sliding layers' own where the model has one (Gemma 3's local base)."""
+        return self.local_rope if self.windows[i] is not None else self.rope
 
     def _packed(self) -> list[Int4Linear]:
         ws = [self.lm_head] + [
@@ -325,41 +328,63 @@ class LlamaModel:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
     ) -> torch.Tensor:
         """forward with each layer's element-wise work fused (layer_ops: C on CPU, Triton on CUDA): a few
-        calls per layer instead of ~40 torch ops. On CPU, steps that only decode take the C attention kernel
-        straight from float32 queries."""
+        calls per layer instead of ~40 torch ops, every family's features included (QKV bias and q/k norms in
+        rope_write_kv, GELU in gelu_mul, sandwich norms as add_rms_norm without an add). On CPU, steps that
+        only decode take the C attention kernel straight from float32 queries; every step attends through the
+        metadata's backend with each layer's window and soft-cap."""
         c, ops = self.config, self.layer_ops
         t, eps = input_ids.shape[0], c.rms_norm_eps
         decode_only = not meta.prefills and meta.num_decode == t and meta.backend.native
         h = self.embed[input_ids].contiguous()
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         if decode_only and (layers := self._decode_layers(kv)) is not None and layers.usable(t):
             return layers.forward(h, positions.contiguous(), meta)
         x = torch.empty_like(h)
         q_dtype = torch.float32 if decode_only else self.dtype
         q = torch.empty(t, c.num_heads, c.head_dim, dtype=q_dtype, device=self.device)
         act = torch.empty(t, c.intermediate_size, dtype=self.dtype, device=self.device)
+        branch = torch.empty_like(h) if c.sandwich_norms else None
+        gelu = c.hidden_act == "gelu_tanh"
         positions = positions.contiguous()
         ops.add_rms_norm(h, None, self.layers[0].input_norm, x, eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
+            rope, window = self.layer_rope(i), self.windows[i]
+            extras = {}
+            if layer.qkv_bias is not None or layer.q_norm is not None:
+                extras = dict(bias=layer.qkv_bias, q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
             ops.rope_write_kv(
                 linear(x, layer.qkv),
                 positions,
-                self.rope.cos,
-                self.rope.sin_signed,
+                rope.cos,
+                rope.sin_signed,
                 q,
                 k_cache,
                 v_cache,
                 meta.slot_mapping,
+                **extras,
             )
             # the new keys and values are read back from the cache
-            attn = meta.backend.forward(q, None, None, k_cache, v_cache, meta, self.scale).view(t, c.q_size)
+            attn = meta.backend.forward(
+                q, None, None, k_cache, v_cache, meta, self.scale, window, c.attn_logit_softcap
+            ).view(t, c.q_size)
             o = self._project(attn, layer.o) if decode_only else linear(attn, layer.o)
+            if layer.attn_out_norm is not None:
+                ops.add_rms_norm(o.contiguous(), None, layer.attn_out_norm, branch, eps)
+                o = branch
             ops.add_rms_norm(h, o, layer.post_norm, x, eps)
             gate_up = layer.gate_up
-            if not (isinstance(gate_up, Int4Linear) and gate_up.silu_mul_into(x, act)):
+            if gelu:
+                ops.gelu_mul(linear(x, gate_up), act)
+            elif not (isinstance(gate_up, Int4Linear) and gate_up.silu_mul_into(x, act)):
                 ops.silu_mul(linear(x, gate_up), act)
+            m = linear(act, layer.down)
+            if layer.mlp_out_norm is not None:
+                ops.add_rms_norm(m.contiguous(), None, layer.mlp_out_norm, branch, eps)
+                m = branch
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            ops.add_rms_norm(h, linear(act, layer.down), following, x, eps)
+            ops.add_rms_norm(h, m, following, x, eps)
         return x
 
     def _decode_layers(self, kv: KVCache) -> NativeDecode | None:

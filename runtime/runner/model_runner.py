@@ -44,6 +44,8 @@ class _Sequence:
     """(id, params) of sequences that draw their first token from this one's last prompt row."""
     matcher: object | None = None
     """Its grammar state (an llguidance matcher) when its params ask for structured output."""
+    eog_token_ids: tuple[int, ...] = ()
+    """End-of-generation tokens besides eos_token_id (banned with it under min_tokens)."""
 
 
 @dataclass
@@ -173,7 +175,7 @@ class ModelRunner:
             logits,
             params,
             [len(r.seq.token_ids) - r.seq.num_prompt_tokens for r in rows],
-            [r.seq.eos_token_id for r in rows],
+            [(r.seq.eos_token_id, *r.seq.eog_token_ids) for r in rows],
         )
         constrained = [i for i, r in enumerate(rows) if r.seq.matcher is not None]
         if constrained:  # a fork's row draws from its parent's state: the same matcher, before it moves
@@ -251,6 +253,7 @@ class ModelRunner:
                 list(new.forks),
                 # a resumed or forked sequence replays what it generated to reach its grammar state
                 self.grammar.matcher(structured, new.output_token_ids) if structured is not None else None,
+                tuple(new.eog_token_ids),
             )
             seed = new.sampling_params.seed
             if seed is not None and new.request_id not in self._generators:

@@ -15,10 +15,10 @@ def apply_logits_processors(
     logits: torch.Tensor,
     params: list[SamplingParams],
     num_outputs: list[int],
-    eos_token_ids: list[int | None],
+    end_token_ids: list[tuple[int | None, ...]],
 ) -> None:
     """logits: float32 [rows, vocab], edited in place; per row its params, the tokens it has generated
-    so far and its end-of-sequence id."""
+    so far and the ids that end its generation (eos, then end-of-turn tokens; None: none)."""
     vocab = logits.shape[-1]
     for i, p in enumerate(params):
         if not p.constrains_logits:
@@ -29,5 +29,5 @@ def apply_logits_processors(
                 [p.logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device
             )
         if num_outputs[i] < p.min_tokens:
-            banned = [t for t in [eos_token_ids[i], *p.stop_token_ids] if t is not None and 0 <= t < vocab]
+            banned = [t for t in [*end_token_ids[i], *p.stop_token_ids] if t is not None and 0 <= t < vocab]
             logits[i, banned] = float("-inf")

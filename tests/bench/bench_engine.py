@@ -122,16 +122,16 @@ def transformers_rates(dtype: str) -> dict:
     return rates
 
 
-def llama_cpp_server(cache_prompt: bool):
-    """llama.cpp (xllamacpp's prebuilt wheel) serving the same GGUF with the same thread count, one slot;
-    None when xllamacpp is missing."""
+def llama_cpp_server(cache_prompt: bool, path: str | None = None):
+    """llama.cpp (xllamacpp's prebuilt wheel) serving the same GGUF (path; None: the default model) with the
+    same thread count, one slot; None when xllamacpp is missing."""
     try:
         import xllamacpp
     except ImportError:
         return None
     threads = torch.get_num_threads()
     params = xllamacpp.CommonParams()
-    params.model.path = default_model_path()
+    params.model.path = path or default_model_path()
     params.n_ctx = 1024
     params.n_batch = params.n_ubatch = 512
     params.n_parallel = 1
@@ -141,15 +141,16 @@ def llama_cpp_server(cache_prompt: bool):
     return xllamacpp.Server(params)
 
 
-def llama_cpp_rates() -> dict | None:
-    """llama.cpp on the same GGUF and thread count: prefill 512 and decode 1 stream tokens/s, from
-    llama.cpp's own timings of each request (3 of each). None when missing."""
-    server = llama_cpp_server(cache_prompt=False)
+def llama_cpp_rates(path: str | None = None, vocab: int = 49152) -> dict | None:
+    """llama.cpp on the same GGUF (path; None: the default model) and thread count: prefill 512 and decode 1
+    stream tokens/s, from llama.cpp's own timings of each request (3 of each), prompt ids below vocab.
+    None when missing."""
+    server = llama_cpp_server(cache_prompt=False, path=path)
     if server is None:
         return None
     import xllamacpp
 
-    prompt = [random.Random(0).randrange(100, 49152) for _ in range(512)]
+    prompt = [random.Random(0).randrange(100, vocab) for _ in range(512)]
 
     def timings(ids: list[int], max_tokens: int) -> dict:
         body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}

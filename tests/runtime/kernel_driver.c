@@ -66,7 +66,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(name, "silu_mul"))
         silu_mul(P(0), P(1), Q(2), Q(3), I(4), I(5));
     else if (!strcmp(name, "rope_write_kv"))
-        rope_write_kv(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), Q(8), Q(9), Q(10), Q(11), I(12), I(13), I(14));
+        rope_write_kv(P(0), P(1), P(2), P(3), F(4), P(5), P(6), P(7), P(8), P(9), P(10), P(11), Q(12), Q(13), Q(14),
+                      Q(15), I(16), I(17), I(18));
+    else if (!strcmp(name, "gelu_mul"))
+        gelu_mul(P(0), P(1), Q(2), Q(3), I(4), I(5));
     else if (!strcmp(name, "paged_decode_attention_f32"))
         paged_decode_attention_f32(P(0), P(1), P(2), P(3), P(4), P(5), Q(6), Q(7), Q(8), Q(9), Q(10), Q(11), F(12),
                                    Q(13), F(14), I(15));

@@ -8,6 +8,8 @@ Token ids are fed directly: the file's SentencePiece vocabulary is the tokenizer
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,3 +53,19 @@ def test_dequantized_greedy_tokens_match_transformers(gemma3_file, tmp_path):
     diff = (ours - theirs).abs().max().item()
     assert diff < 1e-3, f"max logit difference {diff}"  # measured 2.5e-5
     assert out.token_ids == reference_greedy(ref, PROMPT, 32)
+
+
+def test_generation_stops_on_end_of_turn(gemma3_file):
+    """The file's EOS is <eos>; a turn ends with <end_of_turn>: a generation stops on either (the base model
+    is steered onto it with a logit bias), unless ignore_eos."""
+    engine = Engine.from_pretrained(str(gemma3_file), dtype="float32", device="cpu", kv_cache_bytes=32 << 20)
+    tok = engine.tokenizer
+    end_of_turn = next(
+        t for t in tok.eog_token_ids if tok.decode([t], skip_special_tokens=False) == "<end_of_turn>"
+    )
+    assert tok.decode([tok.eos_token_id], skip_special_tokens=False) == "<eos>"
+    steered = SamplingParams(max_tokens=8, temperature=0, logit_bias={end_of_turn: 100.0})
+    out = engine.generate([PROMPT], steered)[0]
+    assert out.token_ids == [end_of_turn] and out.finish_reason == "stop" and out.text == ""
+    out = engine.generate([PROMPT], dataclasses.replace(steered, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"

@@ -25,15 +25,22 @@ typedef struct {
 
 typedef struct decode_layer {
     projection_t qkv, o, gate_up, down;
-    const void *post_norm;     /* post-attention RMSNorm weight */
+    const void *post_norm;     /* post-attention RMSNorm weight (the MLP's input norm) */
     const void *next_norm;     /* the next layer's input norm, or the final norm after the last layer */
     void *k_cache, *v_cache;   /* [blocks, block_size, KVH, D] in the model dtype */
+    const void *qkv_bias;      /* [(H + 2 KVH) D] or NULL (Qwen 2) */
+    const void *q_norm, *k_norm;               /* [D] per-head RMSNorm before RoPE, or NULL (Qwen 3, Gemma 3) */
+    const void *attn_out_norm, *mlp_out_norm;  /* sandwich norms on the branch outputs, or NULL (Gemma 2/3) */
+    const void *cos, *sin_signed;              /* this layer's RoPE tables (Gemma 3's local layers: their own) */
+    int64_t window;            /* sliding window in keys (<= 0: none) */
+    float softcap;             /* attention score soft-cap (<= 0: none) */
 } decode_layer_t;
 
 typedef struct decode_model {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
     int bf16;                  /* the model dtype: bfloat16 (1) or float32 (0); K/V likewise */
+    int gelu;                  /* the MLP's activation: GELU's tanh approximation (1) or SiLU (0) */
 } decode_model_t;
 
 /* Scratch and the step's inputs, rows M; h holds the embeddings on entry, x receives the final normalised
@@ -41,7 +48,7 @@ typedef struct decode_model {
 typedef struct decode_step {
     int64_t M, max_blocks;
     const int64_t *positions, *slots, *block_tables, *context_lens;
-    const void *cos, *sin_signed, *first_norm;
+    const void *first_norm;
     void *h, *x, *qkv, *o, *gate_up, *act, *down;  /* model dtype */
     float *q, *attn;                              /* float32 */
 } decode_step_t;
@@ -71,19 +78,27 @@ void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_
     for (int64_t i = 0; i < num_layers; i++) {
         const decode_layer_t *l = &layers[i];
         project(&l->qkv, s->x, bf16, M, s->qkv, bf16, threads);
-        rope_write_kv(s->qkv, s->positions, s->cos, s->sin_signed, s->q, l->k_cache, l->v_cache, s->slots, M, H, KVH,
-                      D, bf16, 1, threads);
+        rope_write_kv(s->qkv, l->qkv_bias, l->q_norm, l->k_norm, m->eps, s->positions, l->cos, l->sin_signed, s->q,
+                      l->k_cache, l->v_cache, s->slots, M, H, KVH, D, bf16, 1, threads);
         if (bf16)
             paged_decode_attention_bf16(s->q, (const uint16_t *)l->k_cache, (const uint16_t *)l->v_cache,
                                         s->block_tables, s->context_lens, s->attn, M, H, KVH, D, m->block_size,
-                                        s->max_blocks, m->scale, 0, 0.f, threads);
+                                        s->max_blocks, m->scale, l->window, l->softcap, threads);
         else
             paged_decode_attention_f32(s->q, (const float *)l->k_cache, (const float *)l->v_cache, s->block_tables,
                                        s->context_lens, s->attn, M, H, KVH, D, m->block_size, s->max_blocks, m->scale,
-                                       0, 0.f, threads);
+                                       l->window, l->softcap, threads);
         project(&l->o, s->attn, 0, M, s->o, bf16, threads);
-        add_rms_norm(s->h, s->o, l->post_norm, s->x, M, m->hidden, m->eps, bf16, threads);
-        if (one_row(&l->gate_up, M) || l->gate_up.n % 64) {
+        if (l->attn_out_norm) { /* the normalised branch into the free `down` scratch, then added */
+            add_rms_norm(s->o, NULL, l->attn_out_norm, s->down, M, m->hidden, m->eps, bf16, threads);
+            add_rms_norm(s->h, s->down, l->post_norm, s->x, M, m->hidden, m->eps, bf16, threads);
+        } else {
+            add_rms_norm(s->h, s->o, l->post_norm, s->x, M, m->hidden, m->eps, bf16, threads);
+        }
+        if (m->gelu) {
+            project(&l->gate_up, s->x, bf16, M, s->gate_up, bf16, threads);
+            gelu_mul(s->gate_up, s->act, M, m->intermediate, bf16, threads);
+        } else if (one_row(&l->gate_up, M) || l->gate_up.n % 64) {
             project(&l->gate_up, s->x, bf16, M, s->gate_up, bf16, threads);
             silu_mul(s->gate_up, s->act, M, m->intermediate, bf16, threads);
         } else { /* SiLU x up in the matmul's epilogue, as LlamaModel's loop (Int4Linear.silu_mul_into) */
@@ -92,6 +107,11 @@ void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_
                            1, 0, threads);
         }
         project(&l->down, s->act, bf16, M, s->down, bf16, threads);
-        add_rms_norm(s->h, s->down, l->next_norm, s->x, M, m->hidden, m->eps, bf16, threads);
+        if (l->mlp_out_norm) { /* the normalised branch into the free `o` scratch, then added */
+            add_rms_norm(s->down, NULL, l->mlp_out_norm, s->o, M, m->hidden, m->eps, bf16, threads);
+            add_rms_norm(s->h, s->o, l->next_norm, s->x, M, m->hidden, m->eps, bf16, threads);
+        } else {
+            add_rms_norm(s->h, s->down, l->next_norm, s->x, M, m->hidden, m->eps, bf16, threads);
+        }
     }
 }

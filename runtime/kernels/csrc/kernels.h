@@ -15,9 +15,11 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
 void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int64_t T, int64_t D, float eps,
                   int bf16, int num_threads);
 void silu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, int num_threads);
-void rope_write_kv(const void *qkv, const int64_t *positions, const void *cos, const void *sin_signed,
-                   void *q_out, void *k_cache, void *v_cache, const int64_t *slots, int64_t T, int64_t H,
-                   int64_t KVH, int64_t D, int bf16, int q_f32, int num_threads);
+void gelu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, int num_threads);
+void rope_write_kv(const void *qkv, const void *bias, const void *q_norm, const void *k_norm, float eps,
+                   const int64_t *positions, const void *cos, const void *sin_signed, void *q_out, void *k_cache,
+                   void *v_cache, const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D, int bf16,
+                   int q_f32, int num_threads);
 /* paged_attention.c: window <= 0 is no sliding window, softcap <= 0 no logit soft-cap */
 void paged_decode_attention_f32(const float *q, const float *k_pool, const float *v_pool,
                                 const int64_t *block_tables, const int64_t *context_lens, float *out, int64_t B,

@@ -128,13 +128,66 @@ void silu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, in
     }
 }
 
-/* qkv [T, (H + 2 KVH) D]: RoPE (half-split) on the H query and KVH key heads at each row's position,
- * x * cos + rotate_half(x) * sin, rounded to the dtype; the queries into q_out [T, H, D] (float32 when
- * q_f32, else the model dtype), the keys and values into their slots of the caches [slots, KVH, D] (the
- * model dtype). cos, sin_signed: [positions, D] in the dtype, sin_signed = [-sin, sin] by halves. */
-void rope_write_kv(const void *qkv, const int64_t *positions, const void *cos, const void *sin_signed,
-                   void *q_out, void *k_cache, void *v_cache, const int64_t *slots, int64_t T, int64_t H,
-                   int64_t KVH, int64_t D, int bf16, int q_f32, int num_threads) {
+#define GELU_COST 6 /* as SILU_COST, with the cubic of tanh's argument */
+/* gate_up [T, 2I] (gate then up) -> out [T, I] = dtype(gelu_tanh(gate)) * up, GELU's tanh approximation
+ * (Gemma's activation) 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), tanh(u) = 1 - 2 / (1 + e^2u):
+ * written as PyTorch writes it, so that where 1 + tanh(u) cancels to 0 in float32 (g below ~-5) it gives 0
+ * as PyTorch does. */
+void gelu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, int num_threads) {
+    CHECK(T >= 0, T);
+    CHECK(I > 0, I);
+    CHECK(num_threads > 0, num_threads);
+    CHECK_PTR(gate_up, T);
+    CHECK_PTR(out, T);
+    const int64_t Iv = I - I % W;
+    const float c = 0.7978845608028654f, k = 0.044715f;
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * I * GELU_COST, num_threads))")
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t g0 = t * 2 * I, u0 = g0 + I, o0 = t * I;
+        for (int64_t i = 0; i < Iv; i += W) {
+            const vf g = vload(gate_up, g0 + i, bf16);
+            const vf th = 1.f - 2.f / (1.f + vexp(2.f * c * (g + k * g * g * g)));
+            const vf s = 0.5f * g * (1.f + th);
+            vstore(out, o0 + i, vto_dtype(s, bf16) * vload(gate_up, u0 + i, bf16), bf16);
+        }
+        for (int64_t i = Iv; i < I; i++) {
+            const float g = load_elem(gate_up, g0 + i, bf16);
+            float e = 2.f * c * (g + k * g * g * g);
+            e = e < -87.f ? -87.f : (e > 88.f ? 88.f : e);
+            const float th = 1.f - 2.f / (1.f + expf(e));
+            const float s = to_dtype(0.5f * g * (1.f + th), bf16);
+            store_elem(out, o0 + i, s * load_elem(gate_up, u0 + i, bf16), bf16);
+        }
+    }
+}
+
+/* One head of D values before RoPE, into tmp (float32, each value in the dtype): src + bias, rounded to the
+ * dtype; then, where norm is not NULL, norm * dtype(x * rsqrt(mean(x^2) + eps)) rounded to the dtype (the
+ * PyTorch path's per-head RMSNorm of q and k, Qwen 3 / Gemma 3). */
+static void prepare_head(const void *src, int64_t base, const void *bias, int64_t bias_base, const void *norm,
+                         float eps, int64_t D, int bf16, float *tmp) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < D; i++) {
+        float x = load_elem(src, base + i, bf16);
+        if (bias) x = to_dtype(x + load_elem(bias, bias_base + i, bf16), bf16);
+        tmp[i] = x;
+        sum += x * x;
+    }
+    if (!norm) return;
+    const float r = 1.f / sqrtf(sum / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) tmp[i] = to_dtype(load_elem(norm, i, bf16) * to_dtype(tmp[i] * r, bf16), bf16);
+}
+
+/* qkv [T, (H + 2 KVH) D]: plus bias [(H + 2 KVH) D] where not NULL (Qwen 2), rounded to the dtype; the query
+ * and key heads RMS-normalised per head by q_norm / k_norm [D] where not NULL (prepare_head); then RoPE
+ * (half-split) on the H query and KVH key heads at each row's position, x * cos + rotate_half(x) * sin,
+ * rounded to the dtype; the queries into q_out [T, H, D] (float32 when q_f32, else the model dtype), the
+ * keys and values into their slots of the caches [slots, KVH, D] (the model dtype). cos, sin_signed:
+ * [positions, D] in the dtype, sin_signed = [-sin, sin] by halves. */
+void rope_write_kv(const void *qkv, const void *bias, const void *q_norm, const void *k_norm, float eps,
+                   const int64_t *positions, const void *cos, const void *sin_signed, void *q_out, void *k_cache,
+                   void *v_cache, const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D, int bf16,
+                   int q_f32, int num_threads) {
     CHECK(T >= 0, T);
     CHECK(H > 0, H);
     CHECK(KVH > 0, KVH);
@@ -148,23 +201,32 @@ void rope_write_kv(const void *qkv, const int64_t *positions, const void *cos, c
     CHECK_PTR(k_cache, T);
     CHECK_PTR(v_cache, T);
     CHECK_PTR(slots, T);
+    CHECK((q_norm == NULL) == (k_norm == NULL), q_norm != NULL);
     CHECK_EACH(t, T, positions[t] >= 0, positions[t]);
     CHECK_EACH(t, T, slots[t] >= 0, slots[t]);
     const int64_t half = D / 2, width = (H + 2 * KVH) * D, kv_row = KVH * D;
     const int q_bf16 = bf16 && !q_f32;
     const int vector = half % W == 0;
+    const int prepared = bias != NULL || q_norm != NULL;
     _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * width, num_threads))")
     for (int64_t t = 0; t < T; t++) {
         const int64_t pos = positions[t], slot = slots[t];
+        float tmp[prepared ? D : 1];
         for (int64_t h = 0; h < H + KVH; h++) {
-            const int64_t base = t * width + h * D;
+            const void *src = qkv;
+            int64_t base = t * width + h * D;
+            int src_bf16 = bf16;
+            if (prepared) {
+                prepare_head(qkv, base, bias, h * D, h < H ? q_norm : k_norm, eps, D, bf16, tmp);
+                src = tmp, base = 0, src_bf16 = 0;
+            }
             void *dst = h < H ? q_out : k_cache;
             const int64_t d0 = h < H ? (t * H + h) * D : slot * kv_row + (h - H) * D;
             const int dst_bf16 = h < H ? q_bf16 : bf16;
             if (vector) {
                 for (int64_t i = 0; i < D; i += W) {
                     const int64_t j = i < half ? i + half : i - half; /* rotate_half's partner */
-                    const vf x = vload(qkv, base + i, bf16), partner = vload(qkv, base + j, bf16);
+                    const vf x = vload(src, base + i, src_bf16), partner = vload(src, base + j, src_bf16);
                     /* the PyTorch path rounds x * cos to the dtype, then adds partner * sin in float32 */
                     const vf xc = vto_dtype(x * vload(cos, pos * D + i, bf16), bf16);
                     const vf y = vto_dtype(xc + partner * vload(sin_signed, pos * D + i, bf16), bf16);
@@ -174,13 +236,20 @@ void rope_write_kv(const void *qkv, const int64_t *positions, const void *cos, c
             }
             for (int64_t i = 0; i < D; i++) {
                 const int64_t j = i < half ? i + half : i - half;
-                const float x = load_elem(qkv, base + i, bf16), partner = load_elem(qkv, base + j, bf16);
+                const float x = load_elem(src, base + i, src_bf16), partner = load_elem(src, base + j, src_bf16);
                 const float xc = to_dtype(x * load_elem(cos, pos * D + i, bf16), bf16);
                 const float y = to_dtype(xc + partner * load_elem(sin_signed, pos * D + i, bf16), bf16);
                 store_elem(dst, d0 + i, y, dst_bf16);
             }
         }
         const int64_t v_base = t * width + (H + KVH) * D;
+        if (bias) {
+            for (int64_t i = 0; i < kv_row; i++) {
+                const float v = load_elem(qkv, v_base + i, bf16) + load_elem(bias, (H + KVH) * D + i, bf16);
+                store_elem(v_cache, slot * kv_row + i, v, bf16);
+            }
+            continue;
+        }
         const size_t elem = bf16 ? 2 : 4;
         memcpy((char *)v_cache + slot * kv_row * elem, (const char *)qkv + v_base * elem, kv_row * elem);
     }
