@@ -13,8 +13,8 @@ features. Per family, what llama.cpp's converter did to the weights is undone or
   `rope_factors_long` / `rope_factors_short`, the long ones taken where the context exceeds the original.
 
 Nothing is allocated before the header is checked: the architecture, the tokenizer kind, every tensor's
-type and every tensor's shape against the sizes the header declares. Q4_0, Q4_1 and Q8_0 matrices then
-stay in their blocks (runtime.quant.gguf_blocks.GGUFBlocks), the model decides whether to run them packed;
+type and every tensor's shape against the sizes the header declares. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
+Q5_K and Q6_K matrices then stay in their blocks (runtime.quant.gguf_blocks.GGUFBlocks), the model decides whether to run them packed;
 every other type is de-quantized by gguf-py one tensor at a time, when the model takes it.
 """
 
@@ -41,9 +41,9 @@ from runtime.model.gguf_tokenizer import tokenizer_source
 from runtime.model.rope_scaling import longrope_attention_factor
 from runtime.model_config import ModelConfig
 from runtime.progress import Progress
-from runtime.quant.gguf_blocks import GGUFBlocks
+from runtime.quant.gguf_blocks import TYPES, GGUFBlocks
 
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+PACKED_TYPES = TYPES
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 GGUF_RMS_NORM_EPS = 1e-5

@@ -115,17 +115,11 @@ class BlockEmbedding:
 
     def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype):
         self.dtype = dtype
-        self.offset = 0 if blocks.kind == "Q8_0" else 8
-        self.codes = torch.from_numpy(blocks.codes)
-        self.scale = torch.from_numpy(blocks.scale)
-        zero = np.zeros_like(blocks.scale) if blocks.kind == "Q8_0" else blocks.int4_fields()[2]
-        self.zero = torch.from_numpy(zero)
+        self.blocks = blocks
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        n = ids.shape[0]
-        codes = self.codes[ids].view(n, -1, GROUP).float() - self.offset
-        rows = codes * self.scale[ids].unsqueeze(-1) + self.zero[ids].unsqueeze(-1)
-        return rows.view(n, -1).to(self.dtype)
+        rows = self.blocks.take_rows(ids.reshape(-1).numpy()).dequantize()
+        return torch.from_numpy(rows).view(*ids.shape, -1).to(self.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
@@ -145,23 +139,21 @@ def weight_nbytes(w: torch.Tensor | Int4Linear) -> int:
 
 
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:
-    """The GGUF's blocks as they are, in the int4 kernel's layout; `dense`: also a dequantized copy."""
-    codes, scale, zero = blocks.int4_fields()
+    """The GGUF's blocks as they are (Q6_K re-quantized to Q8_0, GGUFBlocks.kernel_blocks), in the int4
+    kernel's layout and the C kernels'; `dense`: also a dequantized copy (exact, Q6_K included)."""
+    kernel = blocks.kernel_blocks()
+    codes, scale, zero = kernel.int4_fields()
     packed = Int4Linear(
         torch.from_numpy(codes),
         torch.from_numpy(scale),
         torch.from_numpy(zero),
         dtype,
-        halves=blocks.kind == "Q8_0",
+        halves=codes.shape[0] != blocks.shape[0],
     )
     if dense:
         packed.dense = torch.from_numpy(blocks.dequantize()).to(dtype)
     if native_matmul.usable(packed.in_features, dtype, torch.device("cpu")):
-        packed.native = (
-            NativeMatmul.from_q8(blocks.codes, blocks.scale)
-            if blocks.kind == "Q8_0"
-            else NativeMatmul.from_int4_fields(codes, scale, zero)
-        )
+        packed.native = NativeMatmul(*kernel.affine())
     return packed
 
 
