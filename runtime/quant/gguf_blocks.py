@@ -26,7 +26,16 @@ GROUP = 32
 SUPER = 256
 """Elements per K-quant super-block."""
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q8_0": 34,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "Q4_K": 144,
+    "Q5_K": 176,
+    "Q6_K": 210,
+}
 BLOCK_ELEMENTS = {k: SUPER if k.endswith("_K") else GROUP for k in BLOCK_BYTES}
 TYPES = tuple(BLOCK_BYTES)
 CENTER = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
@@ -162,8 +171,9 @@ class GGUFBlocks:
     def kernel_blocks(self) -> GGUFBlocks:
         """These blocks in groups of 32, as the kernels take them: itself for every type but Q6_K, which is
         re-quantized to Q8_0 (symmetric 8 bits per 32, the scale rounded up to a float16 so the kernels hold
-        it exactly): each weight moves by at most half that scale, <= max|w| / 254 over its group of 32,
-        i.e. at most 1/8 of the largest Q6_K step (d |sc|) in those 32 inputs, since max|w| <= 32 d |sc|."""
+        it exactly): each weight moves by at most half that scale, max|w| / 254 over its group of 32 (up to
+        float16's rounding up, 2^-10), i.e. at most 16/127 (about 1/8) of the largest Q6_K step (d |sc|) in
+        those 32 inputs, since max|w| <= 32 d |sc| (tests/runtime/test_kquant_kernels.py)."""
         if self.kind != "Q6_K":
             return self
         n, k = self.shape
@@ -177,14 +187,20 @@ class GGUFBlocks:
         codes = np.clip(np.rint(w * inv[..., None]), -127, 127).astype(np.int8).reshape(n, k)
         return GGUFBlocks("Q8_0", codes, scale)
 
-    def affine(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def affine(self, in_place: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(codes [N, K] unsigned, scale, offset [N, K / 32], bits) with w = scale * code + offset: the C
         kernels' layout (runtime.kernels.quantized_matmul). bits 4: codes 0..15; bits 8: codes 0..255 (Q8_0's
-        code + 128; the 5-bit types' codes 0..31 as they are). Groups of 32 (kernel_blocks first for Q6_K)."""
+        code + 128; the 5-bit types' codes 0..31 as they are). Groups of 32 (kernel_blocks first for Q6_K).
+        `in_place`: Q8_0's codes become unsigned in their own memory (these blocks are spent)."""
         assert self.group == GROUP, "kernel_blocks() first"
         bits = 4 if self.kind in FOUR_BIT else 8
         if self.kind == "Q8_0":
-            return (self.codes.astype(np.int16) + 128).astype(np.uint8), self.scale, -128 * self.scale, 8
+            if in_place:  # q + 128 mod 256 is q's bits with the top one flipped
+                unsigned = self.codes.view(np.uint8)
+                unsigned ^= 0x80
+            else:
+                unsigned = (self.codes.astype(np.int16) + 128).astype(np.uint8)
+            return unsigned, self.scale, -128 * self.scale, 8
         offset = self.minimum if self.minimum is not None else -CENTER[self.kind] * self.scale
         return self.codes, self.scale, offset, bits
 
@@ -196,4 +212,8 @@ class GGUFBlocks:
         if bits == 4:
             return codes, scale, offset + 8 * scale
         codes = np.concatenate([codes >> 4, codes & 0x0F])
-        return codes, np.concatenate([16 * scale, scale]), np.concatenate([np.zeros_like(scale), offset + 136 * scale])
+        return (
+            codes,
+            np.concatenate([16 * scale, scale]),
+            np.concatenate([np.zeros_like(scale), offset + 136 * scale]),
+        )

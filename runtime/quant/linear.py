@@ -29,13 +29,15 @@ again only where the model measured it faster at load.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.quant.gguf_blocks import GROUP, GGUFBlocks
+
+ALL_ROWS = 1 << 62
+"""native_rows of a weight whose one-row kernel takes every row count."""
 
 
 class Int4Linear:
@@ -63,13 +65,29 @@ class Int4Linear:
         self.out_features = rows // 2 if halves else rows
         self.in_features = k
         self.halves = halves
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        self.dtype = dtype
+        self.packed: torch.Tensor | None = torch._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 2
+        )
         # [K / group, rows, 2]: scale and zero of each group for each output row
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
         self.nbytes = (
             self.packed.numel() * self.packed.element_size()
             + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
         )
+
+    @classmethod
+    def native_only(cls, native: NativeMatmul, dtype: torch.dtype) -> Int4Linear:
+        """A weight the C kernels alone multiply, at every row count (no copy for torch's int4 kernel, no
+        dense copy), in the one layout `native` holds: the many-row loops' tiles where made (gemm_rows 1),
+        else the one-row kernel's (native_rows: all); runtime.quant.routing.measure_row_paths says the same."""
+        w = cls.__new__(cls)
+        w.dense, w.dense_rows, w.packed, w.scales_and_zeros = None, None, None, None
+        w.native, w.dtype, w.halves = native, dtype, False
+        w.out_features, w.in_features = native.out_features, native.in_features
+        w.native_rows, w.gemm_rows = (ALL_ROWS, None) if native.tiles is None else (None, 1)
+        w.nbytes = native.nbytes + native.tiled_nbytes
+        return w
 
     def native_path(self, rows: int) -> str | None:
         """The C kernel that takes this many rows: 'one-row' (up to native_rows), 'many-row' (from gemm_rows),
@@ -111,15 +129,22 @@ class Int4Linear:
 
 
 class BlockEmbedding:
-    """An embedding table kept in its GGUF blocks; `table[ids]` dequantizes just those rows."""
+    """An embedding table kept in blocks; `table[ids]` dequantizes just those rows. From its GGUFBlocks
+    (exact), or from the C kernels' copy of them (NativeMatmul: the same bytes a tied LM head multiplies by,
+    so the table is held once; exact for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, the K-quants' scales rounded to
+    float16 as the kernels round them)."""
 
-    def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype):
+    def __init__(self, blocks: GGUFBlocks | NativeMatmul, dtype: torch.dtype):
         self.dtype = dtype
         self.blocks = blocks
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.blocks.take_rows(ids.reshape(-1).numpy()).dequantize()
-        return torch.from_numpy(rows).view(*ids.shape, -1).to(self.dtype)
+        flat = ids.reshape(-1)
+        if isinstance(self.blocks, NativeMatmul):
+            rows = self.blocks.dequantize_rows(flat)
+        else:
+            rows = torch.from_numpy(self.blocks.take_rows(flat.numpy()).dequantize())
+        return rows.view(*ids.shape, -1).to(self.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
@@ -138,9 +163,27 @@ def weight_nbytes(w: torch.Tensor | Int4Linear) -> int:
     return w.nbytes
 
 
+NATIVE_ONLY_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+"""Types pack_gguf gives the C kernels alone (Int4Linear.native_only) where they are built: no copy for
+torch's int4 kernel and no dense one, so the packed model holds about the file's bytes (the bound in
+tests/bench/gguf_load_memory.py); Q4_0 / Q4_1 / Q8_0 keep every path, measured at load."""
+
+
+def pack_native(
+    blocks: GGUFBlocks, dtype: torch.dtype, tiles: bool = True, consume: bool = False
+) -> Int4Linear:
+    """The blocks for the C kernels alone (Int4Linear.native_only), in one layout: the many-row kernel's
+    where `tiles` and it can be made, else the one-row kernel's; Q6_K re-quantized (kernel_blocks).
+    `consume`: the blocks' codes may be overwritten (a Q8_0 table's move to unsigned codes in place)."""
+    affine = blocks.kernel_blocks().affine(in_place=consume)
+    return Int4Linear.native_only(NativeMatmul(*affine, tiles=tiles, one_row=not tiles), dtype)
+
+
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:
     """The GGUF's blocks as they are (Q6_K re-quantized to Q8_0, GGUFBlocks.kernel_blocks), in the int4
     kernel's layout and the C kernels'; `dense`: also a dequantized copy (exact, Q6_K included)."""
+    if blocks.kind in NATIVE_ONLY_TYPES and native_matmul.usable(blocks.shape[1], dtype, torch.device("cpu")):
+        return pack_native(blocks, dtype)
     kernel = blocks.kernel_blocks()
     codes, scale, zero = kernel.int4_fields()
     packed = Int4Linear(
