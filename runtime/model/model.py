@@ -258,6 +258,8 @@ class LlamaModel:
             if shape not in self.native_rows:
                 self.native_rows[shape], self.gemm_rows[shape] = measure_row_paths(w)
             w.native_rows, w.gemm_rows = self.native_rows[shape], self.gemm_rows[shape]
+            if w.packed is None:  # the C kernels' one layout (Int4Linear.native_only): nothing to drop
+                continue
             if w.gemm_rows is None:
                 w.native.tiles = None
             elif w.dense_rows is None or w.gemm_rows <= w.dense_rows:

@@ -91,11 +91,15 @@ class Int4Linear:
 
     def native_path(self, rows: int) -> str | None:
         """The C kernel that takes this many rows: 'one-row' (up to native_rows), 'many-row' (from gemm_rows),
-        or None (the dense copy or torch's packed kernel). csrc/decode_layers.c routes by the same rule."""
-        if self.native_rows is not None and rows <= self.native_rows:
+        or None (the dense copy or torch's packed kernel). csrc/decode_layers.c routes by the same rule. A
+        weight the C kernels alone hold (native_only) always gets the layout it has."""
+        native = self.native
+        if self.native_rows is not None and rows <= self.native_rows and native.one_row:
             return "one-row"
-        if self.gemm_rows is not None and rows >= self.gemm_rows:
+        if self.gemm_rows is not None and rows >= self.gemm_rows and native.tiles is not None:
             return "many-row"
+        if self.packed is None:
+            return "many-row" if native.tiles is not None else "one-row"
         return None
 
     def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
