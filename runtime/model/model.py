@@ -175,6 +175,7 @@ class LlamaModel:
             and config.tie_word_embeddings
             and isinstance(embed, GGUFBlocks)
             and embed.kind != "Q6_K"
+            and embed.fits_float16()
             and native_matmul.usable(config.hidden_size, dtype, device)
         ):
             # one copy of the table's blocks: the tied LM head multiplies by it, lookups dequantize its rows

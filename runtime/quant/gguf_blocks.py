@@ -187,6 +187,13 @@ class GGUFBlocks:
         codes = np.clip(np.rint(w * inv[..., None]), -127, 127).astype(np.int8).reshape(n, k)
         return GGUFBlocks("Q8_0", codes, scale)
 
+    def fits_float16(self) -> bool:
+        """The kernels' float16 scales and offsets hold this matrix's (finite; a K-quant's d sc or dmin m can
+        exceed float16's range, where the matrix is de-quantized instead)."""
+        fields = [self.scale] + ([] if self.minimum is None else [self.minimum])
+        limit = float(np.finfo(np.float16).max) / (128 if self.kind in ("Q8_0", "Q6_K") else 32)
+        return all(float(np.abs(f).max(initial=0)) <= limit for f in fields)
+
     def affine(self, in_place: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(codes [N, K] unsigned, scale, offset [N, K / 32], bits) with w = scale * code + offset: the C
         kernels' layout (runtime.kernels.quantized_matmul). bits 4: codes 0..15; bits 8: codes 0..255 (Q8_0's

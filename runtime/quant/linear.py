@@ -10,6 +10,11 @@ The GGUF block formats map onto the 4-bit form without loss:
   Q4_1  w = d * q + m       -> code q, scale d, zero m + 8d
   Q8_0  w = d * q (8 bits)  -> two 4-bit halves of u = q + 128 stacked as rows:
         w = 16d * (hi - 8) + d * (lo - 8) + 8d, so y = x W_hi^T + x W_lo^T.
+The other types (runtime.quant.gguf_blocks) map onto the C kernels' layouts instead, and run there alone
+(native_only, NATIVE_ONLY_TYPES: one copy of the blocks, for every row count):
+  Q4_K  w = (d sc) q - dmin m  -> the 4-bit layout, scale d sc, offset -dmin m (both rounded to float16)
+  Q5_0 / Q5_1 / Q5_K           -> the 8-bit layout, codes 0..31, offset -16d / m / -dmin m
+  Q6_K  (scales per 16)        -> re-quantized to Q8_0 (GGUFBlocks.kernel_blocks states the bound)
 With float32 activations the packed matmul computes the dequantized weights'
 function (to float rounding); torch's kernels are fast only with bfloat16
 activations, where the scales are rounded to bfloat16 too.

@@ -19,7 +19,8 @@ from gguf import quants
 
 from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.quant.gguf_blocks import BLOCK_BYTES, BLOCK_ELEMENTS, GGUFBlocks
-from runtime.quant.linear import BlockEmbedding, pack_gguf
+from runtime.quant.linear import BlockEmbedding, Int4Linear, pack_gguf
+from runtime.quant.resolve import make_linear
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
 
 NEW_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
@@ -196,4 +197,22 @@ def test_kernels_equal_llama_cpp_dot_products(kind, ggml, kernel_level):  # noqa
         assert (np.abs(theirs - exact) <= 1e-5 * (np.abs(w) @ np.abs(x[0])) + 1e-6).all()
     assert (np.abs(ours.numpy() - theirs) <= bound).all(), float(
         (np.abs(ours.numpy() - theirs) / bound).max()
+    )
+
+
+def test_scales_beyond_float16_are_dequantized_instead():
+    raw = random_raw("Q4_K", 32, 256, seed=6)
+    raw.reshape(-1, 144)[0, :2] = np.array([60000], np.float16).view(np.uint8)  # d sc up to 63 x 60000
+    blocks = GGUFBlocks.parse("Q4_K", raw, (32, 256))
+    assert not blocks.fits_float16()
+    w = make_linear(blocks, "gguf", torch.float32, torch.device("cpu"))
+    assert isinstance(w, torch.Tensor) and torch.equal(w, torch.from_numpy(blocks.dequantize()))
+    assert isinstance(
+        make_linear(
+            GGUFBlocks.parse("Q4_K", random_raw("Q4_K", 32, 256), (32, 256)),
+            "gguf",
+            torch.float32,
+            torch.device("cpu"),
+        ),
+        Int4Linear,
     )
