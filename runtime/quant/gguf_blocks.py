@@ -41,6 +41,10 @@ TYPES = tuple(BLOCK_BYTES)
 CENTER = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
 """Symmetric types: w = scale * (code - center)."""
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+AFFINE8 = "AFFINE8"
+"""Not a GGUF type: codes 0..255, w = scale * code + minimum per group of 32, the form the C kernels' 8-bit
+layout takes; what fused projections whose parts differ in 8-bit kinds are stacked as (GGUFBlocks.stack)."""
+EIGHT_BIT = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", AFFINE8)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -154,9 +158,13 @@ class GGUFBlocks:
 
     @staticmethod
     def stack(parts: list[GGUFBlocks]) -> GGUFBlocks | None:
-        """Row-wise concatenation (fused projections); None when the parts differ in kind."""
+        """Row-wise concatenation (fused projections). Parts of different 8-bit-layout kinds (Q8_0, Q5_0,
+        Q5_1, Q5_K, Q6_K: a K-quant file's q, k and v often differ) are stacked in the AFFINE8 form
+        (to_affine8); None when the parts cannot share a form (4-bit and 8-bit)."""
         if len({p.kind for p in parts}) != 1:
-            return None
+            if not all(p.kind in EIGHT_BIT for p in parts):
+                return None
+            parts = [p.to_affine8() for p in parts]
 
         def cat(xs):
             return None if xs[0] is None else np.concatenate(xs)
@@ -187,11 +195,18 @@ class GGUFBlocks:
         codes = np.clip(np.rint(w * inv[..., None]), -127, 127).astype(np.int8).reshape(n, k)
         return GGUFBlocks("Q8_0", codes, scale)
 
+    def to_affine8(self) -> GGUFBlocks:
+        """These blocks (an 8-bit-layout kind) as AFFINE8; Q6_K re-quantized first (kernel_blocks). Exact for
+        Q8_0 and Q5_0 (their d is a float16, so d * code and the offset -128 d or -16 d are exact)."""
+        codes, scale, offset, bits = self.kernel_blocks().affine()
+        assert bits == 8
+        return GGUFBlocks(AFFINE8, codes, scale, offset)
+
     def fits_float16(self) -> bool:
         """The kernels' float16 scales and offsets hold this matrix's (finite; a K-quant's d sc or dmin m can
         exceed float16's range, where the matrix is de-quantized instead)."""
         fields = [self.scale] + ([] if self.minimum is None else [self.minimum])
-        limit = float(np.finfo(np.float16).max) / (128 if self.kind in ("Q8_0", "Q6_K") else 32)
+        limit = float(np.finfo(np.float16).max) / (128 if self.kind in ("Q8_0", "Q6_K", AFFINE8) else 32)
         return all(float(np.abs(f).max(initial=0)) <= limit for f in fields)
 
     def affine(self, in_place: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -201,6 +216,8 @@ class GGUFBlocks:
         `in_place`: Q8_0's codes become unsigned in their own memory (these blocks are spent)."""
         assert self.group == GROUP, "kernel_blocks() first"
         bits = 4 if self.kind in FOUR_BIT else 8
+        if self.kind == AFFINE8:
+            return self.codes, self.scale, self.minimum, 8
         if self.kind == "Q8_0":
             if in_place:  # q + 128 mod 256 is q's bits with the top one flipped
                 unsigned = self.codes.view(np.uint8)

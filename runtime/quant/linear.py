@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels.quantized_matmul import NativeMatmul
-from runtime.quant.gguf_blocks import GROUP, GGUFBlocks
+from runtime.quant.gguf_blocks import AFFINE8, GROUP, GGUFBlocks
 
 ALL_ROWS = 1 << 62
 """native_rows of a weight whose one-row kernel takes every row count."""
@@ -98,13 +98,15 @@ class Int4Linear:
         """The C kernel that takes this many rows: 'one-row' (up to native_rows), 'many-row' (from gemm_rows),
         or None (the dense copy or torch's packed kernel). csrc/decode_layers.c routes by the same rule. A
         weight the C kernels alone hold (native_only) always gets the layout it has."""
-        native = self.native
-        if self.native_rows is not None and rows <= self.native_rows and native.one_row:
+        one_row = many_row = True
+        if self.packed is None:  # native_only: only the layouts it has
+            one_row, many_row = self.native.one_row, self.native.tiles is not None
+        if self.native_rows is not None and rows <= self.native_rows and one_row:
             return "one-row"
-        if self.gemm_rows is not None and rows >= self.gemm_rows and native.tiles is not None:
+        if self.gemm_rows is not None and rows >= self.gemm_rows and many_row:
             return "many-row"
         if self.packed is None:
-            return "many-row" if native.tiles is not None else "one-row"
+            return "many-row" if many_row else "one-row"
         return None
 
     def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -172,7 +174,7 @@ def weight_nbytes(w: torch.Tensor | Int4Linear) -> int:
     return w.nbytes
 
 
-NATIVE_ONLY_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+NATIVE_ONLY_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", AFFINE8)
 """Types pack_gguf gives the C kernels alone (Int4Linear.native_only) where they are built: no copy for
 torch's int4 kernel and no dense one, so the packed model holds about the file's bytes (the bound in
 tests/bench/gguf_load_memory.py); Q4_0 / Q4_1 / Q8_0 keep every path, measured at load."""

@@ -216,3 +216,23 @@ def test_scales_beyond_float16_are_dequantized_instead():
         ),
         Int4Linear,
     )
+
+
+def test_mixed_8_bit_kinds_stack_for_a_fused_projection():
+    """A K-quant file's q, k (Q5_0) and v (Q8_0): one packed weight, exactly the parts' rows."""
+    parts = [
+        GGUFBlocks.parse(kind, random_raw(kind, 32, 256, seed=i), (32, 256))
+        for i, kind in enumerate(("Q5_0", "Q5_0", "Q8_0", "Q5_1"))
+    ]
+    fused = GGUFBlocks.stack(parts)
+    assert fused.kind == "AFFINE8"
+    assert np.array_equal(fused.dequantize(), np.concatenate([p.dequantize() for p in parts]))
+    assert (
+        GGUFBlocks.stack([parts[0], GGUFBlocks.parse("Q4_K", random_raw("Q4_K", 32, 256), (32, 256))]) is None
+    )
+    layer = pack_gguf(fused, torch.float32)
+    assert layer.packed is None  # the C kernels alone
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
+    reference = x.double().numpy() @ fused.dequantize().astype(np.float64).T
+    bound = kernel_bound(fused, x.numpy())
+    assert (np.abs(layer(x).numpy() - reference) <= bound).all()
