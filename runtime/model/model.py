@@ -60,11 +60,12 @@ class RotaryEmbedding:
     ):
         head_dim = 2 * inv_freq.shape[0]
         freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
         self.half = head_dim // 2
-        self.cos = (emb.cos() * attention_factor).to(dtype=dtype, device=device)
-        self.sin = (emb.sin() * attention_factor).to(dtype=dtype, device=device)
-        self.sin_signed = torch.cat((-self.sin[:, : self.half], self.sin[:, self.half :]), dim=-1)
+        # each half's values once (the tables repeat them): a context-long table is tens of MB
+        cos, sin = (freqs.cos() * attention_factor).to(dtype), (freqs.sin() * attention_factor).to(dtype)
+        del freqs
+        self.cos = torch.cat((cos, cos), dim=-1).to(device)
+        self.sin_signed = torch.cat((-sin, sin), dim=-1).to(device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed) rows of these positions, [T, 1, D]: gathered once a step, used by every layer."""
