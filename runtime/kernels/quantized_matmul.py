@@ -31,24 +31,38 @@ TILE_COLUMNS = 16
 class NativeMatmul:
     """y = x W^T for one weight matrix prepared for the C kernel; x [M, K] float32 or bfloat16, K % 64 == 0."""
 
-    def __init__(self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int):
-        """codes [N, K] (0..15 for bits=4; 0..255 for bits=8, the stored code + 128); scale, offset
-        [N, K / 32] with w = scale * code + offset per block."""
+    def __init__(
+        self,
+        codes: np.ndarray,
+        scale: np.ndarray,
+        offset: np.ndarray,
+        bits: int,
+        tiles: bool = True,
+        one_row: bool = True,
+    ):
+        """codes [N, K] (0..15 for bits=4; 0..255 for bits=8, e.g. Q8_0's stored code + 128 or Q5_0's
+        0..31); scale, offset [N, K / 32] with w = scale * code + offset per block. `tiles`: also the
+        many-row kernel's layout, where it can be made; `one_row` False: not the one-row kernel's where the
+        tiled one is made (every call goes to the many-row loops; the blocks are held once)."""
         n, k = codes.shape
         self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """The same blocks laid out for the many-row kernel (quantized_gemm): made where the library has
         vector loops (AVX2 or AVX-512) and N % 32 == 0; the model drops them where they did not measure
         faster."""
         self.bits = bits
-        if n % (2 * TILE_COLUMNS) == 0 and load().quantized_matmul_vectorized():
+        if tiles and n % (2 * TILE_COLUMNS) == 0 and load().quantized_matmul_vectorized():
             self.with_tiles(codes, scale, offset)
-        if bits == 4:
+        self.one_row = one_row or self.tiles is None
+        if not self.one_row:
+            codes, scale, offset = (np.zeros((n, 0), np.uint8),) * 3
+        if bits == 4 and self.one_row:
             # the two blocks of each pair share bytes: the first in the low nibbles, the second in the high
             pairs = codes.reshape(n, k // 64, 2, GROUP).astype(np.uint8)
             codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
         self.codes = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8))
-        # float16, as the GGUF stores them (Q4_1's offset is its minimum; Q4_0's and Q8_0's are -8d and
-        # -128d, exact in float16 wherever d is)
+        # float16, as the GGUF stores them (Q4_1's offset is its minimum; Q4_0's, Q5_0's and Q8_0's are -8d,
+        # -16d and -128d, exact in float16 wherever d is); the K-quants' d * sc and dmin * m are rounded to
+        # float16 here: each by at most 2^-11 of itself (2^-25 absolute below 2^-14, float16's subnormals)
         self.scale = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float16))
         self.offset = torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float16))
         self.out_features, self.in_features = n, k
@@ -72,6 +86,16 @@ class NativeMatmul:
 
         self.tiles = (torch.from_numpy(np.ascontiguousarray(tiles)), per_tile(scale), per_tile(offset))
         return self
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [len(ids), K], w = scale * code + offset (an embedding lookup)."""
+        codes = self.codes[ids]
+        if self.bits == 4:
+            pairs = codes.view(-1, self.in_features // 64, 1, GROUP)
+            codes = torch.cat([pairs & 0x0F, pairs >> 4], dim=2)
+        codes = codes.reshape(ids.shape[0], -1, GROUP).float()
+        w = codes * self.scale[ids].float().unsqueeze(-1) + self.offset[ids].float().unsqueeze(-1)
+        return w.view(ids.shape[0], self.in_features)
 
     @property
     def tiled_nbytes(self) -> int:
@@ -132,7 +156,10 @@ class NativeMatmul:
     def __call__(
         self, x: torch.Tensor, out_dtype: torch.dtype | None = None, portable: bool = False
     ) -> torch.Tensor:
-        """x [M, K] -> [M, N] in out_dtype (default: x's); portable: the plain C loops, not the vector ones."""
+        """x [M, K] -> [M, N] in out_dtype (default: x's); portable: the plain C loops, not the vector ones.
+        Without the one-row layout (one_row False), the many-row loops."""
+        if not self.one_row:
+            return self.gemm(x, out_dtype=out_dtype, portable=portable)
         x = x.contiguous()
         m = x.shape[0]
         out = torch.empty(m, self.out_features, dtype=out_dtype or x.dtype)

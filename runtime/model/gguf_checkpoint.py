@@ -13,9 +13,11 @@ features. Per family, what llama.cpp's converter did to the weights is undone or
   `rope_factors_long` / `rope_factors_short`, the long ones taken where the context exceeds the original.
 
 Nothing is allocated before the header is checked: the architecture, the tokenizer kind, every tensor's
-type and every tensor's shape against the sizes the header declares. Q4_0, Q4_1 and Q8_0 matrices then
-stay in their blocks (runtime.quant.gguf_blocks.GGUFBlocks), the model decides whether to run them packed;
-every other type is de-quantized by gguf-py one tensor at a time, when the model takes it.
+type and every tensor's shape against the sizes the header declares. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+Q4_K, Q5_K and Q6_K matrices then stay in their blocks (runtime.quant.gguf_blocks.GGUFBlocks), parsed a
+chunk of rows at a time with each chunk's pages of the mapped file released (_parse_released); the model
+decides whether to run them packed; every other type is de-quantized by gguf-py one tensor at a time,
+when the model takes it.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ from runtime.model.checkpoint_types import (
     expected_shapes,
 )
 from runtime.model.gguf_metadata import read_gguf_metadata
+from runtime.model.gguf_tensors import read_gguf_tensors
 from runtime.model.gguf_tokenizer import tokenizer_source
 from runtime.model.rope_scaling import longrope_attention_factor
 from runtime.model_config import ModelConfig
 from runtime.progress import Progress
-from runtime.quant.gguf_blocks import GGUFBlocks
+from runtime.quant.gguf_blocks import TYPES, GGUFBlocks
 
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+PACKED_TYPES = TYPES
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 GGUF_RMS_NORM_EPS = 1e-5
@@ -95,21 +98,20 @@ def read_gguf(path: Path, name: str, *, with_tokenizer: bool = True) -> Checkpoi
         )
     source = tokenizer_source(header, str(path)) if with_tokenizer else TokenizerSource()
     try:
-        reader = gguf.GGUFReader(str(path))
+        table = read_gguf_tensors(path)
     except Exception as exc:  # not a GGUF file, truncated, ...
         raise ValueError(f"model: cannot read {str(path)!r} as GGUF: {exc}") from exc
     where = str(path)
 
     def meta(key: str, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        return header.get(key, default)
 
     arch = meta("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"model: unsupported architecture {arch!r} in {where!r}; supported: {', '.join(ARCHITECTURES)}"
         )
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in table}
     config = _config(arch, meta, tensors, name, where)
     check_config(config, where)
 
@@ -308,7 +310,7 @@ def _deferred(
     def load():
         kind = tensor.tensor_type.name
         if kind in PACKED_TYPES and len(shape) == 2:
-            w = GGUFBlocks.parse(kind, tensor.data, shape)
+            w = _parse_released(kind, tensor.data, shape)
             if rows is not None:
                 w = w.take_rows(np.arange(*rows))
         else:
@@ -318,6 +320,66 @@ def _deferred(
         return _unpermute(w, unpermute) if unpermute and len(shape) >= 1 else w
 
     return DeferredTensor(out_shape, load)
+
+
+PARSE_CHUNK_BYTES = 16 << 20
+"""A matrix's bytes are parsed this many at a time, each chunk's pages of the mapped file released after."""
+
+
+def _parse_released(kind: str, data: np.ndarray, shape: tuple[int, int]) -> GGUFBlocks:
+    """GGUFBlocks.parse in chunks of rows, dropping each chunk's pages of the memory-mapped file from this
+    process once parsed (they stay in the page cache): the file's pages and the parsed copy are never both
+    resident for more than a chunk, which keeps a load's peak near the model's own size."""
+    n, k = shape
+    data = data.reshape(n, -1)
+    step = max(1, PARSE_CHUNK_BYTES // max(1, data.shape[1]))
+    if n <= step:
+        out = GGUFBlocks.parse(kind, data, shape)
+        _release(data)
+        return out
+    parts = []
+    for lo in range(0, n, step):
+        chunk = data[lo : lo + step]
+        parts.append(GGUFBlocks.parse(kind, chunk, (chunk.shape[0], k)))
+        _release(chunk)
+    first = parts[0]
+
+    def gather(field: str):
+        if getattr(first, field) is None:
+            return None
+        out = np.empty((n, *getattr(first, field).shape[1:]), getattr(first, field).dtype)
+        lo = 0
+        for p in parts:
+            a = getattr(p, field)
+            out[lo : lo + a.shape[0]] = a
+            lo += a.shape[0]
+            setattr(p, field, None)  # each part freed as it is copied
+        return out
+
+    return GGUFBlocks(kind, gather("codes"), gather("scale"), gather("minimum"))
+
+
+def _release(view: np.ndarray) -> None:
+    """madvise(MADV_DONTNEED) the whole pages of a read-only memory-mapped array's bytes (a no-op
+    elsewhere): they leave this process's resident set and are read from the page cache if touched again."""
+    import ctypes
+    import mmap
+
+    if not isinstance(view, np.memmap) and not isinstance(
+        getattr(view, "base", None), (np.memmap, mmap.mmap)
+    ):
+        base = view
+        while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
+            base = getattr(base, "base", None)
+        if base is None:
+            return
+    page = mmap.PAGESIZE
+    start = view.ctypes.data
+    end = start + view.nbytes
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
 
 
 def _unpermute(w: np.ndarray | GGUFBlocks, n_head: int) -> np.ndarray | GGUFBlocks:

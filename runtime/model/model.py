@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from runtime.attention.kv_cache import KVCache, write_kv
 from runtime.attention.metadata import AttentionMetadata
 from runtime.kernels import layer_ops as native_layer_ops
+from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels import triton_layer_ops
 from runtime.model.checkpoint_types import DeferredTensor
 from runtime.model.decode_layers import NativeDecode
 from runtime.model.rope_scaling import inverse_frequencies
 from runtime.model_config import ModelConfig
 from runtime.quant.gguf_blocks import GGUFBlocks
-from runtime.quant.linear import BlockEmbedding, Int4Linear, linear, weight_nbytes
+from runtime.quant.linear import BlockEmbedding, Int4Linear, linear, pack_native, weight_nbytes
 from runtime.quant.resolve import make_linear
 from runtime.quant.routing import measure_dense_rows, measure_row_paths
 
@@ -58,11 +59,12 @@ class RotaryEmbedding:
     ):
         head_dim = 2 * inv_freq.shape[0]
         freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
         self.half = head_dim // 2
-        self.cos = (emb.cos() * attention_factor).to(dtype=dtype, device=device)
-        self.sin = (emb.sin() * attention_factor).to(dtype=dtype, device=device)
-        self.sin_signed = torch.cat((-self.sin[:, : self.half], self.sin[:, self.half :]), dim=-1)
+        # each half's values once (the tables repeat them): a context-long table is tens of MB
+        cos, sin = (freqs.cos() * attention_factor).to(dtype), (freqs.sin() * attention_factor).to(dtype)
+        del freqs
+        self.cos = torch.cat((cos, cos), dim=-1).to(device)
+        self.sin_signed = torch.cat((-sin, sin), dim=-1).to(device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed) rows of these positions, [T, 1, D]: gathered once a step, used by every layer."""
@@ -115,11 +117,12 @@ class LlamaModel:
         self.quantization = quantization
         self.dense_rows: int | None = None
         """Packed projections run as dense matmuls from this many rows up (None: always packed)."""
-        self.native_rows: dict[tuple[int, int], int | None] = {}
-        """(out, in features) of packed projections -> the C kernel serves up to this many rows (None:
-        never), as measured at load."""
-        self.gemm_rows: dict[tuple[int, int], int | None] = {}
-        """(out, in features) -> the C kernel's many-row loops serve from this many rows up (None: never)."""
+        self.native_rows: dict[tuple[int, int, bool], int | None] = {}
+        """(out, in features, C kernels only: Int4Linear.native_only) of packed projections -> the C kernel
+        serves up to this many rows (None: never), as measured at load."""
+        self.gemm_rows: dict[tuple[int, int, bool], int | None] = {}
+        """(out, in features, C kernels only) -> the C kernel's many-row loops serve from this many rows up
+        (None: never)."""
 
         reused = {"model.embed_tokens.weight"}  # the embedding and a tied LM head: read once for both
         shared: dict[str, np.ndarray | GGUFBlocks] = {}
@@ -167,7 +170,20 @@ class LlamaModel:
         ]
 
         embed = source("model.embed_tokens.weight")
-        if quantization != "none" and (config.tie_word_embeddings or isinstance(embed, GGUFBlocks)):
+        if (
+            quantization == "gguf"
+            and config.tie_word_embeddings
+            and isinstance(embed, GGUFBlocks)
+            and embed.kind != "Q6_K"
+            and embed.fits_float16()
+            and native_matmul.usable(config.hidden_size, dtype, device)
+        ):
+            # one copy of the table's blocks: the tied LM head multiplies by it, lookups dequantize its rows
+            shared.pop("model.embed_tokens.weight", None)
+            self.lm_head = pack_native(embed, dtype, tiles=False, consume=True)
+            del embed
+            self.embed = BlockEmbedding(self.lm_head.native, dtype)
+        elif quantization != "none" and (config.tie_word_embeddings or isinstance(embed, GGUFBlocks)):
             # looked up row by row: only the rows a step reads are dequantized
             self.embed = (
                 BlockEmbedding(embed, dtype)
@@ -241,10 +257,12 @@ class LlamaModel:
         for w in self._packed():
             if w.native is None:
                 continue
-            shape = (w.out_features, w.in_features)
+            shape = (w.out_features, w.in_features, w.packed is None)
             if shape not in self.native_rows:
                 self.native_rows[shape], self.gemm_rows[shape] = measure_row_paths(w)
             w.native_rows, w.gemm_rows = self.native_rows[shape], self.gemm_rows[shape]
+            if w.packed is None:  # the C kernels' one layout (Int4Linear.native_only): nothing to drop
+                continue
             if w.gemm_rows is None:
                 w.native.tiles = None
             elif w.dense_rows is None or w.gemm_rows <= w.dense_rows:

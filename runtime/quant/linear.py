@@ -10,6 +10,11 @@ The GGUF block formats map onto the 4-bit form without loss:
   Q4_1  w = d * q + m       -> code q, scale d, zero m + 8d
   Q8_0  w = d * q (8 bits)  -> two 4-bit halves of u = q + 128 stacked as rows:
         w = 16d * (hi - 8) + d * (lo - 8) + 8d, so y = x W_hi^T + x W_lo^T.
+The other types (runtime.quant.gguf_blocks) map onto the C kernels' layouts instead, and run there alone
+(native_only, NATIVE_ONLY_TYPES: one copy of the blocks, for every row count):
+  Q4_K  w = (d sc) q - dmin m  -> the 4-bit layout, scale d sc, offset -dmin m (both rounded to float16)
+  Q5_0 / Q5_1 / Q5_K           -> the 8-bit layout, codes 0..31, offset -16d / m / -dmin m
+  Q6_K  (scales per 16)        -> re-quantized to Q8_0 (GGUFBlocks.kernel_blocks states the bound)
 With float32 activations the packed matmul computes the dequantized weights'
 function (to float rounding); torch's kernels are fast only with bfloat16
 activations, where the scales are rounded to bfloat16 too.
@@ -29,13 +34,15 @@ again only where the model measured it faster at load.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels.quantized_matmul import NativeMatmul
-from runtime.quant.gguf_blocks import GROUP, GGUFBlocks
+from runtime.quant.gguf_blocks import AFFINE8, GROUP, GGUFBlocks
+
+ALL_ROWS = 1 << 62
+"""native_rows of a weight whose one-row kernel takes every row count."""
 
 
 class Int4Linear:
@@ -63,7 +70,10 @@ class Int4Linear:
         self.out_features = rows // 2 if halves else rows
         self.in_features = k
         self.halves = halves
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        self.dtype = dtype
+        self.packed: torch.Tensor | None = torch._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 2
+        )
         # [K / group, rows, 2]: scale and zero of each group for each output row
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
         self.nbytes = (
@@ -71,13 +81,32 @@ class Int4Linear:
             + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
         )
 
+    @classmethod
+    def native_only(cls, native: NativeMatmul, dtype: torch.dtype) -> Int4Linear:
+        """A weight the C kernels alone multiply, at every row count (no copy for torch's int4 kernel, no
+        dense copy), in the one layout `native` holds: the many-row loops' tiles where made (gemm_rows 1),
+        else the one-row kernel's (native_rows: all); runtime.quant.routing.measure_row_paths says the same."""
+        w = cls.__new__(cls)
+        w.dense, w.dense_rows, w.packed, w.scales_and_zeros = None, None, None, None
+        w.native, w.dtype, w.halves = native, dtype, False
+        w.out_features, w.in_features = native.out_features, native.in_features
+        w.native_rows, w.gemm_rows = (ALL_ROWS, None) if native.tiles is None else (None, 1)
+        w.nbytes = native.nbytes + native.tiled_nbytes
+        return w
+
     def native_path(self, rows: int) -> str | None:
         """The C kernel that takes this many rows: 'one-row' (up to native_rows), 'many-row' (from gemm_rows),
-        or None (the dense copy or torch's packed kernel). csrc/decode_layers.c routes by the same rule."""
-        if self.native_rows is not None and rows <= self.native_rows:
+        or None (the dense copy or torch's packed kernel). csrc/decode_layers.c routes by the same rule. A
+        weight the C kernels alone hold (native_only) always gets the layout it has."""
+        one_row = many_row = True
+        if self.packed is None:  # native_only: only the layouts it has
+            one_row, many_row = self.native.one_row, self.native.tiles is not None
+        if self.native_rows is not None and rows <= self.native_rows and one_row:
             return "one-row"
-        if self.gemm_rows is not None and rows >= self.gemm_rows:
+        if self.gemm_rows is not None and rows >= self.gemm_rows and many_row:
             return "many-row"
+        if self.packed is None:
+            return "many-row" if many_row else "one-row"
         return None
 
     def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -111,21 +140,22 @@ class Int4Linear:
 
 
 class BlockEmbedding:
-    """An embedding table kept in its GGUF blocks; `table[ids]` dequantizes just those rows."""
+    """An embedding table kept in blocks; `table[ids]` dequantizes just those rows. From its GGUFBlocks
+    (exact), or from the C kernels' copy of them (NativeMatmul: the same bytes a tied LM head multiplies by,
+    so the table is held once; exact for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, the K-quants' scales rounded to
+    float16 as the kernels round them)."""
 
-    def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype):
+    def __init__(self, blocks: GGUFBlocks | NativeMatmul, dtype: torch.dtype):
         self.dtype = dtype
-        self.offset = 0 if blocks.kind == "Q8_0" else 8
-        self.codes = torch.from_numpy(blocks.codes)
-        self.scale = torch.from_numpy(blocks.scale)
-        zero = np.zeros_like(blocks.scale) if blocks.kind == "Q8_0" else blocks.int4_fields()[2]
-        self.zero = torch.from_numpy(zero)
+        self.blocks = blocks
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        n = ids.shape[0]
-        codes = self.codes[ids].view(n, -1, GROUP).float() - self.offset
-        rows = codes * self.scale[ids].unsqueeze(-1) + self.zero[ids].unsqueeze(-1)
-        return rows.view(n, -1).to(self.dtype)
+        flat = ids.reshape(-1)
+        if isinstance(self.blocks, NativeMatmul):
+            rows = self.blocks.dequantize_rows(flat)
+        else:
+            rows = torch.from_numpy(self.blocks.take_rows(flat.numpy()).dequantize())
+        return rows.view(*ids.shape, -1).to(self.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int4Linear) -> torch.Tensor:
@@ -144,24 +174,40 @@ def weight_nbytes(w: torch.Tensor | Int4Linear) -> int:
     return w.nbytes
 
 
+NATIVE_ONLY_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", AFFINE8)
+"""Types pack_gguf gives the C kernels alone (Int4Linear.native_only) where they are built: no copy for
+torch's int4 kernel and no dense one, so the packed model holds about the file's bytes (the bound in
+tests/bench/gguf_load_memory.py); Q4_0 / Q4_1 / Q8_0 keep every path, measured at load."""
+
+
+def pack_native(
+    blocks: GGUFBlocks, dtype: torch.dtype, tiles: bool = True, consume: bool = False
+) -> Int4Linear:
+    """The blocks for the C kernels alone (Int4Linear.native_only), in one layout: the many-row kernel's
+    where `tiles` and it can be made, else the one-row kernel's; Q6_K re-quantized (kernel_blocks).
+    `consume`: the blocks' codes may be overwritten (a Q8_0 table's move to unsigned codes in place)."""
+    affine = blocks.kernel_blocks().affine(in_place=consume)
+    return Int4Linear.native_only(NativeMatmul(*affine, tiles=tiles, one_row=not tiles), dtype)
+
+
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:
-    """The GGUF's blocks as they are, in the int4 kernel's layout; `dense`: also a dequantized copy."""
-    codes, scale, zero = blocks.int4_fields()
+    """The GGUF's blocks as they are (Q6_K re-quantized to Q8_0, GGUFBlocks.kernel_blocks), in the int4
+    kernel's layout and the C kernels'; `dense`: also a dequantized copy (exact, Q6_K included)."""
+    if blocks.kind in NATIVE_ONLY_TYPES and native_matmul.usable(blocks.shape[1], dtype, torch.device("cpu")):
+        return pack_native(blocks, dtype)
+    kernel = blocks.kernel_blocks()
+    codes, scale, zero = kernel.int4_fields()
     packed = Int4Linear(
         torch.from_numpy(codes),
         torch.from_numpy(scale),
         torch.from_numpy(zero),
         dtype,
-        halves=blocks.kind == "Q8_0",
+        halves=codes.shape[0] != blocks.shape[0],
     )
     if dense:
         packed.dense = torch.from_numpy(blocks.dequantize()).to(dtype)
     if native_matmul.usable(packed.in_features, dtype, torch.device("cpu")):
-        packed.native = (
-            NativeMatmul.from_q8(blocks.codes, blocks.scale)
-            if blocks.kind == "Q8_0"
-            else NativeMatmul.from_int4_fields(codes, scale, zero)
-        )
+        packed.native = NativeMatmul(*kernel.affine())
     return packed
 
 

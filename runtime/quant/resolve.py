@@ -55,7 +55,12 @@ def make_linear(
     """A projection weight [N, K] from a numpy array or GGUFBlocks, packed or dense as `quantization` says
     (already resolved: 'gguf' keeps blocks, 'none' dequantizes, 'int8' / 'int4' re-quantize);
     `dense`: packed GGUF blocks also keep a dequantized copy (see runtime.quant.linear)."""
-    if isinstance(source, GGUFBlocks) and quantization == "gguf" and source.shape[1] % GROUP == 0:
+    if (
+        isinstance(source, GGUFBlocks)
+        and quantization == "gguf"
+        and source.shape[1] % GROUP == 0
+        and source.fits_float16()
+    ):
         return pack_gguf(source, dtype, dense)
     dense = torch.from_numpy(source.dequantize() if isinstance(source, GGUFBlocks) else source)
     if quantization == "int8":

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.quant.gguf_blocks import GROUP
-from runtime.quant.linear import Int4Linear
+from runtime.quant.linear import ALL_ROWS, Int4Linear
 
 DENSE_ROW_CANDIDATES = (8, 16, 32, 64, 128, 256)
 
@@ -95,6 +95,8 @@ def measure_row_paths(w: Int4Linear, rounds: int = 5, calls: int = 2) -> tuple[i
     one-row kernel is all that is left to beat."""
     if w.native is None:
         return None, None
+    if w.packed is None:  # Int4Linear.native_only: one layout, which takes every row count
+        return (ALL_ROWS, None) if w.native.tiles is None else (None, 1)
     w.native_rows, w.gemm_rows = None, None
     paths = {"one-row": w.native, "rest": w}
     if w.native.tiles is not None:
