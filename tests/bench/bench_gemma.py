@@ -72,9 +72,7 @@ def decode_profile(engine: Engine, steps: int = 32) -> dict[str, float]:
     timers = _Timers()
     timers.wrap(model_module, "linear", "projections", unless="LM head")
     timers.wrap(model_module.LlamaModel, "_project", "projections")
-    timers.wrap(model_module.native_attention, "decode_attention", "attention")
-    timers.wrap(model_module, "windowed_attention", "attention")
-    timers.wrap(model_module, "paged_attention", "attention")
+    timers.wrap(engine.runner.attention, "forward", "attention")  # the backend every layer attends through
     timers.wrap(decode_layers.NativeDecode, "forward", "layers (C loop)")
     timers.wrap(model, "forward", "forward")
     timers.wrap(model, "logits", "LM head")
