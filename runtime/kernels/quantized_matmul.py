@@ -88,7 +88,10 @@ class NativeMatmul:
         return self
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W as float32 [len(ids), K], w = scale * code + offset (an embedding lookup)."""
+        """Rows `ids` of W as float32 [len(ids), K], w = scale * code + offset (an embedding lookup), from
+        the one-row layout or, where only the tiles are held, from those."""
+        if not self.one_row:
+            return self._dequantize_tiled_rows(ids)
         codes = self.codes[ids]
         if self.bits == 4:
             pairs = codes.view(-1, self.in_features // 64, 1, GROUP)
@@ -96,6 +99,16 @@ class NativeMatmul:
         codes = codes.reshape(ids.shape[0], -1, GROUP).float()
         w = codes * self.scale[ids].float().unsqueeze(-1) + self.offset[ids].float().unsqueeze(-1)
         return w.view(ids.shape[0], self.in_features)
+
+    def _dequantize_tiled_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        tiles, scale, offset = self.tiles
+        tile, column = ids // TILE_COLUMNS, ids % TILE_COLUMNS
+        codes = tiles[tile, :, :, column, :]  # [rows, blocks, vectors, 4]
+        if self.bits == 4:  # low nibbles: inputs 8v..8v+3 of the block, high nibbles 8v+4..8v+7
+            codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2)
+        codes = codes.reshape(ids.shape[0], -1, GROUP).float()
+        s, o = scale[tile, :, column].float(), offset[tile, :, column].float()  # [rows, blocks]
+        return (codes * s.unsqueeze(-1) + o.unsqueeze(-1)).view(ids.shape[0], self.in_features)
 
     @property
     def tiled_nbytes(self) -> int:

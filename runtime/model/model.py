@@ -180,7 +180,7 @@ class LlamaModel:
         ):
             # one copy of the table's blocks: the tied LM head multiplies by it, lookups dequantize its rows
             shared.pop("model.embed_tokens.weight", None)
-            self.lm_head = pack_native(embed, dtype, tiles=False, consume=True)
+            self.lm_head = pack_native(embed, dtype, consume=True)
             del embed
             self.embed = BlockEmbedding(self.lm_head.native, dtype)
         elif quantization != "none" and (config.tie_word_embeddings or isinstance(embed, GGUFBlocks)):

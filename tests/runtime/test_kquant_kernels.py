@@ -133,6 +133,19 @@ def test_block_embedding_rows(kind):
         assert (np.abs(rows - exact) <= slack[ids.numpy()] * 1.0001).all()
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_0", "Q8_0"])
+def test_block_embedding_rows_from_the_tiles_alone(kind):
+    """A tied LM head held only in the many-row kernel's tiles (one copy, every row count) looks its rows up
+    from the tiles: the same values as from the one-row layout, rows from several tiles and columns."""
+    n, k = 96, 256
+    affine = GGUFBlocks.parse(kind, random_raw(kind, n, k, seed=4), (n, k)).kernel_blocks().affine()
+    tiled = NativeMatmul(*affine, one_row=False)
+    assert not tiled.one_row and tiled.tiles is not None and tiled.codes.numel() == 0
+    ids = torch.tensor([0, 15, 16, 33, 95, 47, 0])
+    one_row = NativeMatmul(*affine, tiles=False)
+    assert torch.equal(tiled.dequantize_rows(ids), one_row.dequantize_rows(ids))
+
+
 # llama.cpp's dot products ---------------------------------------------------------------------------------
 
 LLAMA_DOT = {  # our type -> (ggml dot, activation quantizer, activation block bytes, elements)
