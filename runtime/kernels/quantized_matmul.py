@@ -74,17 +74,24 @@ class NativeMatmul:
         the codes' bytes again."""
         n, k = codes.shape
         g, nb = n // TILE_COLUMNS, k // GROUP
-        if self.bits == 4:  # vector v: low nibbles inputs 8v..8v+3, high nibbles 8v+4..8v+7 of the block
-            c = codes.reshape(g, TILE_COLUMNS, nb, 4, 2, 4).astype(np.uint8)
-            tiles = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
-        else:  # vector v: inputs 4v..4v+3 of the block
-            tiles = codes.reshape(g, TILE_COLUMNS, nb, 8, 4).astype(np.uint8).transpose(0, 2, 3, 1, 4)
+        vectors = 4 if self.bits == 4 else 8
+        tiles = np.empty((g, nb, vectors, TILE_COLUMNS, 4), np.uint8)
+        step = max(
+            1, (1 << 24) // (TILE_COLUMNS * k)
+        )  # tiles filled ~16 MB at a time: no whole-matrix temporaries
+        for a in range(0, g, step):
+            part = codes[a * TILE_COLUMNS : (a + step) * TILE_COLUMNS].astype(np.uint8, copy=False)
+            if self.bits == 4:  # vector v: low nibbles inputs 8v..8v+3, high nibbles 8v+4..8v+7 of the block
+                c = part.reshape(-1, TILE_COLUMNS, nb, 4, 2, 4)
+                tiles[a : a + step] = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
+            else:  # vector v: inputs 4v..4v+3 of the block
+                tiles[a : a + step] = part.reshape(-1, TILE_COLUMNS, nb, 8, 4).transpose(0, 2, 3, 1, 4)
 
         def per_tile(a: np.ndarray) -> torch.Tensor:
             a = a.astype(np.float16).reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1)
             return torch.from_numpy(np.ascontiguousarray(a))
 
-        self.tiles = (torch.from_numpy(np.ascontiguousarray(tiles)), per_tile(scale), per_tile(offset))
+        self.tiles = (torch.from_numpy(tiles), per_tile(scale), per_tile(offset))
         return self
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
