@@ -159,7 +159,8 @@ LLAMA_DOT = {  # our type -> (ggml dot, activation quantizer, activation block b
 
 @pytest.fixture(scope="module")
 def ggml():
-    xllamacpp = pytest.importorskip("xllamacpp", reason="pip install '.[test]'")
+    import xllamacpp  # the `test` extra
+
     lib = ctypes.CDLL(str(next(Path(xllamacpp.__file__).parent.glob("xllamacpp*.so"))))
     lib.ggml_cpu_init()  # its float16 tables, which the dot products read
     return lib
