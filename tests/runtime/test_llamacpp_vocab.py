@@ -192,6 +192,7 @@ def _random_texts(vocab: list[str], count: int, seed: int) -> list[str]:
     ]
 
 
+@pytest.mark.models
 def test_gemma3_file_tokenizes_as_llamacpp(vocab_dir):
     """The Gemma 3 270M GGUF (SentencePiece, 262,144 tokens, user-defined whitespace tokens, no space
     prefix) against llama.cpp itself: llama.cpp's test texts and 300 random ones, with special-token
