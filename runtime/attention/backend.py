@@ -26,6 +26,8 @@ class AttentionBackend:
     capturable = False
     """Its launches' shapes do not depend on the rows' lengths: a step can be captured in a CUDA graph
     (runtime/runner/cuda_graphs.py)."""
+    metadata_type: type[AttentionMetadata] = AttentionMetadata
+    """The metadata it builds: AttentionMetadata with this backend's own fields."""
 
     @staticmethod
     def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -57,11 +59,22 @@ class AttentionBackend:
                 table = torch.tensor(p.block_table[: (p.end + block_size - 1) // block_size], device=device)
             meta.prefills.append(PrefillChunk(row, row + n, p.end, table))
             row += n
+        self.complete(meta, decodes, prefills, block_size, device)
         return meta
+
+    def complete(
+        self,
+        meta: AttentionMetadata,
+        decodes: list[ScheduledRows],
+        prefills: list[ScheduledRows],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        """Fills this backend's own fields of a step's metadata (build); none here."""
 
     def metadata(self, **fields) -> AttentionMetadata:
         """An empty metadata of this backend's kind, itself as its backend."""
-        return AttentionMetadata(backend=self, **fields)
+        return self.metadata_type(backend=self, **fields)
 
     def forward(
         self,

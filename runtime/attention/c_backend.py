@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention.backend import AttentionBackend
-from runtime.attention.metadata import AttentionMetadata, PrefillChunk, ScheduledRows
+from runtime.attention.metadata import AttentionMetadata, PrefillChunk
 from runtime.kernels import paged_attention as native_attention
 
 
@@ -26,26 +26,15 @@ class CMetadata(AttentionMetadata):
 class CBackend(AttentionBackend):
     name = "c"
     native = True
+    metadata_type = CMetadata
 
     @staticmethod
     def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return native_attention.usable(q, k_cache)
 
-    def metadata(self, **fields) -> CMetadata:
-        return CMetadata(backend=self, **fields)
-
-    def build(
-        self,
-        decodes: list[ScheduledRows],
-        prefills: list[ScheduledRows],
-        slot_mapping: torch.Tensor | None,
-        block_size: int,
-        device: torch.device,
-    ) -> CMetadata:
-        meta = super().build(decodes, prefills, slot_mapping, block_size, device)
+    def complete(self, meta: CMetadata, decodes, prefills, block_size: int, device: torch.device) -> None:
         if meta.prefills:
             meta.prefill_tables, meta.prefill_spans = packed_chunks(meta.prefills, device)
-        return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -96,3 +96,9 @@ def write_kv(
     kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_positions(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """A sequence's first `length` positions of one layer's pool [blocks, block_size, kv_heads, D], through
+    its block table, as [length, kv_heads, D]."""
+    return cache.index_select(0, block_table).flatten(0, 1)[:length]

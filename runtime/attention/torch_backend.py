@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention.backend import AttentionBackend
-from runtime.attention.metadata import AttentionMetadata, ScheduledRows
+from runtime.attention.kv_cache import gather_positions
+from runtime.attention.metadata import AttentionMetadata
 from runtime.attention.windowed import windowed_attention
 
 
@@ -25,28 +26,17 @@ class TorchMetadata(AttentionMetadata):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    metadata_type = TorchMetadata
 
     @staticmethod
     def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return True
 
-    def metadata(self, **fields) -> TorchMetadata:
-        return TorchMetadata(backend=self, **fields)
-
-    def build(
-        self,
-        decodes: list[ScheduledRows],
-        prefills: list[ScheduledRows],
-        slot_mapping: torch.Tensor | None,
-        block_size: int,
-        device: torch.device,
-    ) -> TorchMetadata:
-        meta = super().build(decodes, prefills, slot_mapping, block_size, device)
+    def complete(self, meta: TorchMetadata, decodes, prefills, block_size: int, device: torch.device) -> None:
         if decodes:
             meta.decode_bias = decode_bias(
                 meta.decode_context_lens, meta.decode_block_tables.shape[1] * block_size
             )
-        return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None) -> torch.Tensor:
         if window is not None or softcap is not None:
@@ -60,8 +50,8 @@ class TorchBackend(AttentionBackend):
             if n == chunk.context_len and k is not None:  # nothing before this chunk: the new K/V directly
                 ks, vs = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
             else:
-                ks = _gather(k_cache, chunk.block_table, chunk.context_len)
-                vs = _gather(v_cache, chunk.block_table, chunk.context_len)
+                ks = gather_positions(k_cache, chunk.block_table, chunk.context_len)
+                vs = gather_positions(v_cache, chunk.block_table, chunk.context_len)
             out[chunk.start : chunk.end] = _prefill(q[chunk.start : chunk.end], ks, vs, scale)
         return out
 
@@ -73,11 +63,6 @@ def decode_bias(lens: torch.Tensor, span: int) -> torch.Tensor:
         ~visible, float("-inf")
     )
     return bias.view(len(lens), 1, 1, -1)
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    blocks = cache.index_select(0, block_table)  # [n_blocks, block_size, kv_heads, D]
-    return blocks.flatten(0, 1)[:length]
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

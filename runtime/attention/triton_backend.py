@@ -28,23 +28,15 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     rows_carry_tables = True
     capturable = True
+    metadata_type = TritonMetadata
 
     @staticmethod
     def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return triton_attention.usable(q, k_cache)
 
-    def metadata(self, **fields) -> TritonMetadata:
-        return TritonMetadata(backend=self, **fields)
-
-    def build(
-        self,
-        decodes: list[ScheduledRows],
-        prefills: list[ScheduledRows],
-        slot_mapping: torch.Tensor | None,
-        block_size: int,
-        device: torch.device,
-    ) -> TritonMetadata:
-        meta = super().build(decodes, prefills, slot_mapping, block_size, device)
+    def complete(
+        self, meta: TritonMetadata, decodes, prefills, block_size: int, device: torch.device
+    ) -> None:
         tables, lens, index = row_inputs(decodes + prefills, block_size)
         width = max(len(t) for t in tables)
         meta.row_tables = torch.tensor(
@@ -52,7 +44,6 @@ class TritonBackend(AttentionBackend):
         )
         meta.row_lens = torch.tensor(lens, dtype=torch.int64, device=device)
         meta.row_table_index = torch.tensor(index, dtype=torch.int64, device=device)
-        return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None) -> torch.Tensor:
         out = torch.empty_like(q)

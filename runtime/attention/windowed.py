@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.attention.kv_cache import gather_positions
 from runtime.attention.metadata import AttentionMetadata
 
 
@@ -49,8 +50,8 @@ def windowed_attention(
 
 def _chunk(q, k_cache, v_cache, table, lens, scale, window, softcap) -> torch.Tensor:
     """Rows sharing one block table (a prefill chunk): the keys are gathered once."""
-    keys = _gather(k_cache, table[0], int(lens[-1]))  # [L, kv_heads, D]
-    values = _gather(v_cache, table[0], int(lens[-1]))
+    keys = gather_positions(k_cache, table[0], int(lens[-1]))  # [L, kv_heads, D]
+    values = gather_positions(v_cache, table[0], int(lens[-1]))
     return _attend(q, keys.unsqueeze(0), values.unsqueeze(0), lens, scale, window, softcap)
 
 
@@ -91,7 +92,3 @@ def _attend(q, keys, values, lens, scale, window, softcap, first=None) -> torch.
     scores = scores.masked_fill(~visible.view(n, 1, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(n, heads, d)
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    return cache.index_select(0, block_table).flatten(0, 1)[:length]
