@@ -47,6 +47,11 @@ layout takes; what fused projections whose parts differ in 8-bit kinds are stack
 EIGHT_BIT = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", AFFINE8)
 
 
+def group_size(kind: str) -> int:
+    """Inputs sharing one scale (and offset): 16 for Q6_K, 32 for every other type."""
+    return 16 if kind == "Q6_K" else GROUP
+
+
 def _f16(b: np.ndarray) -> np.ndarray:
     """Two bytes per row -> float32 of the float16 they hold, [rows]."""
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32).reshape(-1)
@@ -83,7 +88,7 @@ class GGUFBlocks:
 
     @property
     def group(self) -> int:
-        return 16 if self.kind == "Q6_K" else GROUP
+        return group_size(self.kind)
 
     @classmethod
     def parse(cls, kind: str, raw: np.ndarray, shape: tuple[int, int]) -> GGUFBlocks:
@@ -132,7 +137,7 @@ class GGUFBlocks:
         else:
             raise ValueError(f"GGUF type {kind} is not parsed into blocks")
         codes = np.ascontiguousarray(codes).reshape(n, k)
-        groups = k // (16 if kind == "Q6_K" else GROUP)
+        groups = k // group_size(kind)
         scale = scale.reshape(n, groups)
         return cls(kind, codes, scale, None if minimum is None else minimum.reshape(n, groups))
 

@@ -130,7 +130,7 @@ class ModelRunner:
         prefills = [w for w in work if not (w.num_tokens == 1 and w.samples)]
         work = decodes + prefills  # the rows' order: one per decode, then each prefill's chunk
         ids, positions, slots = [], [], []
-        sample_rows = self.prepare_rows(decodes + prefills, ids, positions, slots)
+        sample_rows = self.prepare_rows(work, ids, positions, slots)
         scheduled = [ScheduledRows(w.seq.block_table, w.seq.num_computed_tokens, w.end) for w in work]
         if self.graphs is not None and self.graphs.fits(len(ids), len(scheduled)):
             hidden = self.graphs.run(ids, positions, slots, *row_inputs(scheduled, self.block_size))
