@@ -363,16 +363,33 @@ static inline __attribute__((always_inline)) void NAME(                         
 DEFINE_GROUP_TASK(group_task_f32, float, vload_f32)
 DEFINE_GROUP_TASK(group_task_bf16, uint16_t, vload_bf16)
 
-#define GROUP_CASES(TASK, C)                                                                                    \
+/* Each (G, D) instance is a function of its own: one function holding all of them took the compiler minutes. */
+#define TASK_PARAMS(ELEM)                                                                                       \
+    int64_t nh, const float *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *rows, int64_t ctx,       \
+        int64_t h0, float *qs, float *scores, float *out, float scale, float softcap
+#define DEFINE_INSTANCE(TASK, ELEM, G, D)                                                                       \
+    static __attribute__((noinline)) void TASK##_##G##_##D(TASK_PARAMS(ELEM)) {                                 \
+        TASK(G, D / W, nh, q, k_pool, v_pool, rows, ctx, h0, qs, scores, out, scale, softcap);                 \
+    }
+#define DEFINE_INSTANCES_D(TASK, ELEM, D)                                                                       \
+    DEFINE_INSTANCE(TASK, ELEM, 1, D) DEFINE_INSTANCE(TASK, ELEM, 2, D) DEFINE_INSTANCE(TASK, ELEM, 3, D)      \
+    DEFINE_INSTANCE(TASK, ELEM, 4, D) DEFINE_INSTANCE(TASK, ELEM, 5, D) DEFINE_INSTANCE(TASK, ELEM, 6, D)      \
+    DEFINE_INSTANCE(TASK, ELEM, 7, D) DEFINE_INSTANCE(TASK, ELEM, 8, D)
+#define DEFINE_INSTANCES(TASK, ELEM)                                                                            \
+    DEFINE_INSTANCES_D(TASK, ELEM, 64) DEFINE_INSTANCES_D(TASK, ELEM, 128) DEFINE_INSTANCES_D(TASK, ELEM, 256)
+DEFINE_INSTANCES(group_task_f32, float)
+DEFINE_INSTANCES(group_task_bf16, uint16_t)
+
+#define GROUP_CASES(TASK, D)                                                                                    \
     switch (G) {                                                                                                \
-    case 1: TASK(1, C, ARGS); break;                                                                            \
-    case 2: TASK(2, C, ARGS); break;                                                                            \
-    case 3: TASK(3, C, ARGS); break;                                                                            \
-    case 4: TASK(4, C, ARGS); break;                                                                            \
-    case 5: TASK(5, C, ARGS); break;                                                                            \
-    case 6: TASK(6, C, ARGS); break;                                                                            \
-    case 7: TASK(7, C, ARGS); break;                                                                            \
-    default: TASK(8, C, ARGS); break;                                                                           \
+    case 1: TASK##_1_##D(ARGS); break;                                                                          \
+    case 2: TASK##_2_##D(ARGS); break;                                                                          \
+    case 3: TASK##_3_##D(ARGS); break;                                                                          \
+    case 4: TASK##_4_##D(ARGS); break;                                                                          \
+    case 5: TASK##_5_##D(ARGS); break;                                                                          \
+    case 6: TASK##_6_##D(ARGS); break;                                                                          \
+    case 7: TASK##_7_##D(ARGS); break;                                                                          \
+    default: TASK##_8_##D(ARGS); break;                                                                         \
     }
 
 /* KV heads a task: a sequence's all, so that its walks read whole rows, where there are enough sequences to
@@ -407,9 +424,9 @@ static void NAME(const float *q, const ELEM *k_pool, const ELEM *v_pool, const i
             const float *qg = q + (b * H + h * G) * D;                                                          \
             float *og = out + (b * H + h * G) * D;                                                              \
             if (ctx == 0) { memset(og, 0, sizeof(float) * (size_t)(nh * G * D)); continue; }                   \
-            if (D == 64) { GROUP_CASES(TASK, 64 / W) }                                                          \
-            else if (D == 128) { GROUP_CASES(TASK, 128 / W) }                                                   \
-            else { GROUP_CASES(TASK, 256 / W) }                                                                 \
+            if (D == 64) { GROUP_CASES(TASK, 64) }                                                              \
+            else if (D == 128) { GROUP_CASES(TASK, 128) }                                                       \
+            else { GROUP_CASES(TASK, 256) }                                                                     \
         }                                                                                                       \
         free(scores);                                                                                           \
         free(qs);                                                                                               \
