@@ -124,12 +124,25 @@ def test_failing_compiler_is_one_line(tmp_path):
     assert len(warnings) == 1 and "error: nothing works" in warnings[0]
 
 
+# The first-use tests build the lowest level: the cache, its rebuild and its failures are the same code at
+# every level, and the lowest compiles fastest (every level's build is checked with `prebuilt` below).
+LOWEST = native_kernels.levels()[0]
+GENERIC = {"PRESCIENT_ISA": LOWEST.name}
+
+
 @pytest.fixture(scope="module")
-def built_cache(tmp_path_factory):
-    """A cache directory holding a good build at first use of the best level (built once for the module)."""
+def built_cache(tmp_path_factory, prebuilt):
+    """A cache directory holding a good library of the lowest level where a build at first use puts it: the
+    prebuilt one, made by build_level with the same flags (a build at first use is tested by
+    test_sources_edited_after_the_build_are_built_again_at_first_use)."""
     cache = tmp_path_factory.mktemp("built")
-    kernel, _, _ = probe({"PRESCIENT_KERNELS_DIR": str(cache / "no-build"), "PRESCIENT_CACHE": str(cache)})
-    assert kernel == "native"
+    target = cache / "kernels" / native_kernels.cache_target(LOWEST).name
+    target.parent.mkdir()
+    shutil.copyfile(prebuilt / native_kernels.library_name(LOWEST), target)
+    kernel, _, _ = probe(
+        {"PRESCIENT_KERNELS_DIR": str(cache / "no-build"), "PRESCIENT_CACHE": str(cache), **GENERIC}
+    )
+    assert kernel == "native" and list((cache / "kernels").iterdir()) == [target]  # loaded, nothing built
     return cache
 
 
@@ -140,7 +153,7 @@ def test_corrupt_cached_library_is_rebuilt(tmp_path, built_cache):
     target = next((cache / "kernels").glob("*.so"))
     target.write_bytes(b"\x7fELF but truncated garbage")
     kernel, warnings, _ = probe(
-        {"PRESCIENT_KERNELS_DIR": str(tmp_path / "no-build"), "PRESCIENT_CACHE": str(cache)}
+        {"PRESCIENT_KERNELS_DIR": str(tmp_path / "no-build"), "PRESCIENT_CACHE": str(cache), **GENERIC}
     )
     assert kernel == "native" and warnings == []
     assert target.stat().st_size > 1000
@@ -157,6 +170,7 @@ def test_corrupt_library_and_no_compiler_fall_back(tmp_path, built_cache):
             "PRESCIENT_CACHE": str(cache),
             "CC": "/nonexistent/cc",
             "PATH": str(tmp_path),
+            **GENERIC,
         }
     )  # no cc, no gcc on this PATH
     assert kernel == "pytorch" and len(warnings) == 1 and "no C compiler" in warnings[0]
@@ -183,6 +197,7 @@ def test_noexec_cache_directory(tmp_path):
     command = (
         f"mount -t tmpfs -o noexec,size=16m tmpfs {mount_point} && "
         f"PRESCIENT_KERNELS_DIR={mount_point} PRESCIENT_CACHE={mount_point} PRESCIENT_NATIVE=1 "
+        f"PRESCIENT_ISA={LOWEST.name} "
         "PRESCIENT_NATIVE_BUILD_TIMEOUT=600 "
         f'{sys.executable} -c "{script}"'
     )

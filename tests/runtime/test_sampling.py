@@ -226,6 +226,14 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.fixture(scope="module")
+def rainbow(engine_fp32) -> tuple[list[int], list[int]]:
+    """The penalty tests' prompt and its greedy output without penalties (the same for each of them)."""
+    prompt = chat_ids(engine_fp32.tokenizer, "List the colors of the rainbow, then list them again.")
+    plain = engine_fp32.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    return prompt, plain.token_ids
+
+
 @pytest.mark.parametrize(
     "penalties",
     [
@@ -235,14 +243,16 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5),
     ],
 )
-def test_penalties_greedy_equal_transformers_with_the_published_formulas(engine_fp32, reference, penalties):
+def test_penalties_greedy_equal_transformers_with_the_published_formulas(
+    engine_fp32, reference, rainbow, penalties
+):
     """Greedy under penalties against transformers' forward, with the repetition penalty from transformers'
     own logits processor (prompt and output tokens) and OpenAI's documented frequency/presence formula
     (output tokens only): logit[j] -= count[j] * frequency + (count[j] > 0) * presence."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
     _, model = reference
-    prompt = chat_ids(engine_fp32.tokenizer, "List the colors of the rainbow, then list them again.")
+    prompt, plain = rainbow
     rep = RepetitionPenaltyLogitsProcessor(penalties.get("repetition_penalty", 1.0))
     ids, expected = torch.tensor([prompt]), []
     with torch.no_grad():
@@ -257,12 +267,11 @@ def test_penalties_greedy_equal_transformers_with_the_published_formulas(engine_
             expected.append(token)
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
             out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    plain = engine_fp32.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
     got = engine_fp32.generate(
         [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **penalties)
     )[0]
     assert got.token_ids == expected
-    assert got.token_ids != plain.token_ids, "the penalty was meant to change this output"
+    assert got.token_ids != plain, "the penalty was meant to change this output"
 
 
 @pytest.mark.parametrize(
