@@ -39,11 +39,13 @@ class NativeMatmul:
         bits: int,
         tiles: bool = True,
         one_row: bool = True,
+        consume: bool = False,
     ):
         """codes [N, K] (0..15 for bits=4; 0..255 for bits=8, e.g. Q8_0's stored code + 128 or Q5_0's
         0..31); scale, offset [N, K / 32] with w = scale * code + offset per block. `tiles`: also the
         many-row kernel's layout, where it can be made; `one_row` False: not the one-row kernel's where the
-        tiled one is made (every call goes to the many-row loops; the blocks are held once)."""
+        tiled one is made (every call goes to the many-row loops; the blocks are held once). `consume`: the
+        codes are this call's to overwrite (with_tiles' in_place)."""
         n, k = codes.shape
         self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """The same blocks laid out for the many-row kernel (quantized_gemm): made where the library has
@@ -51,7 +53,7 @@ class NativeMatmul:
         faster."""
         self.bits = bits
         if tiles and n % (2 * TILE_COLUMNS) == 0 and load().quantized_matmul_vectorized():
-            self.with_tiles(codes, scale, offset)
+            self.with_tiles(codes, scale, offset, in_place=consume and not one_row)
         self.one_row = one_row or self.tiles is None
         if not self.one_row:
             codes, scale, offset = (np.zeros((n, 0), np.uint8),) * 3
@@ -68,19 +70,31 @@ class NativeMatmul:
         self.out_features, self.in_features = n, k
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
 
-    def with_tiles(self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> NativeMatmul:
+    def with_tiles(
+        self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, in_place: bool = False
+    ) -> NativeMatmul:
         """Add the layout of the many-row kernel (csrc/quantized_matmul.c, quantized_gemm) for the fields
         __init__ takes: per 16 output columns and block of 32 inputs, vectors of 4 codes per column. Costs
-        the codes' bytes again."""
+        the codes' bytes again, unless `in_place` and the codes are 8-bit, writable and contiguous: a group
+        of 16 rows' tile takes exactly those rows' bytes, so each group is rewritten in its own memory (the
+        codes are spent) and a large table is never held twice."""
         n, k = codes.shape
         g, nb = n // TILE_COLUMNS, k // GROUP
         vectors = 4 if self.bits == 4 else 8
-        tiles = np.empty((g, nb, vectors, TILE_COLUMNS, 4), np.uint8)
-        step = max(
-            1, (1 << 24) // (TILE_COLUMNS * k)
-        )  # tiles filled ~16 MB at a time: no whole-matrix temporaries
+        shape = (g, nb, vectors, TILE_COLUMNS, 4)
+        in_place = (
+            in_place
+            and self.bits == 8
+            and codes.dtype == np.uint8
+            and codes.flags.c_contiguous
+            and codes.flags.writeable
+        )
+        tiles = codes.reshape(shape) if in_place else np.empty(shape, np.uint8)
+        # tiles filled ~16 MB at a time (4 MB in place: the chunk's copy is the only temporary)
+        step = max(1, (1 << (22 if in_place else 24)) // (TILE_COLUMNS * k))
         for a in range(0, g, step):
-            part = codes[a * TILE_COLUMNS : (a + step) * TILE_COLUMNS].astype(np.uint8, copy=False)
+            part = codes[a * TILE_COLUMNS : (a + step) * TILE_COLUMNS]
+            part = part.copy() if in_place else part.astype(np.uint8, copy=False)
             if self.bits == 4:  # vector v: low nibbles inputs 8v..8v+3, high nibbles 8v+4..8v+7 of the block
                 c = part.reshape(-1, TILE_COLUMNS, nb, 4, 2, 4)
                 tiles[a : a + step] = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
@@ -88,8 +102,9 @@ class NativeMatmul:
                 tiles[a : a + step] = part.reshape(-1, TILE_COLUMNS, nb, 8, 4).transpose(0, 2, 3, 1, 4)
 
         def per_tile(a: np.ndarray) -> torch.Tensor:
-            a = a.astype(np.float16).reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1)
-            return torch.from_numpy(np.ascontiguousarray(a))
+            out = np.empty((g, nb, TILE_COLUMNS), np.float16)
+            out[...] = a.reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1)  # no float16 copy in between
+            return torch.from_numpy(out)
 
         self.tiles = (torch.from_numpy(tiles), per_tile(scale), per_tile(offset))
         return self

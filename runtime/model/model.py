@@ -47,7 +47,16 @@ class RotaryEmbedding:
     rotate_half(x) * sin is computed as roll(x, D/2) * sin_signed, sin_signed = [-sin, sin] by halves (a
     negation moves no rounding), so a step's rotation is a few whole-tensor ops over q and k together.
     inv_freq: the (scaled) inverse frequencies, rope_scaling.inverse_frequencies; attention_factor
-    multiplies cos and sin (LongRoPE)."""
+    multiplies cos and sin (LongRoPE).
+
+    On CPU the tables start at INITIAL_POSITIONS rows and grow (doubling, up to max_len) as `cover` is asked
+    for later positions, so that, like the KV cache, they take memory for the context in use: a model's
+    whole context is tens of MB a table. Elsewhere they are made whole at once (CUDA graphs keep their
+    addresses)."""
+
+    INITIAL_POSITIONS = 4096
+    CHUNK = 4096
+    """Rows computed at a time: no table-sized float32 temporaries."""
 
     def __init__(
         self,
@@ -57,14 +66,32 @@ class RotaryEmbedding:
         device: torch.device,
         attention_factor: float = 1.0,
     ):
-        head_dim = 2 * inv_freq.shape[0]
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
-        self.half = head_dim // 2
-        # each half's values once (the tables repeat them): a context-long table is tens of MB
-        cos, sin = (freqs.cos() * attention_factor).to(dtype), (freqs.sin() * attention_factor).to(dtype)
-        del freqs
-        self.cos = torch.cat((cos, cos), dim=-1).to(device)
-        self.sin_signed = torch.cat((-sin, sin), dim=-1).to(device)
+        self.inv_freq, self.max_len, self.dtype, self.device = inv_freq, max_len, dtype, device
+        self.attention_factor = attention_factor
+        self.half = inv_freq.shape[0]
+        self.grows = device.type == "cpu"
+        self.length = 0
+        """Positions the tables hold."""
+        self.cover(self.INITIAL_POSITIONS if self.grows else max_len)
+
+    def cover(self, positions: int) -> bool:
+        """Make the tables hold positions 0 .. positions - 1 (at most max_len); True when they were remade
+        (their addresses changed)."""
+        if positions <= self.length or self.length == self.max_len:
+            return False
+        length = min(self.max_len, max(positions, 2 * self.length))
+        cos = torch.empty(length, 2 * self.half, dtype=self.dtype)
+        sin_signed = torch.empty_like(cos)
+        for lo in range(0, length, self.CHUNK):
+            rows = torch.arange(lo, min(length, lo + self.CHUNK), dtype=torch.int64).float()
+            freqs = torch.outer(rows, self.inv_freq)
+            c = (freqs.cos() * self.attention_factor).to(self.dtype)
+            s = (freqs.sin() * self.attention_factor).to(self.dtype)
+            cos[lo : lo + len(rows)] = torch.cat((c, c), dim=-1)
+            sin_signed[lo : lo + len(rows)] = torch.cat((-s, s), dim=-1)
+        self.cos, self.sin_signed = cos.to(self.device), sin_signed.to(self.device)
+        self.length = length
+        return True
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed) rows of these positions, [T, 1, D]: gathered once a step, used by every layer."""
@@ -224,6 +251,13 @@ class LlamaModel:
         self._native_decode: tuple[KVCache, NativeDecode | None] | None = None
         """The KV cache the C layer loop was made for, and that loop (_decode_layers)."""
 
+    def _cover(self, positions: int) -> None:
+        """Grow the RoPE tables to these positions; the C layer loop, which holds their addresses, is made
+        again where they moved."""
+        grown = [r.cover(positions) for r in {id(r): r for r in (self.rope, self.local_rope)}.values()]
+        if any(grown):
+            self._native_decode = None
+
     def layer_rope(self, i: int) -> RotaryEmbedding:
         """Layer i's RoPE: the sliding layers' own where the model has one (Gemma 3's local base)."""
         return self.local_rope if self.windows[i] is not None else self.rope
@@ -298,6 +332,8 @@ class LlamaModel:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normalised), one row per input token."""
+        if self.rope.grows and positions.numel():
+            self._cover(int(positions.max()) + 1)
         if self.native_decode:
             return self._forward_native(input_ids, positions, meta, kv)
         c = self.config

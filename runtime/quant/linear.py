@@ -185,9 +185,11 @@ def pack_native(
 ) -> Int4Linear:
     """The blocks for the C kernels alone (Int4Linear.native_only), in one layout: the many-row kernel's
     where `tiles` and it can be made, else the one-row kernel's; Q6_K re-quantized (kernel_blocks).
-    `consume`: the blocks' codes may be overwritten (a Q8_0 table's move to unsigned codes in place)."""
+    `consume`: the blocks' codes may be overwritten (a Q8_0 table's move to unsigned codes, and its tiles,
+    in place)."""
     affine = blocks.kernel_blocks().affine(in_place=consume)
-    return Int4Linear.native_only(NativeMatmul(*affine, tiles=tiles, one_row=not tiles), dtype)
+    native = NativeMatmul(*affine, tiles=tiles, one_row=not tiles, consume=consume)
+    return Int4Linear.native_only(native, dtype)
 
 
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:

@@ -11,6 +11,8 @@ import runtime.model.decode_layers as native_decode
 import runtime.model.model
 from runtime import Engine, SamplingParams
 from runtime.kernels.library import load
+from runtime.model.model import RotaryEmbedding
+from runtime.model.rope_scaling import inverse_frequencies
 from tests.runtime.conftest import CHATS
 
 pytestmark = pytest.mark.slow  # loads the real model
@@ -73,3 +75,62 @@ def test_dense_weights_keep_the_python_loop(engine_fp32, monkeypatch):
     outs, steps = _generate(engine_fp32, CHATS[:2], True, monkeypatch)
     assert steps == 0
     assert all(len(tokens) == 12 for tokens, _ in outs)
+
+
+def test_rope_tables_grow_to_the_same_values_as_whole_ones():
+    """On CPU the tables start short and grow as later positions come; every row equals the table made for
+    the whole context at once (the same float32 products, the same rounding)."""
+    inv_freq = inverse_frequencies(64, 10000.0)
+    rope = RotaryEmbedding(inv_freq, 20000, torch.bfloat16, torch.device("cpu"))
+    assert rope.length == RotaryEmbedding.INITIAL_POSITIONS < 20000
+    assert not rope.cover(100)
+    assert rope.cover(5000) and rope.length == 2 * RotaryEmbedding.INITIAL_POSITIONS
+    assert rope.cover(20000) and rope.length == 20000 and not rope.cover(20001)
+    freqs = torch.outer(torch.arange(20000, dtype=torch.int64).float(), inv_freq)
+    cos, sin = freqs.cos().to(torch.bfloat16), freqs.sin().to(torch.bfloat16)
+    assert torch.equal(rope.cos, torch.cat((cos, cos), dim=-1))
+    assert torch.equal(rope.sin_signed, torch.cat((-sin, sin), dim=-1))
+
+
+def test_tables_grown_mid_generation_give_the_same_tokens_and_move_the_c_loop(monkeypatch):
+    """Tables that start at 8 positions grow during the prefills and again during decoding; the C loop,
+    which holds their addresses, is made again and reads the new ones: the same tokens and logprobs as
+    with tables that never grow."""
+    if load() is None:
+        pytest.skip("the native kernels cannot be built here")
+    engine = Engine.from_pretrained(
+        dtype="bfloat16",
+        device="cpu",
+        quantization="gguf",
+        kv_cache_bytes=64 << 20,
+        enable_prefix_caching=False,
+    )
+    model = engine.model
+    prompts = CHATS[:3]
+    whole, _ = _generate(engine, prompts, True, monkeypatch)
+    assert model.rope.length == RotaryEmbedding.INITIAL_POSITIONS  # never grew
+    monkeypatch.setattr(RotaryEmbedding, "INITIAL_POSITIONS", 8)
+    old = model.rope
+    model.rope = RotaryEmbedding(old.inv_freq, old.max_len, old.dtype, old.device, old.attention_factor)
+    model.local_rope = model.rope
+    lengths = []
+    cover = RotaryEmbedding.cover
+
+    def watched(self, positions):
+        grown = cover(self, positions)
+        lengths.append(self.length) if grown else None
+        return grown
+
+    monkeypatch.setattr(RotaryEmbedding, "cover", watched)
+    engine.model._native_decode = None
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    grown = [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
+    prompt = max(len(engine.tokenizer.encode(p)) for p in prompts)
+    # grew in the prefill, then while decoding, to the last position
+    assert lengths[0] >= prompt and len(lengths) >= 2 and lengths[-1] >= prompt + 11, (prompt, lengths)
+    assert grown == whole
+    loop = model._native_decode[1]
+    assert loop is not None and all(
+        layer.cos == model.rope.cos.data_ptr() and layer.sin_signed == model.rope.sin_signed.data_ptr()
+        for layer in loop.layers
+    )
