@@ -16,12 +16,14 @@ Baselines measured in the same run, because this machine is shared and noisy:
   the same row with libgomp's default spin count in the core.
 
 BENCH_SERVE_MODELS=gemma,smollm2 runs only the 32-stream "server vs offline" measure, on each named model
-in turn (gemma: the Gemma 3 270M Q4_K_M file of the `models` extra; smollm2: the default; or a path).
+in turn (gemma: the Gemma 3 270M Q4_K_M file of the `models` extra; smollm2: the default; or a path), with
+the core's own spin count and again with libgomp's default.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -96,6 +98,21 @@ def _server_vs_offline(
         "x roofline 32": rows[1]["output tok/s"] / ceiling,
         "dtype": dtype,
     }
+
+
+@contextlib.contextmanager
+def _core_spin(count: str | None):
+    """Servers started inside run their engine core with GOMP_SPINCOUNT=count (None: the core's own)."""
+    saved = os.environ.get("GOMP_SPINCOUNT")
+    if count is not None:
+        os.environ["GOMP_SPINCOUNT"] = count
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("GOMP_SPINCOUNT", None)
+        else:
+            os.environ["GOMP_SPINCOUNT"] = saved
 
 
 def _versus_offline(
@@ -249,7 +266,8 @@ def _cpu_flags() -> str:
 
 
 MODELS_ENV = "BENCH_SERVE_MODELS"
-"""e.g. "gemma,smollm2": only the 32-stream server-vs-offline measure, on each of these models in turn."""
+"""e.g. "gemma,smollm2": only the 32-stream server-vs-offline measure, on each of these models in turn,
+with the core's own OpenMP spin count and with libgomp's default."""
 
 
 def _model_path(name: str) -> str | None:
@@ -273,17 +291,23 @@ def _models_vs_offline(names: list[str]) -> dict:
     for name in names:
         path = _model_path(name)
         model_flag = ("--model", path) if path else ()
-        with running_server(*model_flag, "--max-num-seqs", "32", dtype="auto", kv_cache="1GiB") as server:
-            model_rows, model_ratios, dtype = _versus_offline(
-                server.url, "engine core process", ((32, 32),), path, warm_server=True
+        for spin in (None, DEFAULT_GOMP_SPINCOUNT):
+            engine_in = "engine core process" + (f", GOMP_SPINCOUNT={spin}" if spin else "")
+            with (
+                _core_spin(spin),
+                running_server(*model_flag, "--max-num-seqs", "32", dtype="auto", kv_cache="1GiB") as server,
+            ):
+                model_rows, model_ratios, dtype = _versus_offline(
+                    server.url, engine_in, ((32, 32),), path, warm_server=True
+                )
+            row = model_rows[0]
+            rows.append({"model": name, **row})
+            ratios[f"{name}, {engine_in}"] = model_ratios[32]
+            notes.append(
+                f"{name}, {engine_in}: 32 streams over HTTP {row['output tok/s']:.0f} tok/s against the "
+                f"offline engine's {row['offline tok/s']:.0f} (median round): {model_ratios[32]:.2f}x "
+                f"(target >= 0.9x); rounds {row['x offline, each round']}; dtype auto = {dtype}"
             )
-        rows += [{"model": name, **row} for row in model_rows]
-        ratios[name] = model_ratios[32]
-        notes.append(
-            f"{name}: 32 streams over HTTP {model_rows[0]['output tok/s']:.0f} tok/s against the offline "
-            f"engine's {model_rows[0]['offline tok/s']:.0f} (median round): {model_ratios[32]:.2f}x (target >= 0.9x); "
-            f"rounds {model_rows[0]['x offline, each round']}; dtype auto = {dtype}"
-        )
     notes.append(
         f"prompts {INPUT_LEN} random tokens, {SAMPLED_LEN} output tokens (ignore_eos), temperature "
         f"{SAMPLED_TEMPERATURE}, streamed; each round the HTTP run then the offline engine on the same "
@@ -348,21 +372,13 @@ def run() -> dict:
     # The core's OpenMP threads spin 1,000 times before sleeping (runtime/engine/core_client.py): measured
     # under load, ~340 sleeps and wakes a token at one stream. The same row with libgomp's default spin,
     # which the offline engine in this process runs with, says what that costs on this machine.
-    saved_spin = os.environ.get("GOMP_SPINCOUNT")
-    os.environ["GOMP_SPINCOUNT"] = DEFAULT_GOMP_SPINCOUNT
-    try:
-        with running_server(dtype="auto", kv_cache="1GiB") as server:
-            spin_rows, spin = _server_vs_offline(
-                server.url,
-                f"engine core process, GOMP_SPINCOUNT={DEFAULT_GOMP_SPINCOUNT}",
-                ceiling,
-                ((1, 2),),
-            )
-    finally:
-        if saved_spin is None:
-            del os.environ["GOMP_SPINCOUNT"]
-        else:
-            os.environ["GOMP_SPINCOUNT"] = saved_spin
+    with _core_spin(DEFAULT_GOMP_SPINCOUNT), running_server(dtype="auto", kv_cache="1GiB") as server:
+        spin_rows, spin = _server_vs_offline(
+            server.url,
+            f"engine core process, GOMP_SPINCOUNT={DEFAULT_GOMP_SPINCOUNT}",
+            ceiling,
+            ((1, 2),),
+        )
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache on", "requests": 8, **cached})
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache off", "requests": 8, **uncached})
     rows.append(offline)
