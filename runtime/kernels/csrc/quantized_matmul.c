@@ -689,6 +689,257 @@ static inline __attribute__((always_inline)) void gemm_pair(
     }
 }
 
+/* 6-bit weights: Q6_K's own blocks, w = d * sc * (q - 32) with q 0..63, sc an int8 per 16 inputs and d a
+ * float16 per 256, multiplied without re-quantizing them. Tiles of the 8-bit tiles' shape (prepared at load,
+ * kernels/quantized_matmul.py, NativeMatmul.q6_k):
+ *   tiles   [N/16][K/32][6][64] bytes. Code vector v (0..7) of a block is its inputs 4v..4v+3 for the 16
+ *           columns (column j in bytes 4j..4j+3, as the 8-bit tiles' vector v): its low 4 bits are vector v/2's
+ *           low nibbles (even v) or high nibbles (odd v), its top 2 bits bits 2(v%4), 2(v%4)+1 of vector 4 + v/4.
+ *   tscale  [N/16][K/256][16] float16: d of each column's super-block.
+ *   toffset [N/16][K/32][16][2] int8 (passed as the offset pointer): sc of each column's two sub-blocks of 16.
+ * Per block, column and row the integer I = sum_s sc_s sum_16 (q - 32) xq is exact at every level (|I| <=
+ * 2 x 128 x 16 x 32 x 127 < 2^24, so also exact as a float), then acc = fma(I, d * dx, acc): the same float
+ * operations at every level, so every level returns the same bits. The -32 enters as -32 sc_s times the row's
+ * sum of xq over the sub-block (xs16). 6.5625 bits a weight, as in the file.
+ * The vector levels unpack a column pair's tiles once per call (per chunk of rows) into 8-bit code vectors and
+ * the scale vectors their integer multiplies take, UNPACKED6 bytes a block, into the thread's scratch (L2): each
+ * row group then multiplies as from 8-bit tiles, without unpacking again. Scratch layout per block:
+ * codes [2 halves of the pair][8][64]; sub-block scales [2][2][64] (AVX-512: int32 sc; AVX2: sc in both int16
+ * halves of a lane); corrections [2][64] (int16 pairs -32 sc_0, -32 sc_1 per column). */
+#define Q6_VECS 6
+int quantized_matmul_vectorized(void);
+#define UNPACKED6 1408
+#if QMM_AVX2
+#define GEMM_ROWS_6BIT 4
+#else
+#define GEMM_ROWS_6BIT 6
+#endif
+_Static_assert(GEMM_ROWS_6BIT <= GEMM_ROWS_MAX, "gemm_pair6's tile switch covers 1-6 rows");
+
+static inline int tiled_code6(const uint8_t *tiles, int64_t nb, int64_t n, int64_t k) {
+    const int64_t g = n / 16, j = n % 16, b = k / QBLOCK, i = k % QBLOCK, v = i / 4;
+    const uint8_t *t = tiles + (g * nb + b) * Q6_VECS * 64 + j * 4 + i % 4;
+    return ((t[(v / 2) * 64] >> (4 * (v & 1))) & 0x0F) | (((t[(4 + v / 4) * 64] >> (2 * (v % 4))) & 3) << 4);
+}
+
+static void gemm_tile6_portable(const uint8_t *tiles, const uint16_t *td, const int8_t *tsc, int64_t nb, int64_t g,
+                                const int8_t *xq, const float *dx, int64_t K, int64_t m0, int rows, float *acc_out) {
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 32; j++) {
+            const int64_t n = g * 16 + j, col = n % 16, gg = n / 16;
+            float total = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t isum = 0;
+                for (int s = 0; s < 2; s++) {
+                    int32_t sub = 0;
+                    for (int i = 0; i < 16; i++) {
+                        const int64_t k = b * QBLOCK + s * 16 + i;
+                        sub += (tiled_code6(tiles, nb, n, k) - 32) * xq[(m0 + r) * K + k];
+                    }
+                    isum += tsc[((gg * nb + b) * 16 + col) * 2 + s] * sub;
+                }
+                const float step = f16_to_f32(td[(gg * (nb / 8) + b / 8) * 16 + col]) * dx[(m0 + r) * nb + b];
+                total = fmaf((float)isum, step, total);
+            }
+            acc_out[r * 32 + j] = total;
+        }
+}
+
+#if QMM_VNNI
+/* Column pair g's tiles into the scratch layout above. */
+static void unpack6_vnni(const uint8_t *tiles, const int8_t *tsc, int64_t nb, int64_t g, uint8_t *u) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30), m32 = _mm512_set1_epi16(-32);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *ub = u + b * UNPACKED6;
+        for (int cg = 0; cg < 2; cg++) {
+            const uint8_t *t = tiles + ((g + cg) * nb + b) * Q6_VECS * 64;
+            const __m512i h0 = _mm512_loadu_si512((const void *)(t + 256)), h1 = _mm512_loadu_si512((const void *)(t + 320));
+            for (int i = 0; i < 4; i++) {
+                const __m512i l = _mm512_loadu_si512((const void *)(t + 64 * i)), h = i < 2 ? h0 : h1;
+                /* code vectors 2i and 2i + 1: top bits at 2(2i % 4) and 2((2i + 1) % 4), moved to bits 4-5 */
+                const __m512i he = i & 1 ? h : _mm512_slli_epi16(h, 4), ho = i & 1 ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
+                /* 0xF8: a | (b & c) */
+                _mm512_storeu_si512((void *)(ub + cg * 512 + 2 * i * 64), _mm512_ternarylogic_epi32(_mm512_and_si512(l, low4), he, top2, 0xF8));
+                _mm512_storeu_si512((void *)(ub + cg * 512 + (2 * i + 1) * 64),
+                                    _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4), ho, top2, 0xF8));
+            }
+            const __m512i pairs = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tsc + ((g + cg) * nb + b) * 32)));
+            _mm512_storeu_si512((void *)(ub + 1024 + (cg * 2) * 64), _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
+            _mm512_storeu_si512((void *)(ub + 1024 + (cg * 2 + 1) * 64), _mm512_srai_epi32(pairs, 16));
+            _mm512_storeu_si512((void *)(ub + 1280 + cg * 64), _mm512_mullo_epi16(pairs, m32));
+        }
+    }
+}
+
+/* The tile over the unpacked scratch: one half of the pair (16 columns) a pass, so that a pass keeps one float
+ * and one integer accumulator per row and a sub-block's 4 code vectors in registers. */
+static inline __attribute__((always_inline)) void gemm_tile6_vnni(const uint8_t *u, const uint16_t *td, int64_t nb, int64_t g,
+                                                                  const int8_t *xq, const float *dx, const int16_t *xs16,
+                                                                  int64_t K, int64_t m0, int rows, float *acc_out) {
+    for (int cg = 0; cg < 2; cg++) {
+        __m512 acc[GEMM_ROWS_MAX];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *ub = u + b * UNPACKED6;
+            const __m512i corr = _mm512_loadu_si512((const void *)(ub + 1280 + cg * 64));
+            __m512i ib[GEMM_ROWS_MAX];
+            for (int r = 0; r < rows; r++) {
+                int32_t p;
+                memcpy(&p, xs16 + (m0 + r) * (K / 16) + 2 * b, sizeof p);
+                ib[r] = _mm512_madd_epi16(corr, _mm512_set1_epi32(p));
+            }
+            for (int s = 0; s < 2; s++) {
+                __m512i w[4];
+                for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_si512((const void *)(ub + cg * 512 + (4 * s + v) * 64));
+                const __m512i sc = _mm512_loadu_si512((const void *)(ub + 1024 + (cg * 2 + s) * 64));
+                for (int r = 0; r < rows; r++) {
+                    const int32_t *x4 = (const int32_t *)(xq + (m0 + r) * K + b * QBLOCK + s * 16);
+                    __m512i ia = _mm512_setzero_si512();
+                    for (int v = 0; v < 4; v++) DPBUSD_BCAST(ia, w[v], x4[v]);
+                    ib[r] = _mm512_add_epi32(ib[r], _mm512_mullo_epi32(ia, sc));
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + ((g + cg) * (nb / 8) + b / 8) * 16)));
+            for (int r = 0; r < rows; r++) {
+                __m512 step;
+                MUL_BCAST(step, d, dx[(m0 + r) * nb + b]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib[r]), step, acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc_out + r * 32 + cg * 16, acc[r]);
+    }
+}
+#define UNPACK6 unpack6_vnni
+#endif
+
+#if QMM_AVX2
+static void unpack6_avx2(const uint8_t *tiles, const int8_t *tsc, int64_t nb, int64_t g, uint8_t *u) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), m32 = _mm256_set1_epi16(-32);
+    /* int16 lanes [sc_0, sc_1] per column -> sc_0 (or sc_1) in both halves of the column's lane */
+    const __m256i dup0 = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i dup1 = _mm256_add_epi8(dup0, _mm256_set1_epi8(2));
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *ub = u + b * UNPACKED6;
+        for (int cg = 0; cg < 2; cg++)
+            for (int hh = 0; hh < 2; hh++) {
+                const uint8_t *t = tiles + ((g + cg) * nb + b) * Q6_VECS * 64 + hh * 32;
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(t + 256)), h1 = _mm256_loadu_si256((const __m256i *)(t + 320));
+                for (int i = 0; i < 4; i++) {
+                    const __m256i l = _mm256_loadu_si256((const __m256i *)(t + 64 * i)), h = i < 2 ? h0 : h1;
+                    const __m256i he = i & 1 ? h : _mm256_slli_epi16(h, 4), ho = i & 1 ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
+                    _mm256_storeu_si256((__m256i *)(ub + cg * 512 + 2 * i * 64 + hh * 32),
+                                        _mm256_or_si256(_mm256_and_si256(l, low4), _mm256_and_si256(he, top2)));
+                    _mm256_storeu_si256((__m256i *)(ub + cg * 512 + (2 * i + 1) * 64 + hh * 32),
+                                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), low4), _mm256_and_si256(ho, top2)));
+                }
+                const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tsc + ((g + cg) * nb + b) * 32 + hh * 16)));
+                _mm256_storeu_si256((__m256i *)(ub + 1024 + (cg * 2) * 64 + hh * 32), _mm256_shuffle_epi8(pairs, dup0));
+                _mm256_storeu_si256((__m256i *)(ub + 1024 + (cg * 2 + 1) * 64 + hh * 32), _mm256_shuffle_epi8(pairs, dup1));
+                _mm256_storeu_si256((__m256i *)(ub + 1280 + cg * 64 + hh * 32), _mm256_mullo_epi16(pairs, m32));
+            }
+    }
+}
+
+/* The tile with AVX2: 8 columns a pass. A row's 4-input pair sums (vpmaddubsw: codes 0..63 unsigned, so no
+ * pair saturates: 2 x 63 x 127) of two code vectors add up in 16 bits (at most 32,004), and vpmaddwd by the
+ * sub-block's scale takes them to 32 bits with sc applied. */
+static inline __attribute__((always_inline)) void gemm_tile6_avx2(const uint8_t *u, const uint16_t *td, int64_t nb, int64_t g,
+                                                                  const int8_t *xq, const float *dx, const int16_t *xs16,
+                                                                  int64_t K, int64_t m0, int rows, float *acc_out) {
+    for (int q = 0; q < 4; q++) {
+        const int cg = q / 2, hh = q % 2;
+        __m256 acc[GEMM_ROWS_MAX];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *ub = u + b * UNPACKED6;
+            const __m256i corr = _mm256_loadu_si256((const __m256i *)(ub + 1280 + cg * 64 + hh * 32));
+            __m256i ia[GEMM_ROWS_MAX];
+            for (int r = 0; r < rows; r++) {
+                int32_t p;
+                memcpy(&p, xs16 + (m0 + r) * (K / 16) + 2 * b, sizeof p);
+                ia[r] = _mm256_madd_epi16(corr, _mm256_set1_epi32(p));
+            }
+            for (int s = 0; s < 2; s++) {
+                const __m256i sc = _mm256_loadu_si256((const __m256i *)(ub + 1024 + (cg * 2 + s) * 64 + hh * 32));
+                for (int v = 0; v < 4; v += 2) {
+                    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(ub + cg * 512 + (4 * s + v) * 64 + hh * 32));
+                    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(ub + cg * 512 + (4 * s + v + 1) * 64 + hh * 32));
+                    for (int r = 0; r < rows; r++) {
+                        int32_t x0, x1;
+                        const int8_t *x4 = xq + (m0 + r) * K + b * QBLOCK + (4 * s + v) * 4;
+                        memcpy(&x0, x4, sizeof x0);
+                        memcpy(&x1, x4 + 4, sizeof x1);
+                        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
+                                                              _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
+                        ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(pair, sc));
+                    }
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(td + ((g + cg) * (nb / 8) + b / 8) * 16 + hh * 8)));
+            for (int r = 0; r < rows; r++) {
+                const __m256 step = _mm256_mul_ps(d, _mm256_broadcast_ss(dx + (m0 + r) * nb + b));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), step, acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(acc_out + r * 32 + q * 8, acc[r]);
+    }
+}
+#define UNPACK6 unpack6_avx2
+#endif
+
+/* gemm_pair for 6-bit tiles: the pair (and with `silu` its up pair) unpacked once into `scratch`, then each row
+ * group multiplied from there. */
+static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const int8_t *tsc, int64_t nb, int64_t g, int64_t N,
+                              const int8_t *xq, const float *dx, const int16_t *xs16, int64_t K, int64_t mc,
+                              int64_t mend, int step, float *tile, void *out, int out_bf16, int portable, int silu,
+                              uint8_t *scratch) {
+    const int groups = (int)((mend - mc + step - 1) / step);
+    const int64_t up = g + N / 32;
+#if QMM_VNNI || QMM_AVX2
+    if (!portable)
+        for (int part = 0; part <= silu; part++) UNPACK6(tiles, tsc, nb, part ? up : g, scratch + part * nb * UNPACKED6);
+#else
+    (void)xs16, (void)scratch;
+#endif
+    const int64_t base_rows = (mend - mc) / groups, extra = (mend - mc) % groups;
+    for (int64_t gi = 0, m0 = mc; gi < groups; gi++) {
+        const int rows = (int)(base_rows + (gi < extra));
+        for (int part = 0; part <= silu; part++) {
+            const int64_t gg = part ? up : g;
+            float *t = tile + part * GEMM_ROWS_MAX * 32;
+#if QMM_VNNI || QMM_AVX2
+            const uint8_t *u = scratch + part * nb * UNPACKED6;
+#if QMM_VNNI
+#define GEMM_TILE6(R) gemm_tile6_vnni(u, td, nb, gg, xq, dx, xs16, K, m0, R, t)
+#else
+#define GEMM_TILE6(R) gemm_tile6_avx2(u, td, nb, gg, xq, dx, xs16, K, m0, R, t)
+#endif
+            if (!portable) {
+                switch (rows) {
+#if GEMM_ROWS_6BIT > 4
+                case 6: GEMM_TILE6(6); break;
+                case 5: GEMM_TILE6(5); break;
+#endif
+                case 4: GEMM_TILE6(4); break;
+                case 3: GEMM_TILE6(3); break;
+                case 2: GEMM_TILE6(2); break;
+                default: GEMM_TILE6(1); break;
+                }
+            } else
+#undef GEMM_TILE6
+#endif
+                gemm_tile6_portable(tiles, td, tsc, nb, gg, xq, dx, K, m0, rows, t);
+        }
+        for (int r = 0; r < rows; r++) {
+            if (silu)
+                store_silu32(tile + r * 32, tile + (GEMM_ROWS_MAX + r) * 32, out, (m0 + r) * (N / 2) + g * 16, out_bf16);
+            else
+                store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
+        }
+        m0 += rows;
+    }
+}
+
 /* The column pairs are shared out in shrinking chunks (guided) where all rows fit one chunk (decode): a
  * thread that the OS takes away mid-call (the server's event loop and its clients share the cores) then
  * leaves its pairs to the other instead of holding up the call. Bigger calls (prefill) keep a static split,
@@ -696,14 +947,15 @@ static inline __attribute__((always_inline)) void gemm_pair(
  * `python -m tests.bench serve` measures it (HTTP against the offline engine).
  * `silu`: the weight is a fused [gate; up] (N = 2 I, I % 32 == 0) and out [M, I] receives SiLU(gate) x up,
  * rounded as the layer ops' silu_mul rounds it after this kernel's plain output: the same values without
- * writing and reading back the M x 2I intermediate. */
+ * writing and reading back the M x 2I intermediate. bits 6: the 6-bit tiles (gemm_pair6), K % 256 == 0. */
 void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const uint16_t *tscale,
                     const uint16_t *toffset, int64_t N, int bits, void *out, int out_bf16, int silu, int portable,
                     int num_threads) {
     CHECK(M >= 0, M);
     CHECK(K > 0 && K % QBLOCK == 0, K);
     CHECK(N > 0, N);
-    CHECK(bits == 4 || bits == 8, bits);
+    CHECK(bits == 4 || bits == 6 || bits == 8, bits);
+    CHECK(bits != 6 || K % 256 == 0, K);
     CHECK(num_threads > 0, num_threads);
     CHECK_PTR(x, M);
     CHECK_PTR(out, M);
@@ -716,35 +968,58 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+    /* bits 6: each row's sums of xq over sub-blocks of 16 (|sum| <= 16 x 127: int16) */
+    int16_t *xs16 = bits == 6 ? (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * (K / 16))) : NULL;
     const size_t elem = x_bf16 ? 2 : 4;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         _Pragma("omp for schedule(static)")
-        for (int64_t m = 0; m < M; m++)
+        for (int64_t m = 0; m < M; m++) {
             quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb,
                          xs + m * nb, portable);
+            if (xs16)
+                for (int64_t s = 0; s < K / 16; s++) {
+                    int sum = 0;
+                    for (int i = 0; i < 16; i++) sum += xq[m * K + s * 16 + i];
+                    xs16[m * (K / 16) + s] = (int16_t)sum;
+                }
+        }
         float tile[2 * GEMM_ROWS_MAX * 32];
-        const int step = gemm_rows(bits);
+        const int step = bits == 6 ? GEMM_ROWS_6BIT : gemm_rows(bits);
         const int64_t pairs_end = silu ? N / 32 : N / 16; /* silu: the gate pairs */
+        /* the 6-bit tiles' unpacked pair (two with silu), per thread */
+        uint8_t *scratch = bits == 6 && !portable && quantized_matmul_vectorized()
+                               ? (uint8_t *)malloc((size_t)(nb * UNPACKED6 * (1 + silu)))
+                               : NULL;
+#define PAIR(MC, MEND)                                                                                            \
+    do {                                                                                                          \
+        if (bits == 6)                                                                                            \
+            gemm_pair6(tiles, tscale, (const int8_t *)toffset, nb, g, N, xq, dx, xs16, K, MC, MEND, step, tile, out, \
+                       out_bf16, portable, silu, scratch);                                                         \
+        else                                                                                                      \
+            gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, MC, MEND, step, tile, out,         \
+                      out_bf16, portable, silu);                                                                   \
+    } while (0)
         if (M <= GEMM_CHUNK) {
             _Pragma("omp for schedule(guided)")
             for (int64_t g = 0; g < pairs_end; g += 2)
-                gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, 0, M, step, tile, out, out_bf16, portable,
-                          silu);
+                PAIR(0, M);
         } else {
             for (int64_t mc = 0; mc < M; mc += GEMM_CHUNK) {
                 const int64_t mend = mc + GEMM_CHUNK < M ? mc + GEMM_CHUNK : M;
                 _Pragma("omp for schedule(static)")
                 for (int64_t g = 0; g < pairs_end; g += 2)
-                    gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, mc, mend, step, tile, out, out_bf16,
-                              portable, silu);
+                    PAIR(mc, mend);
             }
         }
+#undef PAIR
+        free(scratch);
     }
     free(xq);
     free(dx);
     free(sx);
     free(xs);
+    free(xs16);
 }
 
 /* Which vector loops this build multiplies with: 2 AVX-512 VNNI, 1 AVX2 + FMA + F16C, 0 none (the portable
