@@ -113,10 +113,11 @@ class NativeMatmul:
             part = codes[a * TILE_COLUMNS : (a + step) * TILE_COLUMNS].astype(np.uint8, copy=False)
             # code vector v: inputs 4v..4v+3 of the block, [tiles, blocks, v, column, 4]
             c = part.reshape(-1, TILE_COLUMNS, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(-1, nb, 8, 64)
-            low = c & 0x0F
-            tiles[a : a + step, :, :4] = low[:, :, 0::2] | (low[:, :, 1::2] << 4)
-            top = (c >> 4).reshape(-1, nb, 2, 4, 64)
-            tiles[a : a + step, :, 4:] = top[:, :, :, 0] | top[:, :, :, 1] << 2 | top[:, :, :, 2] << 4 | top[:, :, :, 3] << 6
+            # sub-block s: vectors 3s..3s+2 hold code vectors 4s..4s+2 in their low 6 bits, 4s+3 in their top 2
+            for s in range(2):
+                last = c[:, :, 4 * s + 3]
+                for i in range(3):
+                    tiles[a : a + step, :, 3 * s + i] = c[:, :, 4 * s + i] | (((last >> (2 * i)) & 3) << 6)
         td = np.asarray(d, np.float16).reshape(g, TILE_COLUMNS, k // 256).transpose(0, 2, 1)
         tsc = np.asarray(sc, np.int8).reshape(g, TILE_COLUMNS, nb, 2).transpose(0, 2, 1, 3)
         self.tiles = tuple(torch.from_numpy(np.ascontiguousarray(t)) for t in (tiles, td, tsc))
@@ -140,10 +141,10 @@ class NativeMatmul:
         tile, column = ids // TILE_COLUMNS, ids % TILE_COLUMNS
         if self.bits == 6:  # q6_k's tiles: w = (d * sc) * (code - 32), d * sc formed in float32 as ggml does
             raw = tiles.view(*tiles.shape[:3], TILE_COLUMNS, 4)[tile, :, :, column, :].to(torch.int32)
-            v = torch.arange(8)
-            low = (raw[:, :, v // 2] >> (4 * (v % 2)).view(8, 1)) & 0x0F
-            top = (raw[:, :, 4 + v // 4] >> (2 * (v % 4)).view(8, 1)) & 3
-            q = (low | (top << 4)).view(ids.shape[0], -1, 16) - 32  # [rows, sub-blocks, 16]
+            abc = raw.view(ids.shape[0], -1, 2, 3, 4)  # [rows, blocks, sub-block, A B C, 4]
+            top = abc >> 6
+            last = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4)
+            q = torch.cat([abc & 0x3F, last.unsqueeze(3)], dim=3).view(ids.shape[0], -1, 16) - 32
             d = scale[tile, :, column].float().repeat_interleave(16, dim=1)  # [rows, sub-blocks]
             step = d * offset[tile, :, column, :].reshape(ids.shape[0], -1).float()
             return (step.unsqueeze(-1) * q.float()).view(ids.shape[0], self.in_features)
