@@ -29,7 +29,9 @@ def random_q6_k(n: int, k: int, seed: int = 0) -> GGUFBlocks:
     rng = np.random.default_rng(seed)
     nb = n * k // 256
     raw = rng.integers(0, 256, (nb, BLOCK_BYTES["Q6_K"]), dtype=np.uint8)
-    raw[:, 208:210] = (np.abs(rng.standard_normal(nb)) * 1e-3).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    raw[:, 208:210] = (
+        (np.abs(rng.standard_normal(nb)) * 1e-3).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    )
     return GGUFBlocks.parse("Q6_K", raw, (n, k))
 
 
@@ -58,7 +60,7 @@ def _run() -> dict:
         for m in ROWS:
             x = torch.randn(m, k).to(torch.bfloat16)
             calls = max(1, int(2e8 // (n * k * m)) + 1)
-            paths = {"Q6_K": lambda: six.gemm(x), "Q8_0": lambda: eight.gemm(x)}
+            paths = {"Q6_K": lambda x=x, w=six: w.gemm(x), "Q8_0": lambda x=x, w=eight: w.gemm(x)}
             taken: dict[str, list[float]] = {p: [] for p in paths}
             for fn in paths.values():
                 fn()

@@ -105,7 +105,9 @@ def test_the_6_bit_tiles_equal_llama_cpp_dot_product(real_q6_k, ggml, kernel_lev
     ours = NativeMatmul.q6_k(*blocks.q6_k_fields())(torch.from_numpy(x), out_dtype=torch.float32)[0]
     theirs = np.array([llama_dot(ggml, "Q6_K", raw[r], x[0]) for r in range(blocks.shape[0])])
     bound = 2 * float_bound(exact, x)[0]
-    assert (np.abs(ours.numpy() - theirs) <= bound).all(), float((np.abs(ours.numpy() - theirs) / bound).max())
+    assert (np.abs(ours.numpy() - theirs) <= bound).all(), float(
+        (np.abs(ours.numpy() - theirs) / bound).max()
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
