@@ -109,6 +109,35 @@ class NativeMatmul:
         self.tiles = (torch.from_numpy(tiles), per_tile(scale), per_tile(offset))
         return self
 
+    @classmethod
+    def q6_k(cls, codes: np.ndarray, sc: np.ndarray, d: np.ndarray) -> NativeMatmul:
+        """Q6_K's own fields in the many-row kernel's 6-bit tiles (csrc/quantized_matmul.c, gemm_pair6), its
+        one layout (every row count goes to gemm): codes [N, K] 0..63, sc [N, K / 16] int8, d [N, K / 256]
+        (float16 values), w = d * sc * (code - 32), as ggml de-quantizes it. N % 32 == 0, K % 256 == 0.
+        6.5625 bits a weight, as in the file."""
+        n, k = codes.shape
+        assert n % (2 * TILE_COLUMNS) == 0 and k % 256 == 0, (n, k)
+        self = cls.__new__(cls)
+        self.bits, self.one_row = 6, False
+        self.codes, self.scale, self.offset = (torch.empty(n, 0, dtype=torch.uint8),) * 3
+        self.out_features, self.in_features, self.nbytes = n, k, 0
+        g, nb = n // TILE_COLUMNS, k // GROUP
+        tiles = np.empty((g, nb, 6, 64), np.uint8)
+        step = max(1, (1 << 24) // (TILE_COLUMNS * k))  # ~16 MB of codes at a time, as with_tiles
+        for a in range(0, g, step):
+            part = codes[a * TILE_COLUMNS : (a + step) * TILE_COLUMNS].astype(np.uint8, copy=False)
+            # code vector v: inputs 4v..4v+3 of the block, [tiles, blocks, v, column, 4]
+            c = part.reshape(-1, TILE_COLUMNS, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(-1, nb, 8, 64)
+            # sub-block s: vectors 3s..3s+2 hold code vectors 4s..4s+2 in their low 6 bits, 4s+3 in their top 2
+            for s in range(2):
+                last = c[:, :, 4 * s + 3]
+                for i in range(3):
+                    tiles[a : a + step, :, 3 * s + i] = c[:, :, 4 * s + i] | (((last >> (2 * i)) & 3) << 6)
+        td = np.asarray(d, np.float16).reshape(g, TILE_COLUMNS, k // 256).transpose(0, 2, 1)
+        tsc = np.asarray(sc, np.int8).reshape(g, TILE_COLUMNS, nb, 2).transpose(0, 2, 1, 3)
+        self.tiles = tuple(torch.from_numpy(np.ascontiguousarray(t)) for t in (tiles, td, tsc))
+        return self
+
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W as float32 [len(ids), K], w = scale * code + offset (an embedding lookup), from
         the one-row layout or, where only the tiles are held, from those."""
@@ -125,6 +154,15 @@ class NativeMatmul:
     def _dequantize_tiled_rows(self, ids: torch.Tensor) -> torch.Tensor:
         tiles, scale, offset = self.tiles
         tile, column = ids // TILE_COLUMNS, ids % TILE_COLUMNS
+        if self.bits == 6:  # q6_k's tiles: w = (d * sc) * (code - 32), d * sc formed in float32 as ggml does
+            raw = tiles.view(*tiles.shape[:3], TILE_COLUMNS, 4)[tile, :, :, column, :].to(torch.int32)
+            abc = raw.view(ids.shape[0], -1, 2, 3, 4)  # [rows, blocks, sub-block, A B C, 4]
+            top = abc >> 6
+            last = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4)
+            q = torch.cat([abc & 0x3F, last.unsqueeze(3)], dim=3).view(ids.shape[0], -1, 16) - 32
+            d = scale[tile, :, column].float().repeat_interleave(16, dim=1)  # [rows, sub-blocks]
+            step = d * offset[tile, :, column, :].reshape(ids.shape[0], -1).float()
+            return (step.unsqueeze(-1) * q.float()).view(ids.shape[0], self.in_features)
         codes = tiles[tile, :, :, column, :]  # [rows, blocks, vectors, 4]
         if self.bits == 4:  # low nibbles: inputs 8v..8v+3 of the block, high nibbles 8v+4..8v+7
             codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2)

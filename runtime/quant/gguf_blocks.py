@@ -12,8 +12,9 @@ Every type becomes codes with a scale and (for the asymmetric types) an offset p
   Q5_K  w = (d sc) * q - (dmin m)     the same with q 0..31
   Q6_K  w = (d sc) * (q - 32)         groups of 16 inside super-blocks of 256, q 0..63, sc int8
 The products d sc and dmin m are formed in float32 as ggml forms them, so `dequantize` equals ggml's (and
-gguf-py's) bit for bit. Q6_K's groups of 16 fit no kernel layout of groups of 32 exactly: `kernel_blocks`
-re-quantizes it to Q8_0 (see there for the bound).
+gguf-py's) bit for bit. Q6_K's groups of 16 fit no layout of groups of 32: the C kernels keep it in a 6-bit
+layout of its own (`q6_k_fields`, runtime.kernels.quantized_matmul.NativeMatmul.q6_k); where those are not
+used `kernel_blocks` re-quantizes it to Q8_0 (see there for the bound).
 """
 
 from __future__ import annotations
@@ -75,12 +76,15 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class GGUFBlocks:
     """A GGUF matrix as its block fields, rows in the matrix's row order. codes [N, K] (uint8; int8 for
     Q8_0); scale and minimum [N, K / group] float32 (group 16 for Q6_K, else 32); minimum is the additive
-    offset of the asymmetric types (Q4_1, Q5_1, Q4_K, Q5_K: for the K-quants -dmin m), else None."""
+    offset of the asymmetric types (Q4_1, Q5_1, Q4_K, Q5_K: for the K-quants -dmin m), else None.
+    super_scale: Q6_K's d [N, K / 256] (float32 of its float16), which its scale d sc holds exactly as a
+    multiple of (q6_k_fields), else None."""
 
     kind: str
     codes: np.ndarray
     scale: np.ndarray
     minimum: np.ndarray | None = None
+    super_scale: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -99,7 +103,7 @@ class GGUFBlocks:
             raise ValueError(f"{kind}: row width {k} is not a multiple of its block of {per}")
         b = raw.reshape(-1).view(np.uint8).reshape(n * k // per, size)
         nb = b.shape[0]
-        minimum = None
+        minimum = super_scale = None
         if kind == "Q8_0":
             codes, scale = b[:, 2:].view(np.int8), _f16(b[:, :2])
         elif kind in ("Q4_0", "Q4_1"):
@@ -128,6 +132,7 @@ class GGUFBlocks:
                 codes = _nibbles(b[:, 48:].reshape(nb, 4, 32)) | (high << 4)
         elif kind == "Q6_K":  # ql[128] qh[64] scales[16] d: halves of 128, each 4 runs of 32
             d = _f16(b[:, 208:210])[:, None]
+            super_scale = d.reshape(n, k // SUPER)
             scale = (d * b[:, 192:208].view(np.int8).astype(np.float32)).reshape(-1)
             ql = b[:, :128].reshape(nb, 2, 1, 64)
             low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(nb, 2, 4, 32)
@@ -139,7 +144,7 @@ class GGUFBlocks:
         codes = np.ascontiguousarray(codes).reshape(n, k)
         groups = k // group_size(kind)
         scale = scale.reshape(n, groups)
-        return cls(kind, codes, scale, None if minimum is None else minimum.reshape(n, groups))
+        return cls(kind, codes, scale, None if minimum is None else minimum.reshape(n, groups), super_scale)
 
     def dequantize(self) -> np.ndarray:
         """float32 [N, K], equal to ggml's de-quantization bit for bit."""
@@ -159,7 +164,9 @@ class GGUFBlocks:
         def pick(a):
             return None if a is None else np.ascontiguousarray(a[order])
 
-        return GGUFBlocks(self.kind, pick(self.codes), pick(self.scale), pick(self.minimum))
+        return GGUFBlocks(
+            self.kind, pick(self.codes), pick(self.scale), pick(self.minimum), pick(self.super_scale)
+        )
 
     @staticmethod
     def stack(parts: list[GGUFBlocks]) -> GGUFBlocks | None:
@@ -179,7 +186,17 @@ class GGUFBlocks:
             cat([p.codes for p in parts]),
             cat([p.scale for p in parts]),
             cat([p.minimum for p in parts]),
+            cat([p.super_scale for p in parts]),
         )
+
+    def q6_k_fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q6_K as the file holds it: (codes 0..63 [N, K], sc int8 [N, K / 16], d float16 [N, K / 256]), w =
+        d * sc * (code - 32). sc is scale / d, exact: d sc is exact in float32 (11 by 8 significant bits)."""
+        assert self.kind == "Q6_K" and self.super_scale is not None
+        n, k = self.shape
+        d = np.repeat(self.super_scale, SUPER // 16, axis=1)
+        sc = np.divide(self.scale, d, out=np.zeros_like(self.scale), where=d != 0)
+        return self.codes, np.rint(sc).astype(np.int8), self.super_scale.astype(np.float16)
 
     def kernel_blocks(self) -> GGUFBlocks:
         """These blocks in groups of 32, as the kernels take them: itself for every type but Q6_K, which is

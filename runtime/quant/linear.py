@@ -14,7 +14,9 @@ The other types (runtime.quant.gguf_blocks) map onto the C kernels' layouts inst
 (native_only, NATIVE_ONLY_TYPES: one copy of the blocks, for every row count):
   Q4_K  w = (d sc) q - dmin m  -> the 4-bit layout, scale d sc, offset -dmin m (both rounded to float16)
   Q5_0 / Q5_1 / Q5_K           -> the 8-bit layout, codes 0..31, offset -16d / m / -dmin m
-  Q6_K  (scales per 16)        -> re-quantized to Q8_0 (GGUFBlocks.kernel_blocks states the bound)
+  Q6_K  w = d sc (q - 32)      -> a 6-bit layout of its own (NativeMatmul.q6_k): codes, sc and d as in the
+        file, exact; re-quantized to Q8_0 only where that layout cannot be made (N % 32 != 0) or in a fused
+        projection with other 8-bit kinds (GGUFBlocks.stack, kernel_blocks states the bound)
 With float32 activations the packed matmul computes the dequantized weights'
 function (to float rounding); torch's kernels are fast only with bfloat16
 activations, where the scales are rounded to bfloat16 too.
@@ -184,17 +186,21 @@ def pack_native(
     blocks: GGUFBlocks, dtype: torch.dtype, tiles: bool = True, consume: bool = False
 ) -> Int4Linear:
     """The blocks for the C kernels alone (Int4Linear.native_only), in one layout: the many-row kernel's
-    where `tiles` and it can be made, else the one-row kernel's; Q6_K re-quantized (kernel_blocks).
+    where `tiles` and it can be made, else the one-row kernel's; Q6_K in its 6-bit tiles where N % 32 == 0
+    (the only layout it has there), else re-quantized (kernel_blocks).
     `consume`: the blocks' codes may be overwritten (a Q8_0 table's move to unsigned codes, and its tiles,
     in place)."""
+    if blocks.kind == "Q6_K" and blocks.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0:
+        return Int4Linear.native_only(NativeMatmul.q6_k(*blocks.q6_k_fields()), dtype)
     affine = blocks.kernel_blocks().affine(in_place=consume)
     native = NativeMatmul(*affine, tiles=tiles, one_row=not tiles, consume=consume)
     return Int4Linear.native_only(native, dtype)
 
 
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:
-    """The GGUF's blocks as they are (Q6_K re-quantized to Q8_0, GGUFBlocks.kernel_blocks), in the int4
-    kernel's layout and the C kernels'; `dense`: also a dequantized copy (exact, Q6_K included)."""
+    """The GGUF's blocks as they are, for the C kernels alone (NATIVE_ONLY_TYPES, pack_native) where they are
+    built, else in the int4 kernel's layout and the C kernels' (Q6_K re-quantized to Q8_0 there,
+    GGUFBlocks.kernel_blocks); `dense`: also a dequantized copy (exact, Q6_K included)."""
     if blocks.kind in NATIVE_ONLY_TYPES and native_matmul.usable(blocks.shape[1], dtype, torch.device("cpu")):
         return pack_native(blocks, dtype)
     kernel = blocks.kernel_blocks()

@@ -2,9 +2,9 @@
 
 Oracles: gguf-py's de-quantization (the parser must equal it bit for bit); numpy over those weights with
 the activations quantized to 8 bits per block of 32 as the C kernel's contract says (the kernels, one-row and
-many-row, at every instruction-set level, within the bound their float16 scales and, for Q6_K, the Q8_0
-re-quantization allow); llama.cpp's own dot products (ggml_vec_dot_*, loaded from xllamacpp's library with
-ctypes) on activations both sides quantize without loss."""
+many-row, at every instruction-set level, within the bound their float16 scales allow; Q6_K in its own 6-bit
+tiles, tests/runtime/test_q6k_kernels.py); llama.cpp's own dot products (ggml_vec_dot_*, loaded from
+xllamacpp's library with ctypes) on activations both sides quantize without loss."""
 
 from __future__ import annotations
 
@@ -73,20 +73,25 @@ def test_q6_k_requantization_within_its_bound():
 
 def kernel_bound(blocks: GGUFBlocks, x: np.ndarray) -> np.ndarray:
     """|kernel - x W^T| allowed per output [M, N]: the 8-bit activations (half a step dx per input, dx the
-    block's max|x| / 127), the float16 scales and offsets (2^-11 of each), Q6_K's re-quantization (half its
-    scale per weight), and float sums (1e-5 of sum |w x|)."""
+    block's max|x| / 127), the float16 scales and offsets (2^-11 of each; none for Q6_K, whose 6-bit tiles
+    hold d and sc as the file does), and float sums (1e-5 of sum |w x|)."""
     n, k = blocks.shape
     w = np.abs(blocks.dequantize()).astype(np.float64)
     ax = np.abs(x).astype(np.float64)
     dx = ax.reshape(x.shape[0], -1, 32).max(-1) / 127
     bound = w @ np.repeat(dx / 2, 32, axis=1).T + 1e-5 * (ax @ w.T).T
-    kb = blocks.kernel_blocks()
-    codes, scale, offset, _ = kb.affine()
-    per_weight = np.abs(np.repeat(scale, 32, 1)) * codes + np.abs(np.repeat(offset, 32, 1))
-    bound = bound + F16_STEP * (per_weight @ ax.T)
-    if blocks.kind == "Q6_K":
-        bound = bound + np.repeat(kb.scale / 2, 32, 1) @ ax.T
+    if blocks.kind != "Q6_K":
+        codes, scale, offset, _ = blocks.affine()
+        per_weight = np.abs(np.repeat(scale, 32, 1)) * codes + np.abs(np.repeat(offset, 32, 1))
+        bound = bound + F16_STEP * (per_weight @ ax.T)
     return bound.T
+
+
+def native_for(blocks: GGUFBlocks, **kwargs) -> NativeMatmul:
+    """The C kernels' layout pack_gguf gives these blocks: Q6_K's 6-bit tiles, else the affine one."""
+    if blocks.kind == "Q6_K":
+        return NativeMatmul.q6_k(*blocks.q6_k_fields())
+    return NativeMatmul(*blocks.affine(), **kwargs)
 
 
 @pytest.mark.parametrize("kind", NEW_TYPES)
@@ -98,7 +103,7 @@ def test_kernels_equal_the_dequantized_reference_within_the_bound(kind, x_dtype,
     xf = x.float().numpy()
     reference = xf.astype(np.float64) @ blocks.dequantize().astype(np.float64).T
     bound = kernel_bound(blocks, xf)
-    native = NativeMatmul(*blocks.kernel_blocks().affine())
+    native = native_for(blocks)
     outputs = {
         "one-row": native(x, out_dtype=torch.float32),
         "one-row 1": native(x[:1], out_dtype=torch.float32),
@@ -118,16 +123,16 @@ def test_kernels_equal_the_dequantized_reference_within_the_bound(kind, x_dtype,
 
 @pytest.mark.parametrize("kind", NEW_TYPES + ("Q8_0",))
 def test_block_embedding_rows(kind):
-    n, k = 40, 256
+    n, k = 64, 256
     blocks = GGUFBlocks.parse(kind, random_raw(kind, n, k, seed=3), (n, k))
     ids = torch.tensor([0, 7, 39, 7])
     exact = blocks.dequantize()[ids.numpy()]
     assert np.array_equal(BlockEmbedding(blocks, torch.float32)[ids].numpy(), exact)
-    native = BlockEmbedding(NativeMatmul(*blocks.kernel_blocks().affine(), tiles=False), torch.float32)
+    native = BlockEmbedding(native_for(blocks, tiles=False), torch.float32)
     rows = native[ids].numpy()
-    if kind in ("Q5_0", "Q5_1", "Q8_0"):  # float16 scales and offsets as in the file: exact
+    if kind in ("Q5_0", "Q5_1", "Q8_0", "Q6_K"):  # scales and offsets as in the file: exact
         assert np.array_equal(rows, exact)
-    elif kind != "Q6_K":
+    else:
         codes, scale, offset, _ = blocks.affine()
         slack = F16_STEP * (np.abs(np.repeat(scale, 32, 1)) * codes + np.abs(np.repeat(offset, 32, 1)))
         assert (np.abs(rows - exact) <= slack[ids.numpy()] * 1.0001).all()
@@ -194,8 +199,8 @@ def llama_dot(lib, kind: str, raw_row: np.ndarray, x: np.ndarray) -> float:
 @pytest.mark.parametrize("kind", NEW_TYPES)
 def test_kernels_equal_llama_cpp_dot_products(kind, ggml, kernel_level):  # noqa: F811
     """Activations on both sides' 8-bit grids (integers -127..127 times 2^-6, each block of 32 reaching 127),
-    so both quantize them without loss: the dot products then differ only by our float16 scales (K-quants),
-    Q6_K's re-quantization, Q5_1's float16 activation sums in llama.cpp (q8_1), and float sums."""
+    so both quantize them without loss: the dot products then differ only by our float16 scales (K-quants
+    but Q6_K), Q5_1's float16 activation sums in llama.cpp (q8_1), and float sums."""
     n, k = 32, 512
     rng = np.random.default_rng(4)
     raw = random_raw(kind, n, k, seed=5)
@@ -203,7 +208,7 @@ def test_kernels_equal_llama_cpp_dot_products(kind, ggml, kernel_level):  # noqa
     xi[:, ::32] = 127
     x = (xi * 2.0**-6).astype(np.float32)
     blocks = GGUFBlocks.parse(kind, raw, (n, k))
-    ours = NativeMatmul(*blocks.kernel_blocks().affine())(torch.from_numpy(x), out_dtype=torch.float32)[0]
+    ours = native_for(blocks)(torch.from_numpy(x), out_dtype=torch.float32)[0]
     theirs = np.array([llama_dot(ggml, kind, raw[r], x[0]) for r in range(n)])
     w = blocks.dequantize().astype(np.float64)
     exact = w @ x[0].astype(np.float64)
@@ -211,7 +216,7 @@ def test_kernels_equal_llama_cpp_dot_products(kind, ggml, kernel_level):  # noqa
     if kind == "Q5_1":  # llama.cpp's q8_1 keeps d * sum(q) per block in float16
         m = np.abs(blocks.minimum) * np.abs(x[0].reshape(-1, 32).sum(-1))
         bound = bound + F16_STEP * m.sum(-1)
-    if kind == "Q6_K":  # ours: the Q8_0 re-quantization; llama.cpp: exact
+    if kind == "Q6_K":  # both sides hold the file's weights: llama.cpp's result is the exact one too
         assert (np.abs(theirs - exact) <= 1e-5 * (np.abs(w) @ np.abs(x[0])) + 1e-6).all()
     assert (np.abs(ours.numpy() - theirs) <= bound).all(), float(
         (np.abs(ours.numpy() - theirs) / bound).max()

@@ -689,6 +689,299 @@ static inline __attribute__((always_inline)) void gemm_pair(
     }
 }
 
+/* 6-bit weights: Q6_K's own blocks, w = d * sc * (q - 32) with q 0..63, sc an int8 per 16 inputs and d a
+ * float16 per 256, multiplied without re-quantizing them. Tiles of the 8-bit tiles' shape (prepared at load,
+ * kernels/quantized_matmul.py, NativeMatmul.q6_k):
+ *   tiles   [N/16][K/32][6][64] bytes. Code vector v (0..7) of a block is its inputs 4v..4v+3 for the 16
+ *           columns (column j in bytes 4j..4j+3, as the 8-bit tiles' vector v). Sub-block s (v = 4s..4s+3) is
+ *           vectors 3s..3s+2, A, B, C: the low 6 bits of A, B, C are code vectors 4s, 4s+1, 4s+2, and their top
+ *           2 bits hold code vector 4s+3's bits 0-1, 2-3 and 4-5.
+ *   tscale  [N/16][K/256][16] float16: d of each column's super-block.
+ *   toffset [N/16][K/32][16][2] int8 (passed as the offset pointer): sc of each column's two sub-blocks of 16.
+ * 6.5625 bits a weight, as in the file. Per block, column and row, each sub-block's integer sum
+ * I_s = sum_16 (q - 32) xq is exact at every level (it starts at -32 x the row's sum of xq over the sub-block);
+ * then t = fma(I_1, d sc_1, I_0 * d sc_0) (d sc exact in a float: 11 by 8 significant bits) and
+ * acc = fma(t, dx, acc): the same float operations at every level, so every level returns the same bits.
+ * The vector tiles read each row's activations per block from one 64-byte record (xa [M][K/32][64], made once
+ * per call, so that a tile of rows keeps one pointer per row): xq [32] int8 at 0, -32 x its two sub-blocks'
+ * sums (int32) at 32, dx (float) at 40.
+ * Where a call's rows fit one tile the vector levels unpack the codes in registers; with more rows they unpack
+ * a column pair once per chunk of rows (UNPACKED6 bytes a block, into the thread's scratch: codes [2 halves of
+ * the pair][8][64] as bytes 0..63, then d sc [2][2 sub-blocks][16] floats) and every row group multiplies
+ * from there, as from 8-bit tiles. */
+#define Q6_VECS 6
+#define UNPACKED6 1280
+#define XA_BYTES 64
+#if QMM_AVX2
+#define GEMM_ROWS_6BIT 4
+#else
+#define GEMM_ROWS_6BIT 6
+#endif
+_Static_assert(GEMM_ROWS_6BIT <= GEMM_ROWS_MAX, "gemm_pair6's tile switch covers 1-6 rows");
+int quantized_matmul_vectorized(void);
+
+static inline int tiled_code6(const uint8_t *tiles, int64_t nb, int64_t n, int64_t k) {
+    const int64_t g = n / 16, j = n % 16, b = k / QBLOCK, i = k % QBLOCK, v = i / 4;
+    const uint8_t *t = tiles + (g * nb + b) * Q6_VECS * 64 + (v / 4) * 192 + j * 4 + i % 4;
+    if (v % 4 < 3) return t[(v % 4) * 64] & 0x3F;
+    return (t[0] >> 6) | ((t[64] >> 6) << 2) | ((t[128] >> 6) << 4);
+}
+
+static void gemm_tile6_portable(const uint8_t *tiles, const uint16_t *td, const int8_t *tsc, int64_t nb, int64_t g,
+                                const int8_t *xq, const float *dx, int64_t K, int64_t m0, int rows, float *acc_out) {
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 32; j++) {
+            const int64_t n = g * 16 + j, col = n % 16, gg = n / 16;
+            float total = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                float dsc[2];
+                int32_t isum[2];
+                for (int s = 0; s < 2; s++) {
+                    isum[s] = 0;
+                    for (int i = 0; i < 16; i++) {
+                        const int64_t k = b * QBLOCK + s * 16 + i;
+                        isum[s] += (tiled_code6(tiles, nb, n, k) - 32) * xq[(m0 + r) * K + k];
+                    }
+                    dsc[s] = f16_to_f32(td[(gg * (nb / 8) + b / 8) * 16 + col]) * (float)tsc[((gg * nb + b) * 16 + col) * 2 + s];
+                }
+                const float t = fmaf((float)isum[1], dsc[1], (float)isum[0] * dsc[0]);
+                total = fmaf(t, dx[(m0 + r) * nb + b], total);
+            }
+            acc_out[r * 32 + j] = total;
+        }
+}
+
+#if QMM_VNNI
+/* A sub-block's 4 code vectors (0..63) from its 3 tile vectors at t. 0xCA: a ? b : c. */
+static inline void codes6_vnni(const uint8_t *t, __m512i w[4]) {
+    const __m512i six = _mm512_set1_epi8(0x3F), m03 = _mm512_set1_epi8(0x03), m0f = _mm512_set1_epi8(0x0F);
+    const __m512i a = _mm512_loadu_si512((const void *)t), b = _mm512_loadu_si512((const void *)(t + 64)),
+                  c = _mm512_loadu_si512((const void *)(t + 128));
+    w[0] = _mm512_and_si512(a, six);
+    w[1] = _mm512_and_si512(b, six);
+    w[2] = _mm512_and_si512(c, six);
+    /* top bits of a, b, c to bits 0-1, 2-3, 4-5 (16-bit shifts: what crosses from the next byte is masked) */
+    const __m512i ab = _mm512_ternarylogic_epi32(m03, _mm512_srli_epi16(a, 6), _mm512_srli_epi16(b, 4), 0xCA);
+    w[3] = _mm512_and_si512(_mm512_ternarylogic_epi32(m0f, ab, _mm512_srli_epi16(c, 2), 0xCA), six);
+}
+
+/* d sc of 16 columns' two sub-blocks of block b. */
+static inline void scales6_vnni(const int8_t *tsc, const uint16_t *td, int64_t nb, int64_t g, int64_t b, __m512 dsc[2]) {
+    const __m512i pairs = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tsc + (g * nb + b) * 32)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + (g * (nb / 8) + b / 8) * 16)));
+    dsc[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16)));
+    dsc[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16)));
+}
+
+/* Column pair g's tiles into the scratch layout above. */
+static void unpack6_vnni(const uint8_t *tiles, const int8_t *tsc, const uint16_t *td, int64_t nb, int64_t g, uint8_t *u) {
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *ub = u + b * UNPACKED6;
+        for (int cg = 0; cg < 2; cg++) {
+            const uint8_t *t = tiles + ((g + cg) * nb + b) * Q6_VECS * 64;
+            for (int s = 0; s < 2; s++) {
+                __m512i w[4];
+                codes6_vnni(t + s * 192, w);
+                for (int v = 0; v < 4; v++) _mm512_storeu_si512((void *)(ub + cg * 512 + (4 * s + v) * 64), w[v]);
+            }
+            __m512 dsc[2];
+            scales6_vnni(tsc, td, nb, g + cg, b, dsc);
+            _mm512_storeu_ps((float *)(ub + 1024 + (cg * 2) * 64), dsc[0]);
+            _mm512_storeu_ps((float *)(ub + 1024 + (cg * 2 + 1) * 64), dsc[1]);
+        }
+    }
+}
+
+/* The tile: one half of the pair (16 columns) a pass, so that a pass keeps one float accumulator per row and a
+ * sub-block's 4 code vectors in registers; the codes from the scratch (u) or, `from_tiles`, unpacked from the
+ * tiles in registers. */
+static inline __attribute__((always_inline)) void gemm_tile6_vnni(const uint8_t *u, const uint8_t *tiles, const int8_t *tsc,
+                                                                  int from_tiles, const uint16_t *td, int64_t nb, int64_t g,
+                                                                  const uint8_t *xa, int64_t m0, int rows, float *acc_out) {
+    for (int cg = 0; cg < 2; cg++) {
+        __m512 acc[GEMM_ROWS_MAX];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *ub = u + b * UNPACKED6;
+            __m512 dsc[2];
+            if (from_tiles) {
+                scales6_vnni(tsc, td, nb, g + cg, b, dsc);
+            } else {
+                dsc[0] = _mm512_loadu_ps((const float *)(ub + 1024 + (cg * 2) * 64));
+                dsc[1] = _mm512_loadu_ps((const float *)(ub + 1024 + (cg * 2 + 1) * 64));
+            }
+            __m512 t[GEMM_ROWS_MAX];
+            for (int s = 0; s < 2; s++) {
+                __m512i w[4];
+                if (from_tiles)
+                    codes6_vnni(tiles + ((g + cg) * nb + b) * Q6_VECS * 64 + s * 192, w);
+                else
+                    for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_si512((const void *)(ub + cg * 512 + (4 * s + v) * 64));
+                for (int r = 0; r < rows; r++) {
+                    const uint8_t *rec = xa + ((m0 + r) * nb + b) * XA_BYTES;
+                    const int32_t *x4 = (const int32_t *)(rec + s * 16);
+                    __m512i ia = _mm512_set1_epi32(((const int32_t *)(rec + 32))[s]);
+                    for (int v = 0; v < 4; v++) DPBUSD_BCAST(ia, w[v], x4[v]);
+                    t[r] = s ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), dsc[1], t[r]) : _mm512_mul_ps(_mm512_cvtepi32_ps(ia), dsc[0]);
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                FMADD_BCAST(acc[r], t[r], *(const float *)(xa + ((m0 + r) * nb + b) * XA_BYTES + 40));
+        }
+        for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc_out + r * 32 + cg * 16, acc[r]);
+    }
+}
+#define UNPACK6 unpack6_vnni
+#define GEMM_TILE6 gemm_tile6_vnni
+#endif
+
+#if QMM_AVX2
+/* 8 columns' code vectors of a sub-block (0..63) from its 3 tile vectors at t (32 bytes of each). */
+static inline void codes6_avx2(const uint8_t *t, __m256i w[4]) {
+    const __m256i six = _mm256_set1_epi8(0x3F);
+    const __m256i a = _mm256_loadu_si256((const __m256i *)t), b = _mm256_loadu_si256((const __m256i *)(t + 64)),
+                  c = _mm256_loadu_si256((const __m256i *)(t + 128));
+    w[0] = _mm256_and_si256(a, six);
+    w[1] = _mm256_and_si256(b, six);
+    w[2] = _mm256_and_si256(c, six);
+    w[3] = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 6), _mm256_set1_epi8(0x03)),
+                                           _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0C))),
+                           _mm256_and_si256(_mm256_srli_epi16(c, 2), _mm256_set1_epi8(0x30)));
+}
+
+/* d sc of 8 columns' (half hh of group g) two sub-blocks of block b. */
+static inline void scales6_avx2(const int8_t *tsc, const uint16_t *td, int64_t nb, int64_t g, int hh, int64_t b, __m256 dsc[2]) {
+    const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tsc + (g * nb + b) * 32 + hh * 16)));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(td + (g * (nb / 8) + b / 8) * 16 + hh * 8)));
+    dsc[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16)));
+    dsc[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 16)));
+}
+
+static void unpack6_avx2(const uint8_t *tiles, const int8_t *tsc, const uint16_t *td, int64_t nb, int64_t g, uint8_t *u) {
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *ub = u + b * UNPACKED6;
+        for (int cg = 0; cg < 2; cg++)
+            for (int hh = 0; hh < 2; hh++) {
+                const uint8_t *t = tiles + ((g + cg) * nb + b) * Q6_VECS * 64 + hh * 32;
+                for (int s = 0; s < 2; s++) {
+                    __m256i w[4];
+                    codes6_avx2(t + s * 192, w);
+                    for (int v = 0; v < 4; v++) _mm256_storeu_si256((__m256i *)(ub + cg * 512 + (4 * s + v) * 64 + hh * 32), w[v]);
+                }
+                __m256 dsc[2];
+                scales6_avx2(tsc, td, nb, g + cg, hh, b, dsc);
+                _mm256_storeu_ps((float *)(ub + 1024 + (cg * 2) * 64 + hh * 32), dsc[0]);
+                _mm256_storeu_ps((float *)(ub + 1024 + (cg * 2 + 1) * 64 + hh * 32), dsc[1]);
+            }
+    }
+}
+
+/* The tile with AVX2: 8 columns a pass. A row's 4-input pair sums (vpmaddubsw: codes 0..63 unsigned, so no
+ * pair saturates: 2 x 63 x 127) of two code vectors add up in 16 bits (at most 32,004) before vpmaddwd takes
+ * them to 32 bits. Codes from the scratch or, `from_tiles`, unpacked in registers. */
+static inline __attribute__((always_inline)) void gemm_tile6_avx2(const uint8_t *u, const uint8_t *tiles, const int8_t *tsc,
+                                                                  int from_tiles, const uint16_t *td, int64_t nb, int64_t g,
+                                                                  const uint8_t *xa, int64_t m0, int rows, float *acc_out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int q = 0; q < 4; q++) {
+        const int cg = q / 2, hh = q % 2;
+        __m256 acc[GEMM_ROWS_MAX];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *ub = u + b * UNPACKED6;
+            __m256 dsc[2];
+            if (from_tiles) {
+                scales6_avx2(tsc, td, nb, g + cg, hh, b, dsc);
+            } else {
+                dsc[0] = _mm256_loadu_ps((const float *)(ub + 1024 + (cg * 2) * 64 + hh * 32));
+                dsc[1] = _mm256_loadu_ps((const float *)(ub + 1024 + (cg * 2 + 1) * 64 + hh * 32));
+            }
+            __m256 t[GEMM_ROWS_MAX];
+            for (int s = 0; s < 2; s++) {
+                __m256i w[4];
+                if (from_tiles)
+                    codes6_avx2(tiles + ((g + cg) * nb + b) * Q6_VECS * 64 + s * 192 + hh * 32, w);
+                else
+                    for (int v = 0; v < 4; v++) w[v] = _mm256_loadu_si256((const __m256i *)(ub + cg * 512 + (4 * s + v) * 64 + hh * 32));
+                for (int r = 0; r < rows; r++) {
+                    const uint8_t *rec = xa + ((m0 + r) * nb + b) * XA_BYTES;
+                    __m256i ia = _mm256_set1_epi32(((const int32_t *)(rec + 32))[s]);
+                    for (int v = 0; v < 4; v += 2) {
+                        int32_t x0, x1;
+                        memcpy(&x0, rec + (4 * s + v) * 4, sizeof x0);
+                        memcpy(&x1, rec + (4 * s + v) * 4 + 4, sizeof x1);
+                        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(w[v], _mm256_set1_epi32(x0)),
+                                                              _mm256_maddubs_epi16(w[v + 1], _mm256_set1_epi32(x1)));
+                        ia = _mm256_add_epi32(ia, _mm256_madd_epi16(pair, ones));
+                    }
+                    t[r] = s ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), dsc[1], t[r]) : _mm256_mul_ps(_mm256_cvtepi32_ps(ia), dsc[0]);
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm256_fmadd_ps(t[r], _mm256_broadcast_ss((const float *)(xa + ((m0 + r) * nb + b) * XA_BYTES + 40)), acc[r]);
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(acc_out + r * 32 + q * 8, acc[r]);
+    }
+}
+#define UNPACK6 unpack6_avx2
+#define GEMM_TILE6 gemm_tile6_avx2
+#endif
+
+/* gemm_pair for 6-bit tiles: with more rows than one tile takes, the pair (and with `silu` its up pair)
+ * unpacked once into `scratch` and each row group multiplied from there; else unpacked in registers. */
+static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const int8_t *tsc, int64_t nb, int64_t g, int64_t N,
+                              const int8_t *xq, const float *dx, const uint8_t *xa, int64_t K, int64_t mc,
+                              int64_t mend, int step, float *tile, void *out, int out_bf16, int portable, int silu,
+                              uint8_t *scratch) {
+    const int groups = (int)((mend - mc + step - 1) / step);
+    const int64_t up = g + N / 32;
+#if QMM_VNNI || QMM_AVX2
+    const int from_tiles = groups == 1;
+    if (!portable && !from_tiles)
+        for (int part = 0; part <= silu; part++) UNPACK6(tiles, tsc, td, nb, part ? up : g, scratch + part * nb * UNPACKED6);
+#else
+    (void)xa, (void)scratch;
+#endif
+    const int64_t base_rows = (mend - mc) / groups, extra = (mend - mc) % groups;
+    for (int64_t gi = 0, m0 = mc; gi < groups; gi++) {
+        const int rows = (int)(base_rows + (gi < extra));
+        for (int part = 0; part <= silu; part++) {
+            const int64_t gg = part ? up : g;
+            float *t = tile + part * GEMM_ROWS_MAX * 32;
+#if QMM_VNNI || QMM_AVX2
+            const uint8_t *u = scratch + part * nb * UNPACKED6;
+#define TILE6(F, R) GEMM_TILE6(u, tiles, tsc, F, td, nb, gg, xa, m0, R, t)
+#define TILE6_ROWS(F)                                                                                             \
+    switch (rows) {                                                                                               \
+    case 6: TILE6(F, GEMM_ROWS_6BIT > 5 ? 6 : 1); break;                                                          \
+    case 5: TILE6(F, GEMM_ROWS_6BIT > 4 ? 5 : 1); break;                                                          \
+    case 4: TILE6(F, 4); break;                                                                                   \
+    case 3: TILE6(F, 3); break;                                                                                   \
+    case 2: TILE6(F, 2); break;                                                                                   \
+    default: TILE6(F, 1); break;                                                                                  \
+    }
+            if (!portable) {
+                if (from_tiles) {
+                    TILE6_ROWS(1)
+                } else {
+                    TILE6_ROWS(0)
+                }
+            } else
+#undef TILE6_ROWS
+#undef TILE6
+#endif
+                gemm_tile6_portable(tiles, td, tsc, nb, gg, xq, dx, K, m0, rows, t);
+        }
+        for (int r = 0; r < rows; r++) {
+            if (silu)
+                store_silu32(tile + r * 32, tile + (GEMM_ROWS_MAX + r) * 32, out, (m0 + r) * (N / 2) + g * 16, out_bf16);
+            else
+                store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
+        }
+        m0 += rows;
+    }
+}
+
 /* The column pairs are shared out in shrinking chunks (guided) where all rows fit one chunk (decode): a
  * thread that the OS takes away mid-call (the server's event loop and its clients share the cores) then
  * leaves its pairs to the other instead of holding up the call. Bigger calls (prefill) keep a static split,
@@ -696,14 +989,15 @@ static inline __attribute__((always_inline)) void gemm_pair(
  * `python -m tests.bench serve` measures it (HTTP against the offline engine).
  * `silu`: the weight is a fused [gate; up] (N = 2 I, I % 32 == 0) and out [M, I] receives SiLU(gate) x up,
  * rounded as the layer ops' silu_mul rounds it after this kernel's plain output: the same values without
- * writing and reading back the M x 2I intermediate. */
+ * writing and reading back the M x 2I intermediate. bits 6: the 6-bit tiles (gemm_pair6), K % 256 == 0. */
 void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const uint16_t *tscale,
                     const uint16_t *toffset, int64_t N, int bits, void *out, int out_bf16, int silu, int portable,
                     int num_threads) {
     CHECK(M >= 0, M);
     CHECK(K > 0 && K % QBLOCK == 0, K);
     CHECK(N > 0, N);
-    CHECK(bits == 4 || bits == 8, bits);
+    CHECK(bits == 4 || bits == 6 || bits == 8, bits);
+    CHECK(bits != 6 || K % 256 == 0, K);
     CHECK(num_threads > 0, num_threads);
     CHECK_PTR(x, M);
     CHECK_PTR(out, M);
@@ -716,35 +1010,63 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+    /* bits 6: the vector tiles' activation records (gemm_pair6) */
+    uint8_t *xa = bits == 6 ? (uint8_t *)malloc((size_t)(M * nb * XA_BYTES)) : NULL;
     const size_t elem = x_bf16 ? 2 : 4;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         _Pragma("omp for schedule(static)")
-        for (int64_t m = 0; m < M; m++)
+        for (int64_t m = 0; m < M; m++) {
             quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb,
                          xs + m * nb, portable);
+            if (xa)
+                for (int64_t b = 0; b < nb; b++) {
+                    uint8_t *rec = xa + (m * nb + b) * XA_BYTES;
+                    memcpy(rec, xq + m * K + b * QBLOCK, QBLOCK);
+                    for (int s = 0; s < 2; s++) {
+                        int32_t n32 = 0;
+                        for (int i = 0; i < 16; i++) n32 -= 32 * xq[m * K + b * QBLOCK + s * 16 + i];
+                        memcpy(rec + 32 + 4 * s, &n32, 4);
+                    }
+                    memcpy(rec + 40, dx + m * nb + b, 4);
+                }
+        }
         float tile[2 * GEMM_ROWS_MAX * 32];
-        const int step = gemm_rows(bits);
+        const int step = bits == 6 ? GEMM_ROWS_6BIT : gemm_rows(bits);
         const int64_t pairs_end = silu ? N / 32 : N / 16; /* silu: the gate pairs */
+        /* the 6-bit tiles' unpacked pair (two with silu), per thread */
+        uint8_t *scratch = bits == 6 && !portable && quantized_matmul_vectorized()
+                               ? (uint8_t *)malloc((size_t)(nb * UNPACKED6 * (1 + silu)))
+                               : NULL;
+#define PAIR(MC, MEND)                                                                                            \
+    do {                                                                                                          \
+        if (bits == 6)                                                                                            \
+            gemm_pair6(tiles, tscale, (const int8_t *)toffset, nb, g, N, xq, dx, xa, K, MC, MEND, step, tile, out, \
+                       out_bf16, portable, silu, scratch);                                                         \
+        else                                                                                                      \
+            gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, MC, MEND, step, tile, out,         \
+                      out_bf16, portable, silu);                                                                   \
+    } while (0)
         if (M <= GEMM_CHUNK) {
             _Pragma("omp for schedule(guided)")
             for (int64_t g = 0; g < pairs_end; g += 2)
-                gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, 0, M, step, tile, out, out_bf16, portable,
-                          silu);
+                PAIR(0, M);
         } else {
             for (int64_t mc = 0; mc < M; mc += GEMM_CHUNK) {
                 const int64_t mend = mc + GEMM_CHUNK < M ? mc + GEMM_CHUNK : M;
                 _Pragma("omp for schedule(static)")
                 for (int64_t g = 0; g < pairs_end; g += 2)
-                    gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, mc, mend, step, tile, out, out_bf16,
-                              portable, silu);
+                    PAIR(mc, mend);
             }
         }
+#undef PAIR
+        free(scratch);
     }
     free(xq);
     free(dx);
     free(sx);
     free(xs);
+    free(xa);
 }
 
 /* Which vector loops this build multiplies with: 2 AVX-512 VNNI, 1 AVX2 + FMA + F16C, 0 none (the portable
