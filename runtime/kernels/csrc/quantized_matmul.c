@@ -624,6 +624,18 @@ static inline void store_silu32(const float *gate, const float *up, void *out, i
     }
 }
 
+/* A tile's `rows` rows of column pair g, from row m0: the plain sums (32 columns a row), or with `silu` the
+ * gate sums and, GEMM_ROWS_MAX rows on, the up sums, as SiLU(gate) x up into the N / 2 outputs' columns. */
+static inline void store_tile_rows(const float *tile, int rows, int64_t m0, int64_t g, int64_t N, int silu,
+                                   void *out, int out_bf16) {
+    for (int r = 0; r < rows; r++) {
+        if (silu)
+            store_silu32(tile + r * 32, tile + (GEMM_ROWS_MAX + r) * 32, out, (m0 + r) * (N / 2) + g * 16, out_bf16);
+        else
+            store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
+    }
+}
+
 /* Column pair g (columns 16g .. 16g + 31) for rows mc .. mend - 1, a tile of `step` rows at a time: the next
  * pair's weights come from memory while this one's are reused from cache by every row group, each group
  * prefetching its share of the blocks. With `silu`, pair g is a gate pair of the fused gate-up weight (its
@@ -679,12 +691,7 @@ static inline __attribute__((always_inline)) void gemm_pair(
 #endif
                 gemm_tile_portable(tiles, tscale, toffset, nb, bits, gg, xq, dx, sx, K, m0, rows, t);
         }
-        for (int r = 0; r < rows; r++) {
-            if (silu)
-                store_silu32(tile + r * 32, tile + (GEMM_ROWS_MAX + r) * 32, out, (m0 + r) * (N / 2) + g * 16, out_bf16);
-            else
-                store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
-        }
+        store_tile_rows(tile, rows, m0, g, N, silu, out, out_bf16);
         m0 += rows;
     }
 }
@@ -972,12 +979,7 @@ static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const in
 #endif
                 gemm_tile6_portable(tiles, td, tsc, nb, gg, xq, dx, K, m0, rows, t);
         }
-        for (int r = 0; r < rows; r++) {
-            if (silu)
-                store_silu32(tile + r * 32, tile + (GEMM_ROWS_MAX + r) * 32, out, (m0 + r) * (N / 2) + g * 16, out_bf16);
-            else
-                store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
-        }
+        store_tile_rows(tile, rows, m0, g, N, silu, out, out_bf16);
         m0 += rows;
     }
 }
