@@ -71,13 +71,18 @@ def _pinned(lib: ctypes.CDLL):
         native_kernels._pinned = previous
 
 
-def run() -> dict:
+def at_one_thread(fn):
+    """fn() with torch (and so the kernels) at one thread, the thread count restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run()
+        return fn()
     finally:
         torch.set_num_threads(threads)
+
+
+def run() -> dict:
+    return at_one_thread(_run)
 
 
 def _run() -> dict:

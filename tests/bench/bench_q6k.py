@@ -18,6 +18,7 @@ import torch
 from runtime.kernels import library as native_kernels
 from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.quant.gguf_blocks import BLOCK_BYTES, GGUFBlocks
+from tests.bench.bench_kernel_levels import at_one_thread
 
 ROUNDS = 15
 SHAPES = {"ffn_down 2048->640": (640, 2048), "4096 x 4096": (4096, 4096)}
@@ -43,12 +44,7 @@ def _seconds(fn, calls: int) -> float:
 
 
 def run() -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _run()
-    finally:
-        torch.set_num_threads(threads)
+    return at_one_thread(_run)
 
 
 def _run() -> dict:
