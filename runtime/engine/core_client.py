@@ -32,12 +32,11 @@ STARTUP_TIMEOUT_SECONDS = 600.0
 """Longest wait for the core to load its model and say ready."""
 STOP_TIMEOUT_SECONDS = 10.0
 """After asking the core to stop, wait this long before killing it."""
-CORE_GOMP_SPINCOUNT = "10000"
-"""How long the core's OpenMP threads spin before sleeping (about a quarter of a millisecond), unless
-OMP_WAIT_POLICY or GOMP_SPINCOUNT is set. libgomp's default (300,000) suits a team that owns its cores; where
-the cores are shared (other engines, the server's event loop and its clients) a long spin burns the others'
-time slices, and too short a one leaves a thread that slept mid-step waiting for its core back. The serve
-benchmark (tests/bench/bench_serve.py, 32 streams over HTTP against the offline engine) measures the choice."""
+CORE_GOMP_SPINCOUNT = "300000"
+"""How long the core's OpenMP threads spin before sleeping (a few milliseconds), unless OMP_WAIT_POLICY or
+GOMP_SPINCOUNT is set: libgomp's own default count, but set, not left to libgomp, which in the core spun
+for less (measured: 32 streams over HTTP against the offline engine, tests/bench/bench_serve.py). A host
+whose cores are shared with other busy processes wants a shorter spin (the README says which)."""
 
 
 class EngineCoreClient(EngineClient):
