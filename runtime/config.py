@@ -48,9 +48,11 @@ class ModelSettings:
     .. 56 tokens, then every 64 up to max_num_batched_tokens or 512 (a graph is one launch for the whole step:
     small models' steps are otherwise mostly launch overhead). No effect on CPU."""
     dense_copy_bytes: int | str | None = field(default=None, metadata={"size": True})
-    """Memory for dense copies of packed GGUF projections (a prefill chunk or a large batch multiplies
+    """Memory for dense copies of packed GGUF projections (a prefill chunk or a large batch may multiply
     faster by them, from a row count measured at load): projections get one in order, the layers' from
-    the first, then the LM head's, while they fit. 0 turns them off; None: no cap."""
+    the first, then the LM head's, while they fit. 0 turns them off. None: none where the C kernels' vector
+    loops are built (their many-row loops take every row count, and the packed model holds about the
+    file's bytes), no cap where they are not."""
 
     def __post_init__(self) -> None:
         self.dense_copy_bytes = parse_size(self.dense_copy_bytes, "dense_copy_bytes")

@@ -35,14 +35,15 @@ class NativeMatmul:
         self,
         codes: np.ndarray,
         scale: np.ndarray,
-        offset: np.ndarray,
+        offset: np.ndarray | float,
         bits: int,
         tiles: bool = True,
         one_row: bool = True,
         consume: bool = False,
     ):
         """codes [N, K] (0..15 for bits=4; 0..255 for bits=8, e.g. Q8_0's stored code + 128 or Q5_0's
-        0..31); scale, offset [N, K / 32] with w = scale * code + offset per block. `tiles`: also the
+        0..31); scale, offset [N, K / 32] with w = scale * code + offset per block (offset a number c: c *
+        scale, a symmetric type's, with no array of them made where only the tiles are). `tiles`: also the
         many-row kernel's layout, where it can be made; `one_row` False: not the one-row kernel's where the
         tiled one is made (every call goes to the many-row loops; the blocks are held once). `consume`: the
         codes are this call's to overwrite (with_tiles' in_place)."""
@@ -57,6 +58,8 @@ class NativeMatmul:
         self.one_row = one_row or self.tiles is None
         if not self.one_row:
             codes, scale, offset = (np.zeros((n, 0), np.uint8),) * 3
+        elif not isinstance(offset, np.ndarray):
+            offset = offset * np.asarray(scale, np.float32)
         if bits == 4 and self.one_row:
             # the two blocks of each pair share bytes: the first in the low nibbles, the second in the high
             pairs = codes.reshape(n, k // 64, 2, GROUP).astype(np.uint8)
@@ -71,7 +74,7 @@ class NativeMatmul:
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
 
     def with_tiles(
-        self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, in_place: bool = False
+        self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | float, in_place: bool = False
     ) -> NativeMatmul:
         """Add the layout of the many-row kernel (csrc/quantized_matmul.c, quantized_gemm) for the fields
         __init__ takes: per 16 output columns and block of 32 inputs, vectors of 4 codes per column. Costs
@@ -106,7 +109,9 @@ class NativeMatmul:
             out[...] = a.reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1)  # no float16 copy in between
             return torch.from_numpy(out)
 
-        self.tiles = (torch.from_numpy(tiles), per_tile(scale), per_tile(offset))
+        tscale = per_tile(scale)
+        toffset = per_tile(offset) if isinstance(offset, np.ndarray) else tscale * offset  # exact: c = -2^j
+        self.tiles = (torch.from_numpy(tiles), tscale, toffset)
         return self
 
     @classmethod
@@ -252,6 +257,12 @@ class NativeMatmul:
             torch.get_num_threads(),
         )
         return out
+
+
+def vector_loops() -> bool:
+    """The library was built with the vector loops (AVX2 or AVX-512), which make the many-row layout."""
+    lib = load()
+    return lib is not None and bool(lib.quantized_matmul_vectorized())
 
 
 def usable(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:

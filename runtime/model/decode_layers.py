@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from runtime.kernels.library import load
-from runtime.quant.linear import Int4Linear
+from runtime.quant.linear import ALL_ROWS, Int4Linear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -100,15 +100,11 @@ def _projection(w: Int4Linear) -> _Projection:
     native = w.native
     codes = (native.codes.data_ptr(), native.scale.data_ptr(), native.offset.data_ptr())
     tiles = tuple(t.data_ptr() for t in native.tiles) if native.tiles is not None else (None, None, None)
-    return _Projection(
-        *codes,
-        *tiles,
-        w.out_features,
-        w.in_features,
-        native.bits,
-        -1 if w.native_rows is None else w.native_rows,
-        -1 if w.gemm_rows is None or native.tiles is None else w.gemm_rows,
-    )
+    native_rows = -1 if w.native_rows is None else w.native_rows
+    gemm_rows = -1 if w.gemm_rows is None or native.tiles is None else w.gemm_rows
+    if w.packed is None:  # the C kernels' one layout takes every row count (Int4Linear.native_path)
+        native_rows, gemm_rows = (-1, 1) if native.tiles is not None else (ALL_ROWS, -1)
+    return _Projection(*codes, *tiles, w.out_features, w.in_features, native.bits, native_rows, gemm_rows)
 
 
 def _address(t: torch.Tensor | None) -> int | None:

@@ -13,6 +13,9 @@ metadata names (runtime/attention/backend.py), given each layer's sliding window
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -30,6 +33,23 @@ from runtime.quant.gguf_blocks import GGUFBlocks
 from runtime.quant.linear import BlockEmbedding, Int4Linear, linear, pack_native, weight_nbytes
 from runtime.quant.resolve import make_linear
 from runtime.quant.routing import measure_dense_rows, measure_row_paths
+
+
+def _return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing): packing a
+    weight frees temporaries into the heap, and a large model's load would otherwise keep them resident
+    until its end (tests/bench/gguf_load_memory.py)."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,7 +74,7 @@ class RotaryEmbedding:
     whole context is tens of MB a table. Elsewhere they are made whole at once (CUDA graphs keep their
     addresses)."""
 
-    INITIAL_POSITIONS = 4096
+    INITIAL_POSITIONS = 1024
     CHUNK = 4096
     """Rows computed at a time: no table-sized float32 temporaries."""
 
@@ -137,7 +157,7 @@ class LlamaModel:
         dense_copy_bytes: int | None = None,
     ):
         """quantization: as resolved by runtime.quant.resolve.resolve_quantization ('none', 'gguf', 'int8',
-        'int4'); dense_copy_bytes: the cap on packed projections' dense copies (ModelSettings)."""
+        'int4'); dense_copy_bytes: the memory for packed projections' dense copies (ModelSettings)."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -179,12 +199,16 @@ class LlamaModel:
             fused = GGUFBlocks.stack(parts) if all(isinstance(p, GGUFBlocks) for p in parts) else None
             if fused is None:
                 fused = np.concatenate([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts])
-            dense = how == "gguf"
+            # no dense copies unless asked for where the C kernels' many-row loops are built
+            dense = how == "gguf" and (dense_budget[0] is not None or not native_matmul.vector_loops())
             if dense and dense_budget[0] is not None:
                 cost = fused.shape[0] * fused.shape[1] * dtype.itemsize
                 dense = cost <= dense_budget[0]
                 dense_budget[0] -= cost if dense else 0
-            return make_linear(fused, how, dtype, device, dense=dense)
+            w = make_linear(fused, how, dtype, device, dense=dense)
+            del fused, parts
+            _return_freed_memory()
+            return w
 
         # the layers first: their dense copies serve every prefill row, the LM head's only sampled rows
         self.layers = [
@@ -197,6 +221,7 @@ class LlamaModel:
         ]
 
         embed = source("model.embed_tokens.weight")
+        _return_freed_memory()  # the parse's chunks: a large table's blocks are made a chunk at a time
         if (
             quantization == "gguf"
             and config.tie_word_embeddings
@@ -224,6 +249,7 @@ class LlamaModel:
             self.lm_head = self.embed if config.tie_word_embeddings else proj(["lm_head.weight"])
         self.norm = tensor("model.norm.weight")
         shared.clear()
+        _return_freed_memory()
         self._choose_dense_rows()
         self._choose_native_rows()
         c = config

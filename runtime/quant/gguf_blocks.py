@@ -53,9 +53,10 @@ def group_size(kind: str) -> int:
     return 16 if kind == "Q6_K" else GROUP
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """Two bytes per row -> float32 of the float16 they hold, [rows]."""
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32).reshape(-1)
+def _f16(b: np.ndarray, widen: bool = True) -> np.ndarray:
+    """Two bytes per row -> the float16 they hold, [rows]; `widen`: as float32."""
+    h = np.ascontiguousarray(b).view(np.float16).reshape(-1)
+    return h.astype(np.float32) if widen else h
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -75,7 +76,9 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @dataclass
 class GGUFBlocks:
     """A GGUF matrix as its block fields, rows in the matrix's row order. codes [N, K] (uint8; int8 for
-    Q8_0); scale and minimum [N, K / group] float32 (group 16 for Q6_K, else 32); minimum is the additive
+    Q8_0); scale and minimum [N, K / group] (group 16 for Q6_K, else 32): float16 as the file stores them
+    for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (every product with them is formed in float32), float32 for the
+    K-quants' products (and wherever a caller gives float32); minimum is the additive
     offset of the asymmetric types (Q4_1, Q5_1, Q4_K, Q5_K: for the K-quants -dmin m), else None.
     super_scale: Q6_K's d [N, K / 256] (float32 of its float16), which its scale d sc holds exactly as a
     multiple of (q6_k_fields), else None."""
@@ -105,16 +108,16 @@ class GGUFBlocks:
         nb = b.shape[0]
         minimum = super_scale = None
         if kind == "Q8_0":
-            codes, scale = b[:, 2:].view(np.int8), _f16(b[:, :2])
+            codes, scale = b[:, 2:].view(np.int8), _f16(b[:, :2], widen=False)
         elif kind in ("Q4_0", "Q4_1"):
-            scale = _f16(b[:, :2])
+            scale = _f16(b[:, :2], widen=False)
             if kind == "Q4_1":
-                minimum = _f16(b[:, 2:4])
+                minimum = _f16(b[:, 2:4], widen=False)
             codes = _nibbles(b[:, size - 16 :])
         elif kind in ("Q5_0", "Q5_1"):
-            scale = _f16(b[:, :2])
+            scale = _f16(b[:, :2], widen=False)
             if kind == "Q5_1":
-                minimum = _f16(b[:, 2:4])
+                minimum = _f16(b[:, 2:4], widen=False)
             at = 4 if kind == "Q5_1" else 2
             qh = np.ascontiguousarray(b[:, at : at + 4]).view(np.uint32).reshape(nb, 1)
             high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
@@ -151,13 +154,13 @@ class GGUFBlocks:
         n, k = self.shape
         g = self.group
         codes = self.codes.reshape(n, k // g, g)
+        scale = self.scale.astype(np.float32, copy=False)[..., None]
         if self.kind in CENTER:
-            q = (codes.astype(np.int16) - CENTER[self.kind]).astype(np.float32)
-            w = self.scale[..., None] * q
+            w = scale * (codes.astype(np.int16) - CENTER[self.kind]).astype(np.float32)
         elif self.minimum is not None:
-            w = self.scale[..., None] * codes.astype(np.float32) + self.minimum[..., None]
+            w = scale * codes.astype(np.float32) + self.minimum.astype(np.float32, copy=False)[..., None]
         else:
-            w = self.scale[..., None] * codes.astype(np.float32)
+            w = scale * codes.astype(np.float32)
         return w.reshape(n, k)
 
     def take_rows(self, order: np.ndarray) -> GGUFBlocks:
@@ -231,11 +234,15 @@ class GGUFBlocks:
         limit = float(np.finfo(np.float16).max) / (128 if self.kind in ("Q8_0", "Q6_K", AFFINE8) else 32)
         return all(float(np.abs(f).max(initial=0)) <= limit for f in fields)
 
-    def affine(self, in_place: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def affine(
+        self, in_place: bool = False, factor: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | float, int]:
         """(codes [N, K] unsigned, scale, offset [N, K / 32], bits) with w = scale * code + offset: the C
         kernels' layout (runtime.kernels.quantized_matmul). bits 4: codes 0..15; bits 8: codes 0..255 (Q8_0's
         code + 128; the 5-bit types' codes 0..31 as they are). Groups of 32 (kernel_blocks first for Q6_K).
-        `in_place`: Q8_0's codes become unsigned in their own memory (these blocks are spent)."""
+        `in_place`: Q8_0's codes become unsigned in their own memory (these blocks are spent). `factor`: a
+        symmetric type's offset (Q8_0, Q4_0, Q5_0) as the number c with offset = c * scale, no array made
+        (NativeMatmul takes either)."""
         assert self.group == GROUP, "kernel_blocks() first"
         bits = 4 if self.kind in FOUR_BIT else 8
         if self.kind == AFFINE8:
@@ -246,15 +253,18 @@ class GGUFBlocks:
                 unsigned ^= 0x80
             else:
                 unsigned = (self.codes.astype(np.int16) + 128).astype(np.uint8)
-            return unsigned, self.scale, -128 * self.scale, 8
-        offset = self.minimum if self.minimum is not None else -CENTER[self.kind] * self.scale
-        return self.codes, self.scale, offset, bits
+            return unsigned, self.scale, -128.0 if factor else -128 * self.scale, 8
+        if self.minimum is not None:
+            return self.codes, self.scale, self.minimum, bits
+        c = -CENTER[self.kind]
+        return self.codes, self.scale, float(c) if factor else c * self.scale, bits
 
     def int4_fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(codes 0..15 [R, K], scale [R, K/32], zero [R, K/32]) with w = (code - 8) * scale + zero (torch's
         int4 kernel); R = 2N for the 8-bit types: u = hi * 16 + lo, w = 16s (hi - 8) + [s (lo - 8) + o + 136s],
         the hi halves' rows, then the lo halves'."""
         codes, scale, offset, bits = self.affine()
+        scale, offset = scale.astype(np.float32, copy=False), offset.astype(np.float32, copy=False)
         if bits == 4:
             return codes, scale, offset + 8 * scale
         codes = np.concatenate([codes >> 4, codes & 0x0F])

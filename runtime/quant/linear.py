@@ -23,10 +23,11 @@ activations, where the scales are rounded to bfloat16 too.
 
 The packed kernel wins where a step is bound by reading weights (a few rows:
 decode); with many rows (prefill chunks, large decode batches) a dense bfloat16
-matmul computes faster on CPUs with fast bfloat16. So a GGUF's packed projections may also keep their blocks
-dequantized to a dense copy, used from `dense_rows` rows up; the model measures
-that crossover once at load (runtime.quant.routing.measure_dense_rows) and drops the copies where
-dense never wins. The copy costs the dense weights' memory again.
+matmul may compute faster on CPUs with fast bfloat16. So a GGUF's packed projections may also keep their
+blocks dequantized to a dense copy, used from `dense_rows` rows up, where one is asked for
+(ModelSettings.dense_copy_bytes) or the C kernels' vector loops (whose many-row loops take prefill rows)
+are not built; the model measures that crossover once at load (runtime.quant.routing.measure_dense_rows)
+and drops the copies where dense never wins. The copy costs the dense weights' memory again.
 
 For one row (a single stream's decode) a C kernel with 8-bit activations
 (runtime.kernels.quantized_matmul) multiplies the same blocks with integer dot products;
@@ -179,7 +180,10 @@ def weight_nbytes(w: torch.Tensor | Int4Linear) -> int:
 NATIVE_ONLY_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", AFFINE8)
 """Types pack_gguf gives the C kernels alone (Int4Linear.native_only) where they are built: no copy for
 torch's int4 kernel and no dense one, so the packed model holds about the file's bytes (the bound in
-tests/bench/gguf_load_memory.py); Q4_0 / Q4_1 / Q8_0 keep every path, measured at load."""
+tests/bench/gguf_load_memory.py). Q4_0 / Q4_1 / Q8_0 go the same way where the kernels' vector loops are
+built and the tiles can be made, unless a dense copy is asked for; elsewhere they keep every path,
+measured at load."""
+TILED_ONLY_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def pack_native(
@@ -192,7 +196,7 @@ def pack_native(
     in place)."""
     if blocks.kind == "Q6_K" and blocks.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0:
         return Int4Linear.native_only(NativeMatmul.q6_k(*blocks.q6_k_fields()), dtype)
-    affine = blocks.kernel_blocks().affine(in_place=consume)
+    affine = blocks.kernel_blocks().affine(in_place=consume, factor=True)
     native = NativeMatmul(*affine, tiles=tiles, one_row=not tiles, consume=consume)
     return Int4Linear.native_only(native, dtype)
 
@@ -200,8 +204,16 @@ def pack_native(
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:
     """The GGUF's blocks as they are, for the C kernels alone (NATIVE_ONLY_TYPES, pack_native) where they are
     built, else in the int4 kernel's layout and the C kernels' (Q6_K re-quantized to Q8_0 there,
-    GGUFBlocks.kernel_blocks); `dense`: also a dequantized copy (exact, Q6_K included)."""
-    if blocks.kind in NATIVE_ONLY_TYPES and native_matmul.usable(blocks.shape[1], dtype, torch.device("cpu")):
+    GGUFBlocks.kernel_blocks); `dense`: also a dequantized copy (exact, Q6_K included), with every path."""
+    if native_matmul.usable(blocks.shape[1], dtype, torch.device("cpu")) and (
+        blocks.kind in NATIVE_ONLY_TYPES
+        or (
+            blocks.kind in TILED_ONLY_TYPES
+            and not dense
+            and blocks.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0
+            and native_matmul.vector_loops()
+        )
+    ):
         return pack_native(blocks, dtype)
     kernel = blocks.kernel_blocks()
     codes, scale, zero = kernel.int4_fields()

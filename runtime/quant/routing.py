@@ -133,8 +133,7 @@ def packed_measures_faster(rounds: int = 7, calls: int = 8) -> bool:
     576, blocks of 32) faster than the dense float32 matmul does (fastest round's seconds, interleaved): the
     step a single stream's decode repeats, bound by reading weights (0.56 bytes a weight packed, 4 dense).
     False without the kernel or its vector loops (the portable loops are no match for a dense matmul)."""
-    lib = native_matmul.load()
-    if lib is None or not lib.quantized_matmul_vectorized():
+    if not native_matmul.vector_loops():
         return False
     rng = np.random.default_rng(0)
     n, k = 1536, 576

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from runtime.model import gguf_checkpoint
-from runtime.quant.gguf_blocks import BLOCK_BYTES, BLOCK_ELEMENTS, GGUFBlocks, TYPES
+from runtime.quant.gguf_blocks import BLOCK_BYTES, BLOCK_ELEMENTS, TYPES, GGUFBlocks
 
 HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2]}
 HALF_FIELDS |= {"Q5_K": [0, 2], "Q6_K": [208]}

@@ -84,7 +84,9 @@ def test_rope_tables_grow_to_the_same_values_as_whole_ones():
     rope = RotaryEmbedding(inv_freq, 20000, torch.bfloat16, torch.device("cpu"))
     assert rope.length == RotaryEmbedding.INITIAL_POSITIONS < 20000
     assert not rope.cover(100)
-    assert rope.cover(5000) and rope.length == 2 * RotaryEmbedding.INITIAL_POSITIONS
+    first = RotaryEmbedding.INITIAL_POSITIONS
+    assert rope.cover(first + 1) and rope.length == 2 * first  # doubles
+    assert rope.cover(5 * first) and rope.length == 5 * first  # or takes the positions asked for
     assert rope.cover(20000) and rope.length == 20000 and not rope.cover(20001)
     freqs = torch.outer(torch.arange(20000, dtype=torch.int64).float(), inv_freq)
     cos, sin = freqs.cos().to(torch.bfloat16), freqs.sin().to(torch.bfloat16)

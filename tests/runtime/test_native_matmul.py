@@ -47,9 +47,9 @@ def level(request) -> str:
 
 
 def _tiled(blocks: GGUFBlocks, dtype: torch.dtype) -> native_matmul.NativeMatmul:
-    """The C kernel's copies of `blocks`, with the many-row layout even where the build has no vector loops
-    (then it is made only for tests: the portable loops read the same layout)."""
-    w = pack_gguf(blocks, dtype).native
+    """The C kernel's copies of `blocks` (one-row and many-row), with the many-row layout even where the build
+    has no vector loops (then it is made only for tests: the portable loops read the same layout)."""
+    w = pack_gguf(blocks, dtype, dense=True).native  # both of the C kernels' layouts
     if w.tiles is None:
         if blocks.kind == "Q8_0":
             w.with_tiles(
@@ -199,7 +199,7 @@ def test_a_nan_activation_reaches_its_rows_outputs_only(level, portable, dtype):
 
 def test_many_rows_go_to_the_loops_only_from_where_they_measured_faster(monkeypatch):
     blocks, _ = _tensor("blk.0.attn_output.weight")
-    w = pack_gguf(blocks, torch.bfloat16)
+    w = pack_gguf(blocks, torch.bfloat16, dense=True)  # every path: the routing under test
     w.native = _tiled(blocks, torch.bfloat16)
     calls = []
     real = w.native.gemm
@@ -218,7 +218,7 @@ def test_one_row_bytes_follow_the_path_one_row_takes():
     w8 = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w8, gguf.GGMLQuantizationType.Q8_0)
     blocks = GGUFBlocks.parse("Q8_0", raw, w8.shape)
-    w = pack_gguf(blocks, torch.bfloat16)
+    w = pack_gguf(blocks, torch.bfloat16, dense=True)  # every path: the routing under test
     w.native = _tiled(blocks, torch.bfloat16)
     n, k = w8.shape
     for native_rows, gemm_rows, expected in ((1, 2, 1.125), (None, 1, 1.125), (None, 2, 1.25)):
@@ -228,7 +228,7 @@ def test_one_row_bytes_follow_the_path_one_row_takes():
 
 def test_one_row_goes_to_the_kernel_only_where_it_measured_faster(monkeypatch):
     blocks, _ = _tensor("blk.0.attn_output.weight")
-    w = pack_gguf(blocks, torch.bfloat16)
+    w = pack_gguf(blocks, torch.bfloat16, dense=True)  # every path: the routing under test
     calls = []
     real = w.native.__call__
     monkeypatch.setattr(w, "native", lambda x, **kw: calls.append(len(x)) or real(x, **kw))
@@ -285,7 +285,7 @@ def test_load_time_measurement_feeds_the_rule(monkeypatch, one_row, loops, rest,
     """Injected costs (seconds a row, fixed seconds) on a fake clock for the one-row loops, the many-row
     loops and the rest (dense copy or packed kernel)."""
     blocks, _ = _tensor("blk.0.attn_output.weight")
-    w = pack_gguf(blocks, torch.bfloat16)
+    w = pack_gguf(blocks, torch.bfloat16, dense=True)  # every path: the routing under test
     clock, seen = [0.0], []
 
     def costing(per_row: float, fixed: float):

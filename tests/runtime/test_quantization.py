@@ -5,12 +5,15 @@ weights, and the float32 engine's perplexity on a fixed text."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
 from runtime import Engine, device
+from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.model.checkpoint import default_model_path
 from runtime.quant import resolve, routing
@@ -28,7 +31,9 @@ def _check_packed(blocks: GGUFBlocks, reference: np.ndarray) -> None:
     assert np.array_equal(blocks.dequantize(), reference)
     x = torch.randn(3, reference.shape[1])
     expected = x @ torch.from_numpy(reference).T
-    got = pack_gguf(blocks, torch.float32)(x)
+    packed = pack_gguf(blocks, torch.float32, dense=True)  # every path kept, none measured: torch's kernel
+    assert packed.packed is not None and packed.native_path(3) is None and packed.dense_rows is None
+    got = packed(x)
     bound = 2e-6 * expected.abs().max().item() * reference.shape[1] ** 0.5  # float32 rounding over K terms
     assert (got - expected).abs().max().item() <= bound
 
@@ -36,7 +41,8 @@ def _check_packed(blocks: GGUFBlocks, reference: np.ndarray) -> None:
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"])
 def test_gguf_blocks_are_read_exactly_and_packed_as_the_same_function(name):
     """Q4_1 (the layers) and Q8_0 (the tied embedding / LM head) of the default file, packed for the int4
-    kernel, multiply like the gguf library's dequantized matrix (float32 activations)."""
+    kernel (kept where a dense copy is asked for), multiply like the gguf library's dequantized matrix
+    (float32 activations)."""
     reader = gguf.GGUFReader(default_model_path())
     tensor = next(t for t in reader.tensors if t.name == name)
     shape = tuple(int(d) for d in reversed(tensor.shape))
@@ -118,6 +124,24 @@ def test_dense_copies_are_capped_by_the_setting():
             assert w.dense is not None or w.gemm_rows is not None
     assert second.gate_up.dense is None and capped.model.lm_head.dense is None
     assert "--dense-copy-bytes" in build_parser().format_help()
+
+
+@pytest.mark.slow  # loads the real model
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_packed_projections_are_held_once_by_default(dtype):
+    """With the C kernels' vector loops built (every x86-64 CPU with AVX2), the default packed model keeps
+    each GGUF projection in one layout, the many-row tiles, and no dense copy: about the file's bytes.
+    Without them (the portable build), torch's packed kernel and the dense copies stay."""
+    engine = Engine.from_pretrained(dtype=dtype, device="cpu", quantization="gguf", kv_cache_bytes=16 << 20)
+    packed = engine.model._packed()
+    assert len(packed) == 1 + 4 * engine.model.config.num_layers
+    for w in packed:
+        assert (w.packed is None and w.dense is None) == native_matmul.vector_loops()
+        if native_matmul.vector_loops():
+            assert w.native.tiles is not None and not w.native.one_row
+    on_disk = Path(default_model_path()).stat().st_size
+    held = sum(w.nbytes for w in packed)
+    assert held <= 1.1 * on_disk, (held, on_disk)
 
 
 @pytest.mark.parametrize(
