@@ -15,9 +15,9 @@ BOUND = 1.3
 
 
 @pytest.mark.slow  # a fresh interpreter loads the real model
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_packed_load_peak_of_the_default_model(dtype):
-    r = measure(Path(default_model_path()), dtype, "gguf")
+def test_packed_load_peak_of_the_default_model():
+    """bfloat16: the dtype whose load peaks higher (the layout is the same in both)."""
+    r = measure(Path(default_model_path()), "bfloat16", "gguf")
     assert r["ratio"] <= BOUND, r
 
 
