@@ -53,7 +53,7 @@ class NativeMatmul:
         vector loops (AVX2 or AVX-512) and N % 32 == 0; the model drops them where they did not measure
         faster."""
         self.bits = bits
-        if tiles and n % (2 * TILE_COLUMNS) == 0 and load().quantized_matmul_vectorized():
+        if tiles and n % (2 * TILE_COLUMNS) == 0 and vector_loops():
             self.with_tiles(codes, scale, offset, in_place=consume and not one_row)
         self.one_row = one_row or self.tiles is None
         if not self.one_row:

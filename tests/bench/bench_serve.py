@@ -105,16 +105,18 @@ def _server_vs_offline(
 def _core_env(setting: tuple[str, str] | None):
     """Servers started inside run their engine core with setting = (name, value) in the environment
     (None: this process's environment as it is)."""
-    name, value = setting or ("", "")
-    saved = os.environ.get(name) if setting else None
-    if setting:
-        os.environ[name] = value
+    if setting is None:
+        yield
+        return
+    name, value = setting
+    saved = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
-        if setting and saved is None:
+        if saved is None:
             os.environ.pop(name, None)
-        elif setting:
+        else:
             os.environ[name] = saved
 
 
