@@ -460,7 +460,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     ),
     "quantized_gemm": (
         None,
-        [_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _ptr, _int, _int, _int, _int],
+        [_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _int, _int, _int, _int],
     ),
     "quantized_matmul_vectorized": (_int, []),
     "add_rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int]),

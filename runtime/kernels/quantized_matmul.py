@@ -191,7 +191,8 @@ class NativeMatmul:
         """The function __call__ computes, by the many-row kernel on the tiled copy (with_tiles first). With
         `silu` the weight is a fused [gate; up] (out_features % 64 == 0) and the result is
         SiLU(gate) x up [M, out_features / 2], rounded as runtime/layer ops' silu_mul of the plain result.
-        `out`: where to write it (contiguous, of the result's shape and dtype)."""
+        `out`: where to write it (of the result's shape and dtype, its rows contiguous: a column slice of a
+        wider output takes it, StackedMatmul)."""
         assert self.tiles is not None, "with_tiles() first"
         assert not silu or self.out_features % 64 == 0, "the fused epilogue takes gate and up pairs of 32"
         x = x.contiguous()
@@ -199,9 +200,7 @@ class NativeMatmul:
         width = self.out_features // 2 if silu else self.out_features
         if out is None:
             out = torch.empty(m, width, dtype=out_dtype or x.dtype)
-        assert (
-            out.shape == (m, width) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
-        )
+        assert out.shape == (m, width) and out.stride(1) == 1 and out.dtype in (torch.float32, torch.bfloat16)
         tiles, scale, offset = self.tiles
         load().quantized_gemm(
             x.data_ptr(),
@@ -214,6 +213,7 @@ class NativeMatmul:
             self.out_features,
             self.bits,
             out.data_ptr(),
+            out.stride(0) if m > 1 else 0,
             int(out.dtype == torch.bfloat16),
             int(silu),
             int(portable),

@@ -17,6 +17,7 @@ import ctypes
 import torch
 
 from runtime.kernels.library import load
+from runtime.kernels.stacked_matmul import StackedMatmul
 from runtime.quant.linear import ALL_ROWS, Int4Linear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -35,6 +36,7 @@ class _Projection(ctypes.Structure):
         ("bits", _i64),
         ("native_rows", _i64),
         ("gemm_rows", _i64),
+        ("next", ctypes.c_void_p),
     ]
 
 
@@ -96,15 +98,28 @@ class _Step(ctypes.Structure):
     ]
 
 
-def _projection(w: Int4Linear) -> _Projection:
+def _projection(w: Int4Linear, keep: list) -> _Projection:
+    """w's struct; a StackedMatmul's parts as a chain of structs (each kept alive in `keep`)."""
     native = w.native
+    if isinstance(native, StackedMatmul):
+        following = None
+        for part in reversed(native.parts):
+            tiles = tuple(t.data_ptr() for t in part.tiles)
+            link = _Projection(
+                None, None, None, *tiles, part.out_features, part.in_features, part.bits, -1, 1, following
+            )
+            keep.append(link)
+            following = ctypes.addressof(link)
+        return link
     codes = (native.codes.data_ptr(), native.scale.data_ptr(), native.offset.data_ptr())
     tiles = tuple(t.data_ptr() for t in native.tiles) if native.tiles is not None else (None, None, None)
     native_rows = -1 if w.native_rows is None else w.native_rows
     gemm_rows = -1 if w.gemm_rows is None or native.tiles is None else w.gemm_rows
     if w.packed is None:  # the C kernels' one layout takes every row count (Int4Linear.native_path)
         native_rows, gemm_rows = (-1, 1) if native.tiles is not None else (ALL_ROWS, -1)
-    return _Projection(*codes, *tiles, w.out_features, w.in_features, native.bits, native_rows, gemm_rows)
+    return _Projection(
+        *codes, *tiles, w.out_features, w.in_features, native.bits, native_rows, gemm_rows, None
+    )
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -142,13 +157,14 @@ class NativeDecode:
             int(c.hidden_act == "gelu_tanh"),
         )
         layers = []
+        self._parts: list[_Projection] = []  # the chains' links, which the layer structs point to
         for i, layer in enumerate(model.layers):
             k_cache, v_cache = kv.layer(i)
             following = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.norm
             rope = model.layer_rope(i)
             layers.append(
                 _Layer(
-                    *(_projection(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                    *(_projection(w, self._parts) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                     layer.post_norm.data_ptr(),
                     following.data_ptr(),
                     k_cache.data_ptr(),

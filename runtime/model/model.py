@@ -30,7 +30,14 @@ from runtime.model.decode_layers import NativeDecode
 from runtime.model.rope_scaling import inverse_frequencies
 from runtime.model_config import ModelConfig
 from runtime.quant.gguf_blocks import GGUFBlocks
-from runtime.quant.linear import BlockEmbedding, Int4Linear, linear, pack_native, weight_nbytes
+from runtime.quant.linear import (
+    BlockEmbedding,
+    Int4Linear,
+    linear,
+    pack_native,
+    pack_stacked,
+    weight_nbytes,
+)
 from runtime.quant.resolve import make_linear
 from runtime.quant.routing import measure_dense_rows, measure_row_paths
 
@@ -196,6 +203,14 @@ class LlamaModel:
 
         def proj(names: list[str], how: str = quantization):
             parts = [source(n) for n in names]
+            # parts of different kinds (a K-quant mix), each in its own kind's tiles, where no dense copy is asked
+            stacked = (
+                pack_stacked(parts, dtype, device) if how == "gguf" and dense_budget[0] is None else None
+            )
+            if stacked is not None:
+                del parts
+                _return_freed_memory()
+                return stacked
             fused = GGUFBlocks.stack(parts) if all(isinstance(p, GGUFBlocks) for p in parts) else None
             if fused is None:
                 fused = np.concatenate([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts])
@@ -226,7 +241,7 @@ class LlamaModel:
             quantization == "gguf"
             and config.tie_word_embeddings
             and isinstance(embed, GGUFBlocks)
-            and embed.kind != "Q6_K"
+            and (embed.kind != "Q6_K" or embed.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0)
             and embed.fits_float16()
             and native_matmul.usable(config.hidden_size, dtype, device)
         ):

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels.quantized_matmul import NativeMatmul
+from runtime.kernels.stacked_matmul import StackedMatmul
 from runtime.quant.gguf_blocks import AFFINE8, GROUP, GGUFBlocks
 
 ALL_ROWS = 1 << 62
@@ -116,7 +117,11 @@ class Int4Linear:
         """For a fused [gate; up] weight: out [rows, out / 2] = SiLU(gate) x up of x [rows, in], in the many-row
         kernel's epilogue, where x's rows take that kernel (csrc/decode_layers.c does the same); False where
         they do not, and the caller multiplies and runs the layer op (the same values either way)."""
-        if self.native_path(x.shape[0]) != "many-row" or self.out_features % 64:
+        if (
+            self.native_path(x.shape[0]) != "many-row"
+            or self.out_features % 64
+            or isinstance(self.native, StackedMatmul)
+        ):
             return False
         self.native.gemm(x, silu=True, out=out)
         return True
@@ -199,6 +204,28 @@ def pack_native(
     affine = blocks.kernel_blocks().affine(in_place=consume, factor=True)
     native = NativeMatmul(*affine, tiles=tiles, one_row=not tiles, consume=consume)
     return Int4Linear.native_only(native, dtype)
+
+
+def pack_stacked(parts: list, dtype: torch.dtype, device: torch.device) -> Int4Linear | None:
+    """A fused projection whose parts are GGUF blocks of different kinds (a K-quant mix's q, k in Q4_K and v
+    in Q6_K), each part in the many-row kernel's tiles of its own kind (StackedMatmul): no part widened, none
+    re-quantized. None where the parts share a kind or the tiles cannot be made (the caller stacks them into
+    one form, or de-quantizes)."""
+    if not (
+        len(parts) > 1
+        and all(isinstance(p, GGUFBlocks) for p in parts)
+        and len({p.kind for p in parts}) > 1
+        and native_matmul.usable(parts[0].shape[1], dtype, device)
+        and native_matmul.vector_loops()
+        and all(
+            p.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0
+            and p.shape[1] % GROUP == 0
+            and p.fits_float16()
+            for p in parts
+        )
+    ):
+        return None
+    return Int4Linear.native_only(StackedMatmul([pack_native(p, dtype).native for p in parts]), dtype)
 
 
 def pack_gguf(blocks: GGUFBlocks, dtype: torch.dtype, dense: bool = False) -> Int4Linear:

@@ -13,7 +13,7 @@
 #include "check.h"
 #include "kernels.h"
 
-typedef struct {
+typedef struct projection {
     const uint8_t *codes;      /* the one-row kernel's layout (NULL: none) */
     const uint16_t *scale, *offset;
     const uint8_t *tiles;      /* the many-row kernel's layout (NULL: none) */
@@ -21,6 +21,9 @@ typedef struct {
     int64_t n, k, bits;
     int64_t native_rows;       /* the one-row kernel up to this many rows (-1: never) */
     int64_t gemm_rows;         /* the many-row kernel from this many rows (-1: never) */
+    const struct projection *next; /* a projection stacked from parts of different kinds (StackedMatmul): the
+                                    * next part, whose columns follow this one's, each part in its own tiles
+                                    * (NULL: the last part, or a projection of one kind) */
 } projection_t;
 
 typedef struct decode_layer {
@@ -57,11 +60,22 @@ static int one_row(const projection_t *p, int64_t M) { return p->native_rows >= 
 
 static void project(const projection_t *p, const void *x, int x_bf16, int64_t M, void *out, int out_bf16,
                     int threads) {
+    if (p->next) { /* stacked parts: each into its own columns of the one output */
+        int64_t width = 0, column = 0;
+        for (const projection_t *part = p; part; part = part->next) width += part->n;
+        for (const projection_t *part = p; part; part = part->next) {
+            quantized_gemm(x, x_bf16, M, part->k, part->tiles, part->tscale, part->toffset, part->n,
+                           (int)part->bits, (char *)out + column * (out_bf16 ? 2 : 4), width, out_bf16, 0, 0,
+                           threads);
+            column += part->n;
+        }
+        return;
+    }
     if (one_row(p, M))
         quantized_matmul(x, x_bf16, M, p->k, p->codes, p->scale, p->offset, p->n, (int)p->bits, out, out_bf16,
                          0, threads);
     else
-        quantized_gemm(x, x_bf16, M, p->k, p->tiles, p->tscale, p->toffset, p->n, (int)p->bits, out, out_bf16,
+        quantized_gemm(x, x_bf16, M, p->k, p->tiles, p->tscale, p->toffset, p->n, (int)p->bits, out, 0, out_bf16,
                        0, 0, threads);
 }
 
@@ -98,13 +112,13 @@ void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_
         if (m->gelu) {
             project(&l->gate_up, s->x, bf16, M, s->gate_up, bf16, threads);
             gelu_mul(s->gate_up, s->act, M, m->intermediate, bf16, threads);
-        } else if (one_row(&l->gate_up, M) || l->gate_up.n % 64) {
+        } else if (one_row(&l->gate_up, M) || l->gate_up.n % 64 || l->gate_up.next) {
             project(&l->gate_up, s->x, bf16, M, s->gate_up, bf16, threads);
             silu_mul(s->gate_up, s->act, M, m->intermediate, bf16, threads);
         } else { /* SiLU x up in the matmul's epilogue, as LlamaModel's loop (Int4Linear.silu_mul_into) */
             const projection_t *p = &l->gate_up;
-            quantized_gemm(s->x, bf16, M, p->k, p->tiles, p->tscale, p->toffset, p->n, (int)p->bits, s->act, bf16,
-                           1, 0, threads);
+            quantized_gemm(s->x, bf16, M, p->k, p->tiles, p->tscale, p->toffset, p->n, (int)p->bits, s->act, 0,
+                           bf16, 1, 0, threads);
         }
         project(&l->down, s->act, bf16, M, s->down, bf16, threads);
         if (l->mlp_out_norm) { /* the normalised branch into the free `o` scratch, then added */

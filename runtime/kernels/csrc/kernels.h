@@ -10,8 +10,8 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
                       const uint16_t *scale, const uint16_t *offset, int64_t N, int bits, void *out, int out_bf16,
                       int portable, int num_threads);
 void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const uint16_t *tscale,
-                    const uint16_t *toffset, int64_t N, int bits, void *out, int out_bf16, int silu, int portable,
-                    int num_threads);
+                    const uint16_t *toffset, int64_t N, int bits, void *out, int64_t ldo, int out_bf16, int silu,
+                    int portable, int num_threads);
 void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int64_t T, int64_t D, float eps,
                   int bf16, int num_threads);
 void silu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, int num_threads);

@@ -564,6 +564,66 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
         for (int r = 0; r < rows; r++) _mm256_storeu_ps(acc_out + r * 32 + q * 8, acc[r]);
     }
 }
+
+/* One row (a single stream's decode): the pair's four quarters of 8 columns in one pass over the blocks, so each
+ * block's bytes of both groups are read once and in order (two sequential streams, which the hardware prefetcher
+ * follows), and four independent accumulator chains hide the latency of each one's adds. The same integer sums
+ * and the same float operations per column, in the same block order, as gemm_tile_avx2 with one row: the same
+ * bits. */
+static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *tiles, const uint16_t *tscale,
+                                                                 const uint16_t *toffset, int64_t nb, int bits,
+                                                                 int64_t g, const int8_t *xq, const float *dx,
+                                                                 const float *sx, const int32_t *xs,
+                                                                 float *acc_out /* [32] */) {
+    const int vecs = bits == 4 ? 4 : 8;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const uint8_t *c0 = tiles + g * nb * vecs * 64, *c1 = c0 + nb * vecs * 64;
+    const uint16_t *d0 = tscale + g * nb * 16, *o0 = toffset + g * nb * 16;
+    __m256 acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *cq[4] = {c0 + b * vecs * 64, c0 + b * vecs * 64 + 32, c1 + b * vecs * 64, c1 + b * vecs * 64 + 32};
+        const int8_t *xb = xq + b * QBLOCK;
+        __m256i ia[4];
+        if (bits == 4) {
+            for (int q = 0; q < 4; q++) ia[q] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                int32_t x0, x1;
+                memcpy(&x0, xb + v * 8, sizeof x0);
+                memcpy(&x1, xb + v * 8 + 4, sizeof x1);
+                const __m256i bx0 = _mm256_set1_epi32(x0), bx1 = _mm256_set1_epi32(x1);
+                for (int q = 0; q < 4; q++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(cq[q] + v * 64));
+                    const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    ia[q] = _mm256_add_epi16(ia[q], _mm256_maddubs_epi16(lo, bx0));
+                    ia[q] = _mm256_add_epi16(ia[q], _mm256_maddubs_epi16(hi, bx1));
+                }
+            }
+            for (int q = 0; q < 4; q++) ia[q] = _mm256_madd_epi16(ia[q], ones);
+        } else {
+            for (int q = 0; q < 4; q++) ia[q] = _mm256_set1_epi32(128 * xs[b]);
+            for (int v = 0; v < 8; v++) {
+                int32_t x4;
+                memcpy(&x4, xb + v * 4, sizeof x4);
+                const __m256i bx = _mm256_set1_epi32(x4);
+                for (int q = 0; q < 4; q++) {
+                    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(cq[q] + v * 64)), flip);
+                    const __m256i signed_x = _mm256_sign_epi8(bx, w);
+                    ia[q] = _mm256_add_epi32(ia[q], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), signed_x), ones));
+                }
+            }
+        }
+        const __m256 dxb = _mm256_broadcast_ss(dx + b), sxb = _mm256_broadcast_ss(sx + b);
+        for (int q = 0; q < 4; q++) {
+            const int64_t at = ((q / 2) * nb + b) * 16 + (q % 2) * 8;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d0 + at)));
+            const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o0 + at)));
+            acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[q]), _mm256_mul_ps(d, dxb), acc[q]);
+            acc[q] = _mm256_fmadd_ps(o, sxb, acc[q]);
+        }
+    }
+    for (int q = 0; q < 4; q++) _mm256_storeu_ps(acc_out + q * 8, acc[q]);
+}
 #endif
 
 static void gemm_tile_portable(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
@@ -625,14 +685,15 @@ static inline void store_silu32(const float *gate, const float *up, void *out, i
 }
 
 /* A tile's `rows` rows of column pair g, from row m0: the plain sums (32 columns a row), or with `silu` the
- * gate sums and, GEMM_ROWS_MAX rows on, the up sums, as SiLU(gate) x up into the N / 2 outputs' columns. */
-static inline void store_tile_rows(const float *tile, int rows, int64_t m0, int64_t g, int64_t N, int silu,
+ * gate sums and, GEMM_ROWS_MAX rows on, the up sums, as SiLU(gate) x up into the N / 2 outputs' columns; output
+ * rows ldo elements apart. */
+static inline void store_tile_rows(const float *tile, int rows, int64_t m0, int64_t g, int64_t ldo, int silu,
                                    void *out, int out_bf16) {
     for (int r = 0; r < rows; r++) {
         if (silu)
-            store_silu32(tile + r * 32, tile + (GEMM_ROWS_MAX + r) * 32, out, (m0 + r) * (N / 2) + g * 16, out_bf16);
+            store_silu32(tile + r * 32, tile + (GEMM_ROWS_MAX + r) * 32, out, (m0 + r) * ldo + g * 16, out_bf16);
         else
-            store_row32(tile + r * 32, out, (m0 + r) * N + g * 16, out_bf16);
+            store_row32(tile + r * 32, out, (m0 + r) * ldo + g * 16, out_bf16);
     }
 }
 
@@ -644,7 +705,7 @@ static inline void store_tile_rows(const float *tile, int rows, int64_t m0, int6
 static inline __attribute__((always_inline)) void gemm_pair(
     const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb, int bits, int64_t g, int64_t N,
     const int8_t *xq, const float *dx, const float *sx, const int32_t *xs, int64_t K, int64_t mc, int64_t mend,
-    int step, float *tile, void *out, int out_bf16, int portable, int silu) {
+    int step, float *tile, void *out, int64_t ldo, int out_bf16, int portable, int silu) {
     const int groups = (int)((mend - mc + step - 1) / step);
     const int64_t up = g + N / 32; /* silu: the up pair */
     /* the rows in `groups` tiles as even as they go, each tile a constant row count (its accumulators in
@@ -667,6 +728,12 @@ static inline __attribute__((always_inline)) void gemm_pair(
 #define GEMM_TILE(B, R) gemm_tile_avx2(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, xs, K, m0, R, t, pf_g, groups, pf_phase)
 #endif
             if (!portable) {
+#if QMM_AVX2
+                if (rows == 1 && groups == 1) {
+                    gemm_row1_avx2(tiles, tscale, toffset, nb, bits, gg, xq + m0 * K, dx + m0 * nb, sx + m0 * nb,
+                                   xs + m0 * nb, t);
+                } else
+#endif
                 if (bits == 4) {
                     switch (rows) {
                     case 4: GEMM_TILE(4, 4); break;
@@ -691,7 +758,7 @@ static inline __attribute__((always_inline)) void gemm_pair(
 #endif
                 gemm_tile_portable(tiles, tscale, toffset, nb, bits, gg, xq, dx, sx, K, m0, rows, t);
         }
-        store_tile_rows(tile, rows, m0, g, N, silu, out, out_bf16);
+        store_tile_rows(tile, rows, m0, g, ldo, silu, out, out_bf16);
         m0 += rows;
     }
 }
@@ -930,6 +997,42 @@ static inline __attribute__((always_inline)) void gemm_tile6_avx2(const uint8_t 
         for (int r = 0; r < rows; r++) _mm256_storeu_ps(acc_out + r * 32 + q * 8, acc[r]);
     }
 }
+
+/* One row from the tiles (a single stream's decode): the pair's four quarters in one pass over the blocks, as
+ * gemm_row1_avx2 does for the 4- and 8-bit tiles; the same operations per column as gemm_tile6_avx2 with one
+ * row, in the same order: the same bits. */
+static inline __attribute__((always_inline)) void gemm_row1_6_avx2(const uint8_t *tiles, const int8_t *tsc,
+                                                                   const uint16_t *td, int64_t nb, int64_t g,
+                                                                   const uint8_t *xa, float *acc_out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = xa + b * XA_BYTES;
+        int32_t xv[8], neg[2];
+        memcpy(xv, rec, sizeof xv);
+        memcpy(neg, rec + 32, sizeof neg);
+        const __m256 dxb = _mm256_broadcast_ss((const float *)(rec + 40));
+        for (int q = 0; q < 4; q++) {
+            const int cg = q / 2, hh = q % 2;
+            __m256 dsc[2], t = _mm256_setzero_ps();
+            scales6_avx2(tsc, td, nb, g + cg, hh, b, dsc);
+            for (int s = 0; s < 2; s++) {
+                __m256i w[4];
+                codes6_avx2(tiles + ((g + cg) * nb + b) * Q6_VECS * 64 + s * 192 + hh * 32, w);
+                __m256i ia = _mm256_set1_epi32(neg[s]);
+                for (int v = 0; v < 4; v += 2) {
+                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(w[v], _mm256_set1_epi32(xv[4 * s + v])),
+                                                          _mm256_maddubs_epi16(w[v + 1], _mm256_set1_epi32(xv[4 * s + v + 1])));
+                    ia = _mm256_add_epi32(ia, _mm256_madd_epi16(pair, ones));
+                }
+                t = s ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), dsc[1], t) : _mm256_mul_ps(_mm256_cvtepi32_ps(ia), dsc[0]);
+            }
+            acc[q] = _mm256_fmadd_ps(t, dxb, acc[q]);
+        }
+    }
+    for (int q = 0; q < 4; q++) _mm256_storeu_ps(acc_out + q * 8, acc[q]);
+}
 #define UNPACK6 unpack6_avx2
 #define GEMM_TILE6 gemm_tile6_avx2
 #endif
@@ -938,8 +1041,8 @@ static inline __attribute__((always_inline)) void gemm_tile6_avx2(const uint8_t 
  * unpacked once into `scratch` and each row group multiplied from there; else unpacked in registers. */
 static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const int8_t *tsc, int64_t nb, int64_t g, int64_t N,
                               const int8_t *xq, const float *dx, const uint8_t *xa, int64_t K, int64_t mc,
-                              int64_t mend, int step, float *tile, void *out, int out_bf16, int portable, int silu,
-                              uint8_t *scratch) {
+                              int64_t mend, int step, float *tile, void *out, int64_t ldo, int out_bf16, int portable,
+                              int silu, uint8_t *scratch) {
     const int groups = (int)((mend - mc + step - 1) / step);
     const int64_t up = g + N / 32;
 #if QMM_VNNI || QMM_AVX2
@@ -968,6 +1071,11 @@ static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const in
     default: TILE6(F, 1); break;                                                                                  \
     }
             if (!portable) {
+#if QMM_AVX2
+                if (from_tiles && rows == 1)
+                    gemm_row1_6_avx2(tiles, tsc, td, nb, gg, xa + m0 * nb * XA_BYTES, t);
+                else
+#endif
                 if (from_tiles) {
                     TILE6_ROWS(1)
                 } else {
@@ -979,7 +1087,7 @@ static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const in
 #endif
                 gemm_tile6_portable(tiles, td, tsc, nb, gg, xq, dx, K, m0, rows, t);
         }
-        store_tile_rows(tile, rows, m0, g, N, silu, out, out_bf16);
+        store_tile_rows(tile, rows, m0, g, ldo, silu, out, out_bf16);
         m0 += rows;
     }
 }
@@ -991,10 +1099,12 @@ static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const in
  * `python -m tests.bench serve` measures it (HTTP against the offline engine).
  * `silu`: the weight is a fused [gate; up] (N = 2 I, I % 32 == 0) and out [M, I] receives SiLU(gate) x up,
  * rounded as the layer ops' silu_mul rounds it after this kernel's plain output: the same values without
- * writing and reading back the M x 2I intermediate. bits 6: the 6-bit tiles (gemm_pair6), K % 256 == 0. */
+ * writing and reading back the M x 2I intermediate. bits 6: the 6-bit tiles (gemm_pair6), K % 256 == 0.
+ * `ldo`: elements from one output row to the next (<= 0: the rows' width, N or N / 2 with silu), so that the
+ * parts of a projection stacked from matrices of different kinds write their columns of one output. */
 void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *tiles, const uint16_t *tscale,
-                    const uint16_t *toffset, int64_t N, int bits, void *out, int out_bf16, int silu, int portable,
-                    int num_threads) {
+                    const uint16_t *toffset, int64_t N, int bits, void *out, int64_t ldo, int out_bf16, int silu,
+                    int portable, int num_threads) {
     CHECK(M >= 0, M);
     CHECK(K > 0 && K % QBLOCK == 0, K);
     CHECK(N > 0, N);
@@ -1004,6 +1114,8 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     CHECK_PTR(x, M);
     CHECK_PTR(out, M);
     CHECK(!silu || N % (2 * QBLOCK) == 0, N);
+    if (ldo <= 0) ldo = silu ? N / 2 : N;
+    CHECK(ldo >= (silu ? N / 2 : N), ldo);
     CHECK_PTR(tiles, 1);
     CHECK_PTR(tscale, 1);
     CHECK_PTR(toffset, 1);
@@ -1044,10 +1156,10 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     do {                                                                                                          \
         if (bits == 6)                                                                                            \
             gemm_pair6(tiles, tscale, (const int8_t *)toffset, nb, g, N, xq, dx, xa, K, MC, MEND, step, tile, out, \
-                       out_bf16, portable, silu, scratch);                                                         \
+                       ldo, out_bf16, portable, silu, scratch);                                                        \
         else                                                                                                      \
             gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, MC, MEND, step, tile, out,         \
-                      out_bf16, portable, silu);                                                                   \
+                      ldo, out_bf16, portable, silu);                                                              \
     } while (0)
         if (M <= GEMM_CHUNK) {
             _Pragma("omp for schedule(guided)")
