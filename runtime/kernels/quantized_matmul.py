@@ -24,6 +24,8 @@ import torch
 from runtime.kernels.library import load
 
 GROUP = 32
+KQ4_BITS = 14
+"""The kernels' `bits` for 4-bit tiles with Q4_K's super-block scales (NativeMatmul.q4_k)."""
 TILE_COLUMNS = 16
 """Output columns per vector of the many-row kernel's layout; it takes N % (2 * TILE_COLUMNS) == 0."""
 
@@ -83,26 +85,7 @@ class NativeMatmul:
         codes are spent) and a large table is never held twice."""
         n, k = codes.shape
         g, nb = n // TILE_COLUMNS, k // GROUP
-        vectors = 4 if self.bits == 4 else 8
-        shape = (g, nb, vectors, TILE_COLUMNS, 4)
-        in_place = (
-            in_place
-            and self.bits == 8
-            and codes.dtype == np.uint8
-            and codes.flags.c_contiguous
-            and codes.flags.writeable
-        )
-        tiles = codes.reshape(shape) if in_place else np.empty(shape, np.uint8)
-        # tiles filled ~16 MB at a time (4 MB in place: the chunk's copy is the only temporary)
-        step = max(1, (1 << (22 if in_place else 24)) // (TILE_COLUMNS * k))
-        for a in range(0, g, step):
-            part = codes[a * TILE_COLUMNS : (a + step) * TILE_COLUMNS]
-            part = part.copy() if in_place else part.astype(np.uint8, copy=False)
-            if self.bits == 4:  # vector v: low nibbles inputs 8v..8v+3, high nibbles 8v+4..8v+7 of the block
-                c = part.reshape(-1, TILE_COLUMNS, nb, 4, 2, 4)
-                tiles[a : a + step] = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
-            else:  # vector v: inputs 4v..4v+3 of the block
-                tiles[a : a + step] = part.reshape(-1, TILE_COLUMNS, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+        tiles = _code_tiles(codes, self.bits, in_place)
 
         def per_tile(a: np.ndarray) -> torch.Tensor:
             out = np.empty((g, nb, TILE_COLUMNS), np.float16)
@@ -112,6 +95,35 @@ class NativeMatmul:
         tscale = per_tile(scale)
         toffset = per_tile(offset) if isinstance(offset, np.ndarray) else tscale * offset  # exact: c = -2^j
         self.tiles = (torch.from_numpy(tiles), tscale, toffset)
+        return self
+
+    @classmethod
+    def q4_k(
+        cls, codes: np.ndarray, sc: np.ndarray, m: np.ndarray, d: np.ndarray, dmin: np.ndarray
+    ) -> NativeMatmul:
+        """Q4_K's own fields in the many-row kernel's 4-bit tiles with its super-block scales (bits KQ4_BITS,
+        csrc/quantized_matmul.c), its one layout: codes [N, K] 0..15, sc and m [N, K / 32] (6-bit values),
+        d and dmin [N, K / 256] (float16 values), w = d sc code - dmin m, as ggml de-quantizes it (d sc and
+        dmin m formed exactly in float32). 4.625 bits a weight (the file: 4.5; the float16 scale and offset
+        per block of 32 of the other 4-bit types: 5). N % 32 == 0, K % 256 == 0."""
+        n, k = codes.shape
+        assert n % (2 * TILE_COLUMNS) == 0 and k % 256 == 0, (n, k)
+        self = cls.__new__(cls)
+        self.bits, self.one_row = KQ4_BITS, False
+        self.codes, self.scale, self.offset = (torch.empty(n, 0, dtype=torch.uint8),) * 3
+        self.out_features, self.in_features, self.nbytes = n, k, 0
+        g, nb = n // TILE_COLUMNS, k // GROUP
+        tiles = _code_tiles(codes, 4, False)
+        # [tiles, blocks, sc | m, column] and [tiles, super-blocks, d | dmin, column]
+        scm = np.stack([np.asarray(a, np.uint8).reshape(g, TILE_COLUMNS, nb) for a in (sc, m)], axis=2)
+        dd = np.stack(
+            [np.asarray(a, np.float16).reshape(g, TILE_COLUMNS, k // 256) for a in (d, dmin)], axis=2
+        )
+        self.tiles = (
+            torch.from_numpy(tiles),
+            torch.from_numpy(np.ascontiguousarray(scm.transpose(0, 3, 2, 1))),
+            torch.from_numpy(np.ascontiguousarray(dd.transpose(0, 3, 2, 1))),
+        )
         return self
 
     @classmethod
@@ -159,6 +171,15 @@ class NativeMatmul:
     def _dequantize_tiled_rows(self, ids: torch.Tensor) -> torch.Tensor:
         tiles, scale, offset = self.tiles
         tile, column = ids // TILE_COLUMNS, ids % TILE_COLUMNS
+        if self.bits == KQ4_BITS:  # q4_k's tiles: w = (d sc) code - (dmin m), each product in float32
+            codes = tiles[tile, :, :, column, :]
+            codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2).reshape(ids.shape[0], -1, GROUP).float()
+            scm = scale[tile, :, :, column].float()  # [rows, blocks, sc | m]
+            dd = (
+                offset[tile, :, :, column].float().repeat_interleave(256 // GROUP, dim=1)
+            )  # [rows, blocks, 2]
+            step, low = dd[..., 0] * scm[..., 0], dd[..., 1] * scm[..., 1]
+            return (codes * step.unsqueeze(-1) - low.unsqueeze(-1)).view(ids.shape[0], self.in_features)
         if self.bits == 6:  # q6_k's tiles: w = (d * sc) * (code - 32), d * sc formed in float32 as ggml does
             raw = tiles.view(*tiles.shape[:3], TILE_COLUMNS, 4)[tile, :, :, column, :].to(torch.int32)
             abc = raw.view(ids.shape[0], -1, 2, 3, 4)  # [rows, blocks, sub-block, A B C, 4]
@@ -259,10 +280,45 @@ class NativeMatmul:
         return out
 
 
+def _code_tiles(codes: np.ndarray, bits: int, in_place: bool) -> np.ndarray:
+    """codes [N, K] in the many-row kernel's layout: [N / 16, K / 32, vectors, 16 columns, 4] bytes, vector v
+    of a block holding 4 codes per column (4-bit: low nibbles inputs 8v..8v+3, high nibbles 8v+4..8v+7;
+    8-bit: inputs 4v..4v+3). `in_place`: 8-bit codes overwritten group by group in their own memory."""
+    n, k = codes.shape
+    g, nb = n // TILE_COLUMNS, k // GROUP
+    shape = (g, nb, 4 if bits == 4 else 8, TILE_COLUMNS, 4)
+    in_place = (
+        in_place
+        and bits == 8
+        and codes.dtype == np.uint8
+        and codes.flags.c_contiguous
+        and codes.flags.writeable
+    )
+    tiles = codes.reshape(shape) if in_place else np.empty(shape, np.uint8)
+    # tiles filled ~16 MB at a time (4 MB in place: the chunk's copy is the only temporary)
+    step = max(1, (1 << (22 if in_place else 24)) // (TILE_COLUMNS * k))
+    for a in range(0, g, step):
+        part = codes[a * TILE_COLUMNS : (a + step) * TILE_COLUMNS]
+        part = part.copy() if in_place else part.astype(np.uint8, copy=False)
+        if bits == 4:
+            c = part.reshape(-1, TILE_COLUMNS, nb, 4, 2, 4)
+            tiles[a : a + step] = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
+        else:
+            tiles[a : a + step] = part.reshape(-1, TILE_COLUMNS, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+    return tiles
+
+
 def vector_loops() -> bool:
     """The library was built with the vector loops (AVX2 or AVX-512), which make the many-row layout."""
     lib = load()
     return lib is not None and bool(lib.quantized_matmul_vectorized())
+
+
+def q4_k_tiles() -> bool:
+    """The library's vector loops multiply Q4_K in its own tiles (NativeMatmul.q4_k): the AVX2 level's. The
+    AVX-512 level takes Q4_K in the float16-scale 4-bit tiles."""
+    lib = load()
+    return lib is not None and lib.quantized_matmul_vectorized() == 1
 
 
 def usable(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -356,7 +356,8 @@ def _parse_released(kind: str, data: np.ndarray, shape: tuple[int, int]) -> GGUF
             setattr(p, field, None)  # each part freed as it is copied
         return out
 
-    return GGUFBlocks(kind, gather("codes"), gather("scale"), gather("minimum"), gather("super_scale"))
+    fields = ("codes", "scale", "minimum", "super_scale", "super_minimum")
+    return GGUFBlocks(kind, *(gather(f) for f in fields))
 
 
 def _release(view: np.ndarray) -> None:

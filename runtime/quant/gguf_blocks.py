@@ -80,14 +80,16 @@ class GGUFBlocks:
     for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (every product with them is formed in float32), float32 for the
     K-quants' products (and wherever a caller gives float32); minimum is the additive
     offset of the asymmetric types (Q4_1, Q5_1, Q4_K, Q5_K: for the K-quants -dmin m), else None.
-    super_scale: Q6_K's d [N, K / 256] (float32 of its float16), which its scale d sc holds exactly as a
-    multiple of (q6_k_fields), else None."""
+    super_scale: the K-quants' d [N, K / 256] (float32 of its float16), which their scale d sc holds exactly
+    as a multiple of (q6_k_fields, q4_k_fields), else None. super_minimum: Q4_K / Q5_K's dmin likewise, of
+    which -minimum is a multiple, else None."""
 
     kind: str
     codes: np.ndarray
     scale: np.ndarray
     minimum: np.ndarray | None = None
     super_scale: np.ndarray | None = None
+    super_minimum: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -106,7 +108,7 @@ class GGUFBlocks:
             raise ValueError(f"{kind}: row width {k} is not a multiple of its block of {per}")
         b = raw.reshape(-1).view(np.uint8).reshape(n * k // per, size)
         nb = b.shape[0]
-        minimum = super_scale = None
+        minimum = super_scale = super_minimum = None
         if kind == "Q8_0":
             codes, scale = b[:, 2:].view(np.int8), _f16(b[:, :2], widen=False)
         elif kind in ("Q4_0", "Q4_1"):
@@ -124,6 +126,7 @@ class GGUFBlocks:
             codes = _nibbles(b[:, at + 4 :]).reshape(nb, 32) | (high << 4)
         elif kind in ("Q4_K", "Q5_K"):
             d, dmin = _f16(b[:, :2])[:, None], _f16(b[:, 2:4])[:, None]
+            super_scale, super_minimum = d.reshape(n, k // SUPER), dmin.reshape(n, k // SUPER)
             sc, m = _k_scales(b[:, 4:16])
             scale = (d * sc.astype(np.float32)).reshape(-1)
             minimum = -(dmin * m.astype(np.float32)).reshape(-1)
@@ -147,7 +150,8 @@ class GGUFBlocks:
         codes = np.ascontiguousarray(codes).reshape(n, k)
         groups = k // group_size(kind)
         scale = scale.reshape(n, groups)
-        return cls(kind, codes, scale, None if minimum is None else minimum.reshape(n, groups), super_scale)
+        minimum = None if minimum is None else minimum.reshape(n, groups)
+        return cls(kind, codes, scale, minimum, super_scale, super_minimum)
 
     def dequantize(self) -> np.ndarray:
         """float32 [N, K], equal to ggml's de-quantization bit for bit."""
@@ -168,7 +172,12 @@ class GGUFBlocks:
             return None if a is None else np.ascontiguousarray(a[order])
 
         return GGUFBlocks(
-            self.kind, pick(self.codes), pick(self.scale), pick(self.minimum), pick(self.super_scale)
+            self.kind,
+            pick(self.codes),
+            pick(self.scale),
+            pick(self.minimum),
+            pick(self.super_scale),
+            pick(self.super_minimum),
         )
 
     @staticmethod
@@ -190,6 +199,7 @@ class GGUFBlocks:
             cat([p.scale for p in parts]),
             cat([p.minimum for p in parts]),
             cat([p.super_scale for p in parts]),
+            cat([p.super_minimum for p in parts]),
         )
 
     def q6_k_fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -200,6 +210,24 @@ class GGUFBlocks:
         d = np.repeat(self.super_scale, SUPER // 16, axis=1)
         sc = np.divide(self.scale, d, out=np.zeros_like(self.scale), where=d != 0)
         return self.codes, np.rint(sc).astype(np.int8), self.super_scale.astype(np.float16)
+
+    def q4_k_fields(self) -> tuple[np.ndarray, ...]:
+        """Q4_K as the file holds it: (codes 0..15 [N, K], sc and m uint8 [N, K / 32] (6 bits each), d and
+        dmin float16 [N, K / 256]), w = d sc code - dmin m, as ggml de-quantizes it. sc is scale / d and m is
+        -minimum / dmin, exact (d sc and dmin m are exact in float32)."""
+        assert self.kind == "Q4_K" and self.super_minimum is not None
+        d = np.repeat(self.super_scale, SUPER // GROUP, axis=1)
+        dmin = np.repeat(self.super_minimum, SUPER // GROUP, axis=1)
+        sc = np.divide(self.scale, d, out=np.zeros_like(self.scale), where=d != 0)
+        m = np.divide(-self.minimum, dmin, out=np.zeros_like(self.minimum), where=dmin != 0)
+        f16 = np.float16
+        return (
+            self.codes,
+            np.rint(sc).astype(np.uint8),
+            np.rint(m).astype(np.uint8),
+            self.super_scale.astype(f16),
+            self.super_minimum.astype(f16),
+        )
 
     def kernel_blocks(self) -> GGUFBlocks:
         """These blocks in groups of 32, as the kernels take them: itself for every type but Q6_K, which is

@@ -16,7 +16,7 @@ import torch
 from gguf import quants
 
 from runtime import Engine, SamplingParams
-from runtime.kernels.quantized_matmul import vector_loops
+from runtime.kernels.quantized_matmul import KQ4_BITS, q4_k_tiles, vector_loops
 from runtime.kernels.stacked_matmul import StackedMatmul
 from runtime.model import decode_layers as native_decode
 from runtime.quant.gguf_blocks import BLOCK_BYTES, BLOCK_ELEMENTS, GGUFBlocks
@@ -129,8 +129,9 @@ def test_a_k_quant_mix_loads_each_matrix_in_its_own_kind_and_decodes_as_dense(mi
     )
     m = packed.model
     if vector_loops():
-        assert [p.bits for p in m.layers[0].qkv.native.parts] == [4, 4, 6]
-        assert m.layers[0].down.native.bits == 6 and m.layers[1].down.native.bits == 4
+        q4_k = KQ4_BITS if q4_k_tiles() else 4  # Q4_K's own tiles where the level has them
+        assert [p.bits for p in m.layers[0].qkv.native.parts] == [q4_k, q4_k, 6]
+        assert m.layers[0].down.native.bits == 6 and m.layers[1].down.native.bits == q4_k
         assert not isinstance(m.layers[1].qkv.native, StackedMatmul)  # one kind: one layout
         # the tied Q6_K table held once, in its 6-bit tiles: the LM head's and the lookups' bytes
         assert m.lm_head.native.bits == 6 and m.embed.blocks is m.lm_head.native

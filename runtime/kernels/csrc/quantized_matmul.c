@@ -413,12 +413,35 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
 /* gemm_pair's switch has a constant-row tile for every count up to these; a larger one would fall to its
  * 1-row default and leave rows uncomputed */
 _Static_assert(GEMM_ROWS_4BIT <= 4 && GEMM_ROWS_8BIT <= 6, "gemm_pair's tile switch covers 1-4 and 1-6 rows");
-static inline int gemm_rows(int bits) { return bits == 4 ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
+/* bits KQ4: 4-bit tiles (the codes as bits 4's) with Q4_K's own scales instead of a float16 scale and offset
+ * per block (kernels/quantized_matmul.py, NativeMatmul.q4_k), 4.625 bits a weight:
+ *   tscale  [N/16][K/32][2][16] bytes: the block's 6-bit sc, then its m, of each column;
+ *   toffset [N/16][K/256][2][16] float16: the super-block's d, then its dmin, of each column.
+ * The block's step is d * sc and its offset -(dmin * m), both exact in float32, as ggml de-quantizes Q4_K; then
+ * the same float operations per column as the other tiles. K % 256 == 0. The AVX2 loops and the portable ones
+ * take it (the AVX-512 build multiplies it with the portable loops; the model makes it only at the AVX2 level). */
+#define KQ4 14
+static inline int four_bit(int bits) { return bits == 4 || bits == KQ4; }
+static inline int gemm_rows(int bits) { return four_bit(bits) ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
+
+/* Column col (0..15) of group gg's block b: its step d and offset o (w = d * code + o). */
+static inline void block_scale(const uint16_t *tscale, const uint16_t *toffset, int bits, int64_t nb, int64_t gg,
+                               int64_t b, int col, float *d, float *o) {
+    if (bits == KQ4) {
+        const uint8_t *scm = (const uint8_t *)tscale + (gg * nb + b) * 32;
+        const uint16_t *dd = toffset + (gg * (nb / 8) + b / 8) * 32;
+        *d = f16_to_f32(dd[col]) * (float)scm[col];
+        *o = -(f16_to_f32(dd[16 + col]) * (float)scm[16 + col]);
+    } else {
+        *d = f16_to_f32(tscale[(gg * nb + b) * 16 + col]);
+        *o = f16_to_f32(toffset[(gg * nb + b) * 16 + col]);
+    }
+}
 #define GEMM_CHUNK 64
 
 static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t n, int64_t k) {
     const int64_t g = n / 16, j = n % 16, b = k / QBLOCK, i = k % QBLOCK;
-    if (bits == 4) {
+    if (four_bit(bits)) {
         const uint8_t byte = tiles[((g * nb + b) * 4 + i / 8) * 64 + j * 4 + (i % 4)];
         return (i % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
     }
@@ -499,6 +522,23 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
 #endif
 
 #if QMM_AVX2
+/* block_scale for 8 columns (half h of group gg): the same products, in vectors. */
+static inline void block_scale_avx2(const uint16_t *tscale, const uint16_t *toffset, int bits, int64_t nb, int64_t gg,
+                                    int64_t b, int h, __m256 *d, __m256 *o) {
+    if (bits == KQ4) {
+        const uint8_t *scm = (const uint8_t *)tscale + (gg * nb + b) * 32 + h * 8;
+        const uint16_t *dd = toffset + (gg * (nb / 8) + b / 8) * 32 + h * 8;
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)scm)));
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scm + 16))));
+        *d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd)), sc);
+        *o = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 16))), m),
+                           _mm256_set1_ps(-0.0f));
+    } else {
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tscale + (gg * nb + b) * 16 + h * 8)));
+        *o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(toffset + (gg * nb + b) * 16 + h * 8)));
+    }
+}
+
 /* The tile with AVX2: 8 columns (half of one 64-byte vector) a pass, each pass over every block, so that a pass
  * keeps 2 accumulators per row (the block's integer sums, the float total) and the weight vectors it unpacks in
  * registers. 4-bit: vpmaddubsw's 16-bit pair sums of a block's 8 vectors (low and high nibbles) add up in 16 bits
@@ -509,7 +549,7 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                            int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, const int32_t *xs,
                            int64_t K, int64_t m0, int rows, float *acc_out /* [rows][32] */, int64_t pf_g,
                            int pf_every, int pf_phase) {
-    const int vecs = bits == 4 ? 4 : 8, step = bits == 4 ? 8 : 4;
+    const int four = four_bit(bits), vecs = four ? 4 : 8, step = four ? 8 : 4;
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     for (int q = 0; q < 4; q++) {
         const int64_t gg = g + q / 2;
@@ -525,7 +565,7 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                     _mm_prefetch((const char *)(toffset + (pg * nb + b) * 16), _MM_HINT_T1);
                 }
             __m256i ia[GEMM_ROWS_MAX];
-            if (bits == 4) {
+            if (four) {
                 for (int r = 0; r < rows; r++) ia[r] = _mm256_setzero_si256();
                 for (int v = 0; v < vecs; v++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + v * 64));
@@ -553,8 +593,8 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                     }
                 }
             }
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tscale + (gg * nb + b) * 16 + h * 8)));
-            const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(toffset + (gg * nb + b) * 16 + h * 8)));
+            __m256 d, o;
+            block_scale_avx2(tscale, toffset, bits, nb, gg, b, h, &d, &o);
             for (int r = 0; r < rows; r++) {
                 const __m256 s = _mm256_mul_ps(d, _mm256_broadcast_ss(dx + (m0 + r) * nb + b));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), s, acc[r]);
@@ -575,17 +615,16 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
                                                                  int64_t g, const int8_t *xq, const float *dx,
                                                                  const float *sx, const int32_t *xs,
                                                                  float *acc_out /* [32] */) {
-    const int vecs = bits == 4 ? 4 : 8;
+    const int four = four_bit(bits), vecs = four ? 4 : 8;
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     const uint8_t *c0 = tiles + g * nb * vecs * 64, *c1 = c0 + nb * vecs * 64;
-    const uint16_t *d0 = tscale + g * nb * 16, *o0 = toffset + g * nb * 16;
     __m256 acc[4];
     for (int q = 0; q < 4; q++) acc[q] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *cq[4] = {c0 + b * vecs * 64, c0 + b * vecs * 64 + 32, c1 + b * vecs * 64, c1 + b * vecs * 64 + 32};
         const int8_t *xb = xq + b * QBLOCK;
         __m256i ia[4];
-        if (bits == 4) {
+        if (four) {
             for (int q = 0; q < 4; q++) ia[q] = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {
                 int32_t x0, x1;
@@ -615,9 +654,8 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
         }
         const __m256 dxb = _mm256_broadcast_ss(dx + b), sxb = _mm256_broadcast_ss(sx + b);
         for (int q = 0; q < 4; q++) {
-            const int64_t at = ((q / 2) * nb + b) * 16 + (q % 2) * 8;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d0 + at)));
-            const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o0 + at)));
+            __m256 d, o;
+            block_scale_avx2(tscale, toffset, bits, nb, g + q / 2, b, q % 2, &d, &o);
             acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[q]), _mm256_mul_ps(d, dxb), acc[q]);
             acc[q] = _mm256_fmadd_ps(o, sxb, acc[q]);
         }
@@ -639,9 +677,11 @@ static void gemm_tile_portable(const uint8_t *tiles, const uint16_t *tscale, con
                     isum += tiled_code(tiles, nb, bits, n, b * QBLOCK + i) * xq[(m0 + r) * K + b * QBLOCK + i];
                 /* the vector tiles' float operations, fused as theirs (fmaf), so every level's result is the same
                  * bit for bit */
-                const float step = f16_to_f32(tscale[(gg * nb + b) * 16 + col]) * dx[(m0 + r) * nb + b];
+                float d, o;
+                block_scale(tscale, toffset, bits, nb, gg, b, (int)col, &d, &o);
+                const float step = d * dx[(m0 + r) * nb + b];
                 total = fmaf((float)isum, step, total);
-                total = fmaf(f16_to_f32(toffset[(gg * nb + b) * 16 + col]), sx[(m0 + r) * nb + b], total);
+                total = fmaf(o, sx[(m0 + r) * nb + b], total);
             }
             acc_out[r * 32 + j] = total;
         }
@@ -727,11 +767,17 @@ static inline __attribute__((always_inline)) void gemm_pair(
 #else
 #define GEMM_TILE(B, R) gemm_tile_avx2(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, xs, K, m0, R, t, pf_g, groups, pf_phase)
 #endif
-            if (!portable) {
+            if (!portable && !(QMM_VNNI && bits == KQ4)) {
 #if QMM_AVX2
                 if (rows == 1 && groups == 1) {
-                    gemm_row1_avx2(tiles, tscale, toffset, nb, bits, gg, xq + m0 * K, dx + m0 * nb, sx + m0 * nb,
-                                   xs + m0 * nb, t);
+#define ROW1(B) gemm_row1_avx2(tiles, tscale, toffset, nb, B, gg, xq + m0 * K, dx + m0 * nb, sx + m0 * nb, xs + m0 * nb, t)
+                    if (bits == 4)
+                        ROW1(4);
+                    else if (bits == KQ4)
+                        ROW1(KQ4);
+                    else
+                        ROW1(8);
+#undef ROW1
                 } else
 #endif
                 if (bits == 4) {
@@ -741,6 +787,15 @@ static inline __attribute__((always_inline)) void gemm_pair(
                     case 2: GEMM_TILE(4, 2); break;
                     default: GEMM_TILE(4, 1); break;
                     }
+#if QMM_AVX2
+                } else if (bits == KQ4) {
+                    switch (rows) {
+                    case 4: GEMM_TILE(KQ4, 4); break;
+                    case 3: GEMM_TILE(KQ4, 3); break;
+                    case 2: GEMM_TILE(KQ4, 2); break;
+                    default: GEMM_TILE(KQ4, 1); break;
+                    }
+#endif
                 } else {
                     switch (rows) {
 #if GEMM_ROWS_8BIT > 4
@@ -1108,8 +1163,8 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     CHECK(M >= 0, M);
     CHECK(K > 0 && K % QBLOCK == 0, K);
     CHECK(N > 0, N);
-    CHECK(bits == 4 || bits == 6 || bits == 8, bits);
-    CHECK(bits != 6 || K % 256 == 0, K);
+    CHECK(bits == 4 || bits == 6 || bits == 8 || bits == KQ4, bits);
+    CHECK((bits != 6 && bits != KQ4) || K % 256 == 0, K);
     CHECK(num_threads > 0, num_threads);
     CHECK_PTR(x, M);
     CHECK_PTR(out, M);
