@@ -82,8 +82,9 @@ test-models: install $(MODELS_STAMP)
 test-fast: install prometheus cross-aarch64 $(CRD_SCHEMAS)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10 tests --ignore=tests/bench
 
-# xllamacpp (the `bench` extra) is llama.cpp as a prebuilt wheel; where none installs, the engine bench
-# says so and skips its llama.cpp column.
+# The benches' llama.cpp baseline is built for this CPU from llama-cpp-python's source (once per CPU, ~10
+# minutes on 2 cores, cached under ~/.cache/prescient/llama-cpp; tests/bench/llama_cpp_native.py). xllamacpp
+# (the `bench` extra) serves the engine bench's llama.cpp perplexity.
 BENCH_STAMP := $(VENV)/.prescient-bench-extra
 
 $(BENCH_STAMP): pyproject.toml $(STAMP)

@@ -11,14 +11,13 @@ Configurations: float32 dequantized, bfloat16 dequantized, bfloat16 on the GGUF'
 (the default on a CPU where bfloat16 measures fastest), and float32 on the packed blocks (the default where
 float32 does, as on AVX2-only CPUs: the C kernel quantizes the activations to 8 bits per block). The notes
 name the vector loops the packed matmul runs with (the instruction-set level of the kernels' build).
-llama.cpp (xllamacpp's prebuilt wheel, the optional
-`bench` extra) runs the same GGUF with the same threads when installed, before and after the engine's
-configurations (medians over both, so load that drifts during the run hits both sides); its column is
-skipped otherwise.
+llama.cpp built for this CPU (tests/bench/llama_cpp_native.py, built once into a cache) runs the same GGUF
+with the same threads in a fresh process, before and after the engine's configurations (medians over both,
+so load that drifts during the run hits both sides); its column is skipped where it cannot be built.
 Sampling cost: decode x32 at temperature 0.8 / top-p 0.9 against greedy, same engine, same run.
 Quality: perplexity on a fixed text (tests/bench/perplexity.py) per configuration, and llama.cpp's on the
-same token ids and GGUF when xllamacpp is installed (one forced token a completion: its server returns no prompt
-logprobs).
+same token ids and GGUF from xllamacpp's server (the `bench` extra; one forced token a completion: its
+server returns no prompt logprobs).
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from runtime import Engine, SamplingParams
 from runtime.kernels import library as native_kernels
 from runtime.model.checkpoint import default_model_path
+from tests.bench import llama_cpp_native
 from tests.bench.perplexity import FIXED_TEXT, llama_cpp_perplexity, perplexity
 from tests.bench.roofline import matmul_flops, memory_bandwidth
 
@@ -142,24 +144,18 @@ def llama_cpp_server(cache_prompt: bool, path: str | None = None):
 
 
 def llama_cpp_rates(path: str | None = None, vocab: int = 49152) -> dict | None:
-    """llama.cpp on the same GGUF (path; None: the default model) and thread count: prefill 512 and decode 1
-    stream tokens/s, from llama.cpp's own timings of each request (3 of each), prompt ids below vocab.
-    None when missing."""
-    server = llama_cpp_server(cache_prompt=False, path=path)
-    if server is None:
+    """llama.cpp built for this CPU (tests/bench/llama_cpp_native.py: built once into a cache) on the same
+    GGUF (path; None: the default model) and thread count, in a fresh process: prefill 512 and decode 1
+    stream tokens/s (3 of each), prompt ids below vocab. None where it cannot be built here."""
+    try:
+        system = llama_cpp_native.ensure(log=lambda m: print(m, file=sys.stderr))
+    except (subprocess.CalledProcessError, OSError) as exc:
+        print(f"llama.cpp for this CPU not built: {exc}", file=sys.stderr)
         return None
-    import xllamacpp
-
-    prompt = [random.Random(0).randrange(100, vocab) for _ in range(512)]
-
-    def timings(ids: list[int], max_tokens: int) -> dict:
-        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        return server.handle_completions({**body, "cache_prompt": False})["timings"]
-
-    timings(prompt[:64], 4)  # warm-up
-    prefill = [timings(prompt, 1)["prompt_per_second"] for _ in range(3)]
-    decode = [timings(prompt[:64], DECODE_TOKENS + 1)["predicted_per_second"] for _ in range(3)]
-    return {"prefill": prefill, "decode": decode, "system": xllamacpp.get_system_info().strip()}
+    out = llama_cpp_native.measure(
+        path or default_model_path(), torch.get_num_threads(), batch=0, vocab=vocab
+    )
+    return {"prefill": out["prefills"], "decode": out["decodes"], "system": system}
 
 
 def _matmul_level() -> str:
@@ -180,8 +176,8 @@ def run() -> dict:
     cpp_runs = [llama_cpp_rates()]
     if cpp_runs[0] is None:
         notes.append(
-            "llama.cpp column skipped: xllamacpp (llama.cpp's prebuilt wheel) is not installed: "
-            "pip install -e '.[bench]'"
+            "llama.cpp column skipped: llama.cpp could not be built for this CPU (a compiler and cmake "
+            "are needed; tests/bench/llama_cpp_native.py)"
         )
     fp32_ppl = None
     perplexities: dict[str, float] = {}
@@ -259,7 +255,7 @@ def run() -> dict:
         cpp_runs.append(llama_cpp_rates())
         cpp = {k: statistics.median(x for run in cpp_runs for x in run[k]) for k in ("prefill", "decode")}
         notes.append(
-            f"llama.cpp (xllamacpp, same GGUF, same threads, medians of 6): prefill 512 "
+            f"llama.cpp (built for this CPU, same GGUF, same threads, medians of 6): prefill 512 "
             f"{cpp['prefill']:.0f} tok/s, decode x1 {cpp['decode']:.1f} tok/s; its build: {cpp_runs[0]['system']}"
         )
         try:

@@ -3,9 +3,10 @@
 prefill: one 512-token prompt, tokens/s of the prompt; decode: one stream, tokens/s over steps that only
 decode (tests/bench/bench_engine.py's measures). The engine loads the file as a user's server would
 (dtype and quantization 'auto'); the notes name what that gave (de-quantized weights, or the packed
-blocks where the kernels keep them) and which layer path ran. llama.cpp (xllamacpp) runs before and after
-the engine, medians over both. Where the decode time goes: the engine's step split by timing its parts
-(the layers' projections, attention, the other layer work, the LM head of 262,144 x 640, sampling over
+blocks where the kernels keep them) and which layer path ran. llama.cpp (built for this CPU,
+tests/bench/llama_cpp_native.py) runs before and after the engine, medians over both. Where the decode time
+goes: the engine's step split by timing its parts (the layers' projections, attention, the other layer
+work, the LM head of 262,144 x 640, sampling over
 262,144 logits and the engine around them). Targets (issue 31): >= 1.0x llama.cpp, decode and prefill.
 """
 
@@ -138,9 +139,11 @@ def run() -> dict:
                 "decode x1 tok/s": decode / cpp_decode,
             }
         )
-        notes.append(f"llama.cpp: xllamacpp, same GGUF and threads, medians of 6; {cpp_runs[0]['system']}")
+        notes.append(
+            f"llama.cpp: built for this CPU, same GGUF and threads, medians of 6; {cpp_runs[0]['system']}"
+        )
     else:
-        notes.append("llama.cpp column skipped: xllamacpp (the bench extra) is not installed")
+        notes.append("llama.cpp column skipped: llama.cpp could not be built for this CPU")
     notes.append(
         "decode x1, ms a token by part: "
         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(profile.items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,160 @@
+"""The size ladder: Llama shapes from 1B up (tests/bench/size_ladder.py: random weights quantized by llama.cpp
+into the types people download), this engine against llama.cpp built for this CPU
+(tests/bench/llama_cpp_native.py) on the same file and threads, in the same run.
+
+Per file: decode 1, 8 and 32 streams (tokens/s over decode-only steps, 64-token prompts, 48 new tokens),
+prefill 512 (one prompt), load time, resident memory after load and peak while loading (VmRSS / VmHWM of a
+fresh process, less its own before the load; no KV cache beyond what the engine makes), and the bandwidth
+roofline of one stream (read bandwidth measured now / bytes of the weights a step reads). llama.cpp: decode 1
+stream and a batch of 8 sequences (its own timings / wall time of llama_decode), prefill 512, load time.
+Each engine runs in a fresh process per file and round, ours and llama.cpp alternating, `BENCH_SIZES_ROUNDS`
+rounds (default 2); medians are shown, with the spread of the decode figures.
+
+    python -m tests.bench sizes
+    BENCH_SIZES=1b,3b,8b BENCH_SIZES_TYPES=q4_k_m,q4_0 BENCH_SIZES_LEVELS=avx2 python -m tests.bench sizes
+
+Levels: the CPU's best kernel level, and the forced `avx2` level where the best is above it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from runtime.kernels import library as native_kernels
+from tests.bench import llama_cpp_native
+from tests.bench.roofline import memory_bandwidth
+from tests.bench.size_ladder import model_file
+
+SIZES = os.environ.get("BENCH_SIZES", "1b,3b").split(",")
+TYPES = os.environ.get("BENCH_SIZES_TYPES", "q4_0,q8_0,q4_k_m,q5_k_m,q6_k").split(",")
+ROUNDS = int(os.environ.get("BENCH_SIZES_ROUNDS", "2"))
+THREADS = 2
+
+_MEMORY = """
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+"""
+
+_OURS = (
+    _MEMORY
+    + """
+import json, sys, time, torch
+torch.set_num_threads(THREADS)
+from runtime import Engine
+from tests.bench.bench_engine import decode_rate, prefill_rate
+path = sys.argv[1]
+rss0 = status("VmRSS")
+start = time.perf_counter()
+engine = Engine.from_pretrained(path, kv_cache_bytes=256 << 20, max_num_seqs=32, max_num_batched_tokens=512)
+load = time.perf_counter() - start
+out = {"load_s": load, "rss": status("VmRSS") - rss0 - engine.kv.pool.numel() * engine.kv.pool.element_size(),
+       "peak": status("VmHWM") - rss0, "kv_bytes": engine.kv.pool.numel() * engine.kv.pool.element_size(),
+       "weight_bytes": engine.model.weight_bytes, "dtype": str(engine.model.dtype).replace("torch.", "")}
+out["prefill"] = prefill_rate(engine)
+for b in (1, 8, 32):
+    out[f"x{b}"] = statistics.median(decode_rate(engine, b)[0] for _ in range(3 if b == 1 else 1))
+print(json.dumps(out))
+"""
+).replace("THREADS", str(THREADS))
+
+
+def _child(script: str, path, env: dict | None = None) -> dict:
+    """Runs `script` on `path` in a fresh interpreter; the JSON its last line prints."""
+    run = subprocess.run(
+        [sys.executable, "-c", "import statistics\n" + script, str(path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"bench child failed on {path}:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def levels() -> list[str]:
+    names = [level.name for level in native_kernels.cpu_levels()]
+    wanted = os.environ.get("BENCH_SIZES_LEVELS")
+    if wanted:
+        return [n for n in wanted.split(",") if n in names]
+    best = names[-1]
+    return [best] + (["avx2"] if best != "avx2" and "avx2" in names else [])
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):,.1f}-{max(values):,.1f}" if len(values) > 1 else ""
+
+
+def run() -> dict:
+    system = llama_cpp_native.ensure(log=lambda m: print(m, file=sys.stderr))
+    bandwidth = memory_bandwidth()
+    rows, raw = [], []
+    for size in SIZES:
+        for kind in TYPES:
+            path = model_file(size, kind, log=lambda m: print(m, file=sys.stderr))
+            file_bytes = path.stat().st_size
+            ours = {level: [] for level in levels()}
+            cpp = []
+            for _ in range(ROUNDS):
+                for level in ours:
+                    ours[level].append(_child(_OURS, path, {"PRESCIENT_ISA": level}))
+                cpp.append(llama_cpp_native.measure(path, THREADS))
+            raw.append({"size": size, "type": kind, "file_bytes": file_bytes, "ours": ours, "llama_cpp": cpp})
+
+            def med(runs, key):
+                return statistics.median(r[key] for r in runs)
+
+            for level, runs in ours.items():
+                roofline = bandwidth / med(runs, "weight_bytes")
+                rows.append(
+                    {
+                        "model": f"{size} {kind}",
+                        "level": level,
+                        "file MiB": file_bytes / 2**20,
+                        "x1": med(runs, "x1"),
+                        "x1 spread": _spread([r["x1"] for r in runs]),
+                        "x1 / roofline": med(runs, "x1") / roofline,
+                        "x1 / llama.cpp": med(runs, "x1") / med(cpp, "x1"),
+                        "x8": med(runs, "x8"),
+                        "x8 / llama.cpp x8": med(runs, "x8") / med(cpp, "x8"),
+                        "x32": med(runs, "x32"),
+                        "prefill 512": med(runs, "prefill"),
+                        "prefill / llama.cpp": med(runs, "prefill") / med(cpp, "prefill"),
+                        "rss / file": med(runs, "rss") / file_bytes,
+                        "peak / file": (med(runs, "peak") - med(runs, "kv_bytes")) / file_bytes,
+                        "load s": med(runs, "load_s"),
+                        "load / llama.cpp": med(runs, "load_s") / med(cpp, "load_s"),
+                    }
+                )
+            rows.append(
+                {
+                    "model": f"{size} {kind}",
+                    "level": "llama.cpp",
+                    "file MiB": file_bytes / 2**20,
+                    "x1": med(cpp, "x1"),
+                    "x1 spread": _spread([r["x1"] for r in cpp]),
+                    "x1 / roofline": med(cpp, "x1") / (bandwidth / file_bytes),
+                    "x8": med(cpp, "x8"),
+                    "prefill 512": med(cpp, "prefill"),
+                    "rss / file": med(cpp, "rss") / file_bytes,
+                    "load s": med(cpp, "load_s"),
+                }
+            )
+    return {
+        "title": "Sizes: Llama shapes in the downloaded types, against llama.cpp built for this CPU",
+        "rows": rows,
+        "raw": raw,
+        "notes": [
+            f"CPU: {llama_cpp_native.cpu_description()}",
+            f"llama.cpp (llama-cpp-python {llama_cpp_native.VERSION}, native build): {system}",
+            f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s; threads {THREADS}; rounds {ROUNDS}",
+            "roofline of one stream: bandwidth / bytes of weights a step reads (ours: the engine's count; "
+            "llama.cpp: the file's size)",
+            "peak / file: the load's peak resident set less the KV pool; rss / file: after load, less the pool",
+        ],
+    }
