@@ -43,6 +43,28 @@ LOADER = {
     ],
 }
 
+SIZES = {
+    "title": "Sizes",
+    "machine": "Test CPU, 2 cores",
+    "bandwidth": 20e9,
+    "raw": [
+        {
+            "size": "1b",
+            "type": "q4_0",
+            "file_bytes": 600e6,
+            "ours": {"avx2": [{"weight_bytes": 620e6, "x1": 28.0}, {"weight_bytes": 620e6, "x1": 30.0}]},
+            "llama_cpp": [{"x1": 25.0}, {"x1": 26.0}, {"x1": 24.0}],
+        },
+        {
+            "size": "1b",
+            "type": "q8_0",
+            "file_bytes": 1000e6,
+            "ours": {"avx2": [{"weight_bytes": 1050e6, "x1": 17.0}]},
+            "llama_cpp": [{"x1": 16.0}],
+        },
+    ],
+}
+
 
 def lines(fig) -> dict[str, tuple[list, list]]:
     return {
@@ -77,8 +99,17 @@ def test_loader_plot_sets_the_loader_against_torch_per_epoch():
     assert drawn["slow storage|loader.DataLoader"] == ([1, 2], [0.93, 0.96])
 
 
+def test_sizes_plot_sets_decode_against_bytes_read_with_the_roofline():
+    drawn = lines(plots.sizes(SIZES))
+    title = "Decode against model bytes"
+    assert drawn[f"{title}|Prescient (avx2)"] == ([620.0, 1050.0], [29.0, 17.0])  # medians of the rounds
+    assert drawn[f"{title}|llama.cpp (built for this CPU)"] == ([600.0, 1000.0], [25.0, 16.0])
+    xs, ys = drawn[f"{title}|bandwidth roofline"]
+    assert ys == pytest.approx([20e9 / (x * 1e6) for x in xs]) and min(xs) < 600 and max(xs) > 1050
+
+
 def test_write_saves_a_png_titled_with_the_machine(tmp_path):
-    for name, result in (("serve", SERVE), ("fairness", FAIRNESS), ("loader", LOADER)):
+    for name, result in (("serve", SERVE), ("fairness", FAIRNESS), ("loader", LOADER), ("sizes", SIZES)):
         path = plots.write(name, result, tmp_path)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
         assert "Test CPU, 2 cores" in getattr(plots, name)(result)._suptitle.get_text()

@@ -19,6 +19,7 @@ Baselines measured in the same run, because this machine is shared and noisy:
 BENCH_SERVE_MODELS=gemma,smollm2 runs only the 32-stream "server vs offline" measure, on each named model
 in turn (gemma: the Gemma 3 270M Q4_K_M file of the `models` extra; smollm2: the default; or a path), with
 the core's own spin count and again with the README's setting for a shared host (GOMP_SPINCOUNT=10000).
+BENCH_SERVE_ROUNDS sets the rounds of the server-vs-offline measures (default 5).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _offline_engine(concurrency: int) -> tuple[dict, str]:
 
 
 SAMPLED_TEMPERATURE, SAMPLED_LEN, SHORT_PROMPT = 0.8, 128, 16
-ROUNDS = 5
+ROUNDS = int(os.environ.get("BENCH_SERVE_ROUNDS", "5"))
 """Server-vs-offline rounds per load; the row is the round with the median ratio."""
 SHARED_HOST_ENV = ("GOMP_SPINCOUNT", "10000")
 """The README's setting for a host whose cores the server shares: the core's OpenMP threads sleep sooner."""

@@ -116,6 +116,7 @@ def run() -> dict:
                         "model": f"{size} {kind}",
                         "level": level,
                         "file MiB": file_bytes / 2**20,
+                        "read MiB": med(runs, "weight_bytes") / 2**20,
                         "x1": med(runs, "x1"),
                         "x1 spread": _spread([r["x1"] for r in runs]),
                         "x1 / roofline": med(runs, "x1") / roofline,
@@ -149,6 +150,7 @@ def run() -> dict:
         "title": "Sizes: Llama shapes in the downloaded types, against llama.cpp built for this CPU",
         "rows": rows,
         "raw": raw,
+        "bandwidth": bandwidth,
         "notes": [
             f"CPU: {llama_cpp_native.cpu_description()}",
             f"llama.cpp (llama-cpp-python {llama_cpp_native.VERSION}, native build): {system}",

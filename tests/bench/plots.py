@@ -4,7 +4,8 @@
 
 serve: output tokens/s and TTFT p50/p99 against concurrency; fairness: each tenant's service rate
 over time in the overload phase, one panel per policy; loader: accelerator utilization per epoch,
-the clairvoyant loader against torch's. Each figure names the machine the numbers came from.
+the clairvoyant loader against torch's; sizes: one stream's decode against the bytes a step reads, both
+engines and the bandwidth roofline. Each figure names the machine the numbers came from.
 """
 
 from __future__ import annotations
@@ -145,7 +146,50 @@ def loader(result: dict) -> Figure | None:
     return fig
 
 
-PLOTS = {"serve": serve, "fairness": fairness, "loader": loader}
+def sizes(result: dict) -> Figure | None:
+    """One stream's decode tokens/s against the bytes a step reads (ours: the engine's weights; llama.cpp:
+    the file), each engine and level a series, with the bandwidth roofline (bandwidth / bytes)."""
+    raw = result.get("raw") or []
+    bandwidth = result.get("bandwidth")
+    if not raw or not bandwidth:
+        return None
+    import statistics
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series: dict[str, list[tuple[float, float, str]]] = {}
+    for entry in raw:
+        label = f"{entry['size']} {entry['type']}"
+        for level, runs in entry["ours"].items():
+            mb = statistics.median(r["weight_bytes"] for r in runs) / 1e6
+            series.setdefault(f"Prescient ({level})", []).append(
+                (mb, statistics.median(r["x1"] for r in runs), label)
+            )
+        series.setdefault("llama.cpp (built for this CPU)", []).append(
+            (entry["file_bytes"] / 1e6, statistics.median(r["x1"] for r in entry["llama_cpp"]), label)
+        )
+    for name, points in series.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", linestyle="", label=name)
+    for mb, rate, label in series[next(iter(series))]:
+        ax.annotate(label, (mb, rate), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    every = [p[0] for points in series.values() for p in points]
+    xs = [min(every) * 0.9 + (max(every) * 1.1 - min(every) * 0.9) * i / 50 for i in range(51)]
+    ax.plot(xs, [bandwidth / (x * 1e6) for x in xs], color="gray", linestyle="--", label="bandwidth roofline")
+    ax.set(
+        xlabel="MB of weights a decode step reads",
+        ylabel="decode tokens/s, 1 stream",
+        title="Decode against model bytes",
+        xscale="log",
+        yscale="log",
+    )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    _title(fig, result)
+    fig.tight_layout()
+    return fig
+
+
+PLOTS = {"serve": serve, "fairness": fairness, "loader": loader, "sizes": sizes}
 
 
 def write(name: str, result: dict, out_dir: Path) -> Path | None:
