@@ -51,7 +51,7 @@ from tests.bench.bench_engine import decode_rate, prefill_rate
 path = sys.argv[1]
 rss0 = status("VmRSS")
 start = time.perf_counter()
-engine = Engine.from_pretrained(path, kv_cache_bytes=256 << 20, max_num_seqs=32, max_num_batched_tokens=512)
+engine = Engine.from_pretrained(path, kv_cache_bytes=1 << 30, max_num_seqs=32, max_num_batched_tokens=512)
 load = time.perf_counter() - start
 out = {"load_s": load, "rss": status("VmRSS") - rss0 - engine.kv.pool.numel() * engine.kv.pool.element_size(),
        "peak": status("VmHWM") - rss0, "kv_bytes": engine.kv.pool.numel() * engine.kv.pool.element_size(),
