@@ -37,10 +37,6 @@ class StackedMatmul:
         """The parts' tiles (every part has them)."""
         return tuple(p.tiles for p in self.parts)
 
-    @tiles.setter
-    def tiles(self, value) -> None:
-        assert value is not None, "a stacked projection has no other layout than its parts' tiles"
-
     @property
     def tiled_nbytes(self) -> int:
         return sum(p.tiled_nbytes for p in self.parts)

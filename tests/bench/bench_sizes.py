@@ -34,17 +34,10 @@ TYPES = os.environ.get("BENCH_SIZES_TYPES", "q4_0,q8_0,q4_k_m,q5_k_m,q6_k").spli
 ROUNDS = int(os.environ.get("BENCH_SIZES_ROUNDS", "2"))
 THREADS = 2
 
-_MEMORY = """
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-"""
-
 _OURS = (
-    _MEMORY
+    llama_cpp_native.MEMORY_STATUS
     + """
-import json, sys, time, torch
+import json, statistics, sys, time, torch
 torch.set_num_threads(THREADS)
 from runtime import Engine
 from tests.bench.bench_engine import decode_rate, prefill_rate
@@ -67,7 +60,7 @@ print(json.dumps(out))
 def _child(script: str, path, env: dict | None = None) -> dict:
     """Runs `script` on `path` in a fresh interpreter; the JSON its last line prints."""
     run = subprocess.run(
-        [sys.executable, "-c", "import statistics\n" + script, str(path)],
+        [sys.executable, "-c", script, str(path)],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},

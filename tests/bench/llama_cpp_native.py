@@ -104,15 +104,20 @@ def ensure(log=print) -> str:
     return system_info()
 
 
-_MEASURE = """
-import json, statistics, sys, time
-import numpy as np
-import llama_cpp as L
-
+MEMORY_STATUS = """
 def status(field):
     for line in open("/proc/self/status"):
         if line.startswith(field):
             return int(line.split()[1]) * 1024
+"""
+"""A bench child's bytes of a /proc/self/status field (VmRSS, VmHWM), as source for its script."""
+
+_MEASURE = (
+    MEMORY_STATUS
+    + """
+import json, statistics, sys, time
+import numpy as np
+import llama_cpp as L
 
 path, threads, batch_seqs, vocab_cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 L.llama_backend_init()
@@ -168,6 +173,7 @@ if batch_seqs > 1:
     out[f"x{batch_seqs}"] = decode(batch_seqs)
 print(json.dumps(out))
 """
+)
 
 
 def measure(path, threads: int = 2, batch: int = 8, vocab: int = 0) -> dict:

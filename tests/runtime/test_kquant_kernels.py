@@ -175,6 +175,23 @@ def ggml():
     return lib
 
 
+def llama_quantize(lib, kind: str, w: np.ndarray) -> np.ndarray:
+    """w [N, K] float32 -> the kind's bytes [N, K / elements * block bytes], by llama.cpp's quantize_<kind>."""
+    n, k = w.shape
+    out = np.zeros((n, k // BLOCK_ELEMENTS[kind] * BLOCK_BYTES[kind]), np.uint8)
+    w = np.ascontiguousarray(w, np.float32)
+    fn = getattr(lib, f"quantize_{kind.lower()}".replace("_k", "_K"))
+    fn.restype = ctypes.c_size_t
+    fn(
+        ctypes.c_void_p(w.ctypes.data),
+        ctypes.c_void_p(out.ctypes.data),
+        ctypes.c_int64(n),
+        ctypes.c_int64(k),
+        ctypes.c_void_p(None),
+    )
+    return out
+
+
 def llama_dot(lib, kind: str, raw_row: np.ndarray, x: np.ndarray) -> float:
     dot, quantize, size, per = LLAMA_DOT[kind]
     k = x.shape[0]

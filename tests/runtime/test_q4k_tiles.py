@@ -15,8 +15,7 @@ from runtime.kernels.quantized_matmul import KQ4_BITS, NativeMatmul, q4_k_tiles
 from runtime.quant.gguf_blocks import GGUFBlocks
 from runtime.quant.linear import BlockEmbedding, pack_native
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
-from tests.runtime.test_kquant_kernels import ggml, kernel_bound  # noqa: F401 (ggml: a fixture)
-from tests.runtime.test_stacked_projection import llama_quantize
+from tests.runtime.test_kquant_kernels import ggml, kernel_bound, llama_quantize  # noqa: F401 (ggml: a fixture)
 
 N, K = 96, 1024
 

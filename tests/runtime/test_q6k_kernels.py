@@ -9,8 +9,6 @@ FLOAT_BOUND."""
 
 from __future__ import annotations
 
-import ctypes
-
 import gguf
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.quant.gguf_blocks import GGUFBlocks
 from runtime.quant.linear import BlockEmbedding, pack_gguf
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
-from tests.runtime.test_kquant_kernels import F16_STEP, ggml, kernel_bound, llama_dot  # noqa: F401 (ggml: a fixture)
+from tests.runtime.test_kquant_kernels import F16_STEP, ggml, kernel_bound, llama_dot, llama_quantize  # noqa: F401 (ggml: a fixture)
 
 
 def float_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -31,22 +29,6 @@ def float_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     (one rounding each), each rounding at most 2^-24 of a partial sum bounded by sum |w x|."""
     k = w.shape[1]
     return (k // 32 + 2) * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
-
-
-def llama_q6_k(lib, w: np.ndarray) -> np.ndarray:
-    """w [N, K] float32 -> Q6_K bytes [N, K / 256 * 210], by llama.cpp's quantize_q6_K."""
-    n, k = w.shape
-    out = np.zeros((n, k // 256 * 210), np.uint8)
-    w = np.ascontiguousarray(w, np.float32)
-    lib.quantize_q6_K.restype = ctypes.c_size_t
-    lib.quantize_q6_K(
-        ctypes.c_void_p(w.ctypes.data),
-        ctypes.c_void_p(out.ctypes.data),
-        ctypes.c_int64(n),
-        ctypes.c_int64(k),
-        ctypes.c_void_p(None),
-    )
-    return out
 
 
 def grid_activations(m: int, k: int, seed: int) -> np.ndarray:
@@ -60,7 +42,7 @@ def grid_activations(m: int, k: int, seed: int) -> np.ndarray:
 def real_q6_k(ggml):  # noqa: F811
     n, k = 96, 1024
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32) * 0.05
-    raw = llama_q6_k(ggml, w)
+    raw = llama_quantize(ggml, "Q6_K", w)
     blocks = GGUFBlocks.parse("Q6_K", raw, (n, k))
     exact = quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(n, k)
     assert np.array_equal(blocks.dequantize(), exact)  # the parse is gguf-py's, bit for bit

@@ -7,42 +7,23 @@ bit), and numpy over gguf-py's de-quantization within the kernels' stated bound.
 
 from __future__ import annotations
 
-import ctypes
-
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import quants
 
-from runtime import Engine, SamplingParams
+from runtime import Engine
 from runtime.kernels.quantized_matmul import KQ4_BITS, q4_k_tiles, vector_loops
 from runtime.kernels.stacked_matmul import StackedMatmul
-from runtime.model import decode_layers as native_decode
-from runtime.quant.gguf_blocks import BLOCK_BYTES, BLOCK_ELEMENTS, GGUFBlocks
+from runtime.quant.gguf_blocks import GGUFBlocks
 from runtime.quant.linear import Int4Linear, pack_native, pack_stacked
 from tests.bench.size_ladder import Shape, write_llama
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
-from tests.runtime.test_kquant_kernels import ggml, kernel_bound  # noqa: F401 (ggml: a fixture)
+from tests.runtime.test_kquant_kernels import ggml, kernel_bound, llama_quantize  # noqa: F401 (ggml: a fixture)
+from tests.runtime.test_native_decode import _generate
 
 K = 512
-
-
-def llama_quantize(lib, kind: str, w: np.ndarray) -> np.ndarray:
-    """w [N, K] float32 -> the kind's bytes [N, K / elements * block bytes], by llama.cpp's quantize_<kind>."""
-    n, k = w.shape
-    out = np.zeros((n, k // BLOCK_ELEMENTS[kind] * BLOCK_BYTES[kind]), np.uint8)
-    w = np.ascontiguousarray(w, np.float32)
-    fn = getattr(lib, f"quantize_{kind.lower()}".replace("_k", "_K"))
-    fn.restype = ctypes.c_size_t
-    fn(
-        ctypes.c_void_p(w.ctypes.data),
-        ctypes.c_void_p(out.ctypes.data),
-        ctypes.c_int64(n),
-        ctypes.c_int64(k),
-        ctypes.c_void_p(None),
-    )
-    return out
 
 
 def real_blocks(lib, kind: str, n: int, seed: int) -> tuple[GGUFBlocks, np.ndarray]:
@@ -143,18 +124,7 @@ def test_a_k_quant_mix_loads_each_matrix_in_its_own_kind_and_decodes_as_dense(mi
     # 8-bit activations and float16 block scales: a few percent of the logits' spread at most
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.05
     # the C layer loop (stacked parts walked in C) gives the Python loop's tokens and logprobs
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-    ran = []
-    forward = native_decode.NativeDecode.forward
-
-    def counted(self, *args):
-        ran.append(1)
-        return forward(self, *args)
-
-    monkeypatch.setattr(native_decode.NativeDecode, "forward", counted)
-    with_c = [(o.token_ids, o.logprobs) for o in packed.generate([prompt, prompt[:20]], params)]
-    assert ran or not vector_loops()
-    monkeypatch.setattr(native_decode.NativeDecode, "possible", staticmethod(lambda model, kv: False))
-    packed.model._native_decode = None
-    without_c = [(o.token_ids, o.logprobs) for o in packed.generate([prompt, prompt[:20]], params)]
-    assert with_c == without_c
+    with_c, steps = _generate(packed, [prompt, prompt[:20]], True, monkeypatch)
+    assert steps > 0 or not vector_loops()
+    without_c, none = _generate(packed, [prompt, prompt[:20]], False, monkeypatch)
+    assert none == 0 and with_c == without_c
