@@ -3,7 +3,9 @@
 from scheduler.admission import AdmissionRule, InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.config import POLICIES, SchedulerConfig
+from scheduler.dlpm import DLPMPolicy
 from scheduler.fcfs import FCFSPolicy
+from scheduler.lpm import LPMPolicy
 from scheduler.plan import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.policy import Policy
 from scheduler.priority import PriorityPolicy
@@ -17,8 +19,10 @@ __all__ = [
     "AdmissionRule",
     "BlockManager",
     "CachedRequestData",
+    "DLPMPolicy",
     "FCFSPolicy",
     "InvalidRequestError",
+    "LPMPolicy",
     "NewRequestData",
     "POLICIES",
     "Policy",

@@ -18,6 +18,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from functools import lru_cache
+from typing import Protocol
 
 from scheduler.request import Request
 
@@ -47,6 +48,11 @@ def salt_root(salt: str) -> int:
     )
 
 
+class CacheWatcher(Protocol):
+    def cached(self, block_hash: int) -> None: ...
+    def evicted(self, block_hash: int) -> None: ...
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
@@ -68,6 +74,8 @@ class BlockManager:
         partial block copied on write (see fork). The scheduler hands them to the runner."""
         self.rewritten: dict[str, list[int]] = {}
         """request id -> indices of its block table replaced by a private copy since the last plan."""
+        self.watcher: CacheWatcher | None = None
+        """Told of every hash that enters or leaves the prefix cache (see PrefixIndex)."""
 
     # ---- counts ---------------------------------------------------------------------------------
 
@@ -94,6 +102,16 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ---------------------------------------------------------------------------
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._cached
+
+    def prefix_hashes(self, request: Request) -> list[int]:
+        """The hashes of the full blocks find_cached_prefix may match (all but the last token's block)."""
+        n = (request.num_tokens - 1) // self.block_size
+        if n:
+            self._hash_of(request, n - 1)
+        return request.block_hashes[:n]
 
     def _hash_of(self, request: Request, index: int) -> int:
         """Hash of the request's full block `index`, computing (once) any missing ones before it."""
@@ -141,6 +159,8 @@ class BlockManager:
             if h not in self._cached:  # else an equal block computed concurrently is already cached
                 self._cached[h] = block
                 self._hash[block] = h
+                if self.watcher is not None:
+                    self.watcher.cached(h)
 
     # ---- allocation -----------------------------------------------------------------------------
 
@@ -212,6 +232,8 @@ class BlockManager:
         if h is not None:  # evict: its contents are about to be overwritten
             del self._cached[h]
             self._hash[block] = None
+            if self.watcher is not None:
+                self.watcher.evicted(h)
         self.ref_counts[block] = 1
         return block
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from scheduler.admission import AdmissionRule
 
-POLICIES = ("vtc", "fcfs", "priority")
+POLICIES = ("vtc", "fcfs", "priority", "dlpm", "lpm")
 
 
 @dataclass
@@ -45,6 +45,10 @@ class SchedulerConfig:
     """VTC's w_p: service charged per prompt token."""
     output_token_weight: float = 2.0
     """VTC's w_q: service charged per generated token."""
+    dlpm_quantum: int = 4096
+    """DLPM's quantum Q: weighted tokens each backlogged tenant may be served per round. Larger keeps a
+    tenant's cached prefix in use for more requests in a row; two backlogged tenants' weighted service
+    then differs by at most 2 (Q + U_p + U_q) (scheduler/dlpm.py)."""
     max_idle_tenants: int = 1024
     """Tenants without requests that are still remembered (counters, service); beyond this the longest
     idle are forgotten, so memory and stats() cost do not grow with every `user` name ever seen."""
@@ -63,6 +67,7 @@ class SchedulerConfig:
             "max_model_len",
             "prefill_wave_tokens",
             "max_idle_tenants",
+            "dlpm_quantum",
         ):
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "max_model_len", "prefill_wave_tokens"):

@@ -10,6 +10,7 @@ import bisect
 import itertools
 from collections.abc import Callable, Iterator
 
+from scheduler.block_manager import BlockManager
 from scheduler.request import Request
 
 _arrivals = itertools.count()
@@ -46,6 +47,10 @@ class Policy:
     """Admission order and preemption choice. Charges are in tokens, already weighted by the policy."""
 
     name = "base"
+
+    def attach(self, block_manager: BlockManager) -> None:
+        """The scheduler's block manager, given once before any add (policies that read the prefix
+        cache keep it; the others ignore it)."""
 
     def add(self, request: Request) -> None:
         """A request enters the waiting queue: new (status WAITING), or preempted and to be

@@ -24,7 +24,9 @@ import time
 from scheduler.admission import InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
+from scheduler.dlpm import DLPMPolicy
 from scheduler.fcfs import FCFSPolicy
+from scheduler.lpm import LPMPolicy
 from scheduler.plan import SchedulerOutput
 from scheduler.policy import Policy
 from scheduler.priority import PriorityPolicy
@@ -44,6 +46,10 @@ def make_policy(config: SchedulerConfig) -> Policy:
         return VTCPolicy(config.prompt_token_weight, config.output_token_weight)
     if config.policy == "priority":
         return PriorityPolicy()
+    if config.policy == "dlpm":
+        return DLPMPolicy(config.dlpm_quantum, config.prompt_token_weight, config.output_token_weight)
+    if config.policy == "lpm":
+        return LPMPolicy()
     return FCFSPolicy()
 
 
@@ -54,6 +60,7 @@ class Scheduler:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = policy or make_policy(config)
+        self.policy.attach(self.block_manager)
         self.running: list[Request] = []
         """Admitted requests in admission order; each holds blocks for its computed tokens."""
         self.requests: dict[str, Request] = {}

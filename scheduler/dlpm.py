@@ -1,0 +1,180 @@
+"""Deficit Longest Prefix Match (after Cao et al., "Locality-aware Fair Scheduling in LLM Serving", 2025).
+
+VTC keeps tenants fair but admits by counter alone, so tenants with long
+prompts of their own take turns and evict each other's cached prefixes. DLPM
+lets the cache decide the order *within* a fairness allowance:
+
+* Each tenant has a deficit d, in weighted tokens. A tenant is eligible while
+  it has waiting requests and d > 0.
+* Admission takes, among the eligible tenants' waiting requests, the one whose
+  prompt has the longest prefix in the cache now (ties: earliest arrival).
+* When no backlogged tenant is eligible a round begins: every backlogged
+  tenant gets the quantum Q (as many rounds at once as it takes to make one
+  eligible).
+* Charges are VTC's: w_p per prompt token once per request at its admission,
+  w_q per generated token, each divided by the tenant's weight (the key
+  file's `weight`). **Cached prompt tokens are charged in full**, like
+  uncached ones: the counters then measure the same service as VTC's and as
+  the per-tenant service metric, so the bound below is on that service; what
+  the cache saves shows up as throughput, shared by all, not as a larger
+  share for the tenant whose prefix happened to be cached.
+* A tenant whose queue empties keeps its deficit; coming back it is credited
+  Q for each round that began while it was away, capped at Q, so idle time
+  is never banked beyond one quantum and a debt is forgiven only as the
+  others are served too. A preempted request returning does not count as a
+  return from idle.
+
+Fairness bound. While two tenants are both backlogged they receive the same
+rounds, so the difference of their weighted service over any such interval
+is the difference of their deficits' changes. A backlogged tenant's deficit
+never exceeds Q (a round tops up only tenants whose deficit is <= 0, and by
+the least number of quanta that makes one positive), and never falls below
+-(U_p + U_q): it is admitted only with d > 0, its admission is charged at
+most U_p = w_p x longest prompt / weight, and after that its running requests
+can be charged at most U_q = w_q x KV pool tokens / weight for tokens they
+generate (the same M as VTC's bound). So two backlogged tenants' weighted
+service differs by at most
+
+    2 (Q + U_p + U_q)
+
+Q trades locality for that bound: with Q below one request's charge DLPM is
+round robin by tokens; the larger Q, the more requests one tenant's cached
+prefix serves in a row. The step's token budget B enters only through
+U_q's w_q x B per step that a tenant's decodes may add once its deficit is
+spent; it does not loosen the bound beyond U_q.
+
+Admission costs O(backlogged tenants + log waiting): one heap top per
+eligible tenant (PrefixIndex), kept current by cache events rather than by
+looking up blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from scheduler.block_manager import BlockManager
+from scheduler.policy import Policy
+from scheduler.prefix_index import PrefixIndex
+from scheduler.request import Request, RequestStatus
+
+
+class DLPMPolicy(Policy):
+    name = "dlpm"
+
+    def __init__(self, quantum: float, prompt_token_weight: float = 1.0, output_token_weight: float = 2.0):
+        if not quantum > 0:
+            raise ValueError(f"dlpm_quantum: must be positive, got {quantum!r}")
+        self.quantum = float(quantum)
+        self.w_p = prompt_token_weight
+        self.w_q = output_token_weight
+        self._index = PrefixIndex()
+        self._deficits: dict[str, float] = {}
+        """Weighted tokens each known tenant may still be served this round (<= 0: not eligible)."""
+        self._service: dict[str, float] = {}
+        """Weighted tokens served per tenant (what counters() reports, as VTC's counters)."""
+        self._rounds = 0
+        """Rounds begun so far."""
+        self._left_at: dict[str, int] = {}
+        """Round in which a tenant's queue last emptied."""
+        self._charged: set[str] = set()
+
+    def attach(self, block_manager: BlockManager) -> None:
+        self._index.attach(block_manager)
+
+    # ---- waiting queue --------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        tenant = request.tenant
+        self._service.setdefault(tenant, 0.0)
+        if not self._index.has(tenant):
+            d = self._deficits.get(tenant)
+            if d is None:
+                d = self.quantum  # a new tenant starts with one round's allowance
+            elif request.status != RequestStatus.PREEMPTED:
+                away = self._rounds - self._left_at.get(tenant, self._rounds)
+                d = min(d + away * self.quantum, max(d, self.quantum))
+            self._deficits[tenant] = d
+        self._index.add(request, tenant, request.arrival_time)
+
+    def peek(self) -> Request | None:
+        index = self._index
+        if not len(index):
+            return None
+        deficits = self._deficits
+        best, best_key = None, None
+        for _ in range(2):
+            for tenant in index.groups():
+                if deficits[tenant] > 0:
+                    match, seq = index.longest_match(tenant)
+                    if (
+                        best_key is None
+                        or match > best_key[0]
+                        or (match == best_key[0] and seq < best_key[1])
+                    ):
+                        best, best_key = tenant, (match, seq)
+            if best is not None:
+                return index.longest(best)
+            self._new_round()
+        raise AssertionError("a round left no backlogged tenant eligible")
+
+    def _new_round(self) -> None:
+        """Top up every backlogged tenant by the fewest quanta that make one of them eligible."""
+        deficits = self._deficits
+        backlogged = list(self._index.groups())
+        most = max(deficits[t] for t in backlogged)
+        rounds = int(-most // self.quantum) + 1  # most <= 0: the least k with most + k Q > 0
+        self._rounds += rounds
+        for tenant in backlogged:
+            deficits[tenant] += rounds * self.quantum
+
+    def remove(self, request: Request) -> None:
+        if self._index.remove(request) and not self._index.has(request.tenant):
+            self._left_at[request.tenant] = self._rounds
+
+    def num_waiting(self) -> int:
+        return len(self._index)
+
+    def waiting(self) -> Iterator[Request]:
+        return self._index.requests()
+
+    def cached_match(self, request: Request) -> int:
+        """Full blocks of a waiting request's prompt that the prefix cache holds now."""
+        return self._index.match(request)
+
+    # ---- service accounting ---------------------------------------------------------------------
+
+    def charge_admission(self, request: Request) -> None:
+        if request.request_id not in self._charged:
+            self._charged.add(request.request_id)
+            self._charge(request, self.w_p * request.num_prompt_tokens / request.weight)
+
+    def charge_fork(self, parent: Request, child: Request) -> None:
+        self._charged.add(child.request_id)
+
+    def charge_output(self, request: Request, num_tokens: int = 1) -> None:
+        self._charge(request, self.w_q * num_tokens / request.weight)
+
+    def _charge(self, request: Request, amount: float) -> None:
+        self._deficits[request.tenant] -= amount
+        self._service[request.tenant] += amount
+
+    def on_finish(self, request: Request) -> None:
+        self._charged.discard(request.request_id)
+
+    def forget_tenant(self, tenant: str) -> None:
+        if not self._index.has(tenant):
+            self._deficits.pop(tenant, None)
+            self._service.pop(tenant, None)
+            self._left_at.pop(tenant, None)
+
+    def victim(self, running: list[Request]) -> Request:
+        """The newest running request of the tenant with the least deficit (served furthest ahead)."""
+        deficits = self._deficits
+        return max(running, key=lambda r: (-deficits.get(r.tenant, 0.0), r.arrival_time))
+
+    def counters(self) -> dict[str, float]:
+        return self._service
+
+    def deficits(self) -> dict[str, float]:
+        """Per-tenant deficits in weighted tokens; read only."""
+        return self._deficits

@@ -1,0 +1,245 @@
+"""DLPM on the scheduler alone: the fairness bound at its worst case, locality, and the prefix index.
+
+Service is measured here, independently of the policy: w_p per prompt token at
+first admission, w_q per generated token, divided by the tenant's weight. The
+index's match lengths are checked against the block manager's own walk over
+the cache (find_cached_prefix) after every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+from scheduler import DLPMPolicy, Scheduler, SchedulerConfig
+from scheduler.prefix_index import PrefixIndex
+from tests.scheduler.sim import make_request, step
+
+W_P, W_Q = 1.0, 2.0
+PREFIX, MAX_SUFFIX, MAX_OUTPUT = 80, 16, 24
+
+
+def config(policy: str, quantum: int = 512, num_blocks: int = 48) -> SchedulerConfig:
+    return SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        policy=policy,
+        dlpm_quantum=quantum,
+    )
+
+
+def bound(cfg: SchedulerConfig, weight: float = 1.0) -> float:
+    """2 (Q + U_p + U_q) from scheduler/dlpm.py, for the lightest tenant's weight."""
+    u_p = W_P * (PREFIX + MAX_SUFFIX) / weight
+    u_q = W_Q * cfg.num_blocks * cfg.block_size / weight
+    return 2 * (cfg.dlpm_quantum + u_p + u_q)
+
+
+class Locality:
+    """Backlogged tenants, each with a prompt prefix of its own; `hot` tenants' requests all share it
+    (so the cache always favours them), the others' prompts share nothing."""
+
+    def __init__(self, seed: int, weights: dict[str, float], hot: set[str], depth: int = 8):
+        self.rng = random.Random(seed)
+        self.weights = weights
+        self.prefix = {t: [self.rng.randrange(3, 50) for _ in range(PREFIX)] for t in weights}
+        self.hot = hot
+        self.depth = depth
+        self.ids = itertools.count()
+        self.service = {t: 0.0 for t in weights}
+        self.admitted: set[str] = set()
+
+    def top_up(self, sched: Scheduler, tenants) -> None:
+        for tenant in tenants:
+            queued = sum(1 for r in sched.policy.waiting() if r.tenant == tenant)
+            for _ in range(self.depth - queued):
+                i = next(self.ids)
+                suffix = self.rng.randint(1, MAX_SUFFIX)
+                sched.add_request(
+                    make_request(
+                        f"{tenant}{i}",
+                        PREFIX + suffix,
+                        self.rng.randint(1, MAX_OUTPUT),
+                        tenant=tenant,
+                        weight=self.weights[tenant],
+                        arrival=float(i),
+                        seed=i,
+                        prefix=self.prefix[tenant] if tenant in self.hot else (),
+                    )
+                )
+
+    def step(self, sched: Scheduler) -> None:
+        _, sampled, plan = step(sched)
+        for req, _ in plan.scheduled:
+            if req.request_id not in self.admitted:
+                self.admitted.add(req.request_id)
+                self.service[req.tenant] += W_P * req.num_prompt_tokens / self.weights[req.tenant]
+            if req.request_id in sampled:
+                self.service[req.tenant] += W_Q / self.weights[req.tenant]
+        check_index(sched)
+
+
+def check_index(sched: Scheduler) -> None:
+    """The index's match of every waiting request equals the block manager's walk over the cache."""
+    index = getattr(sched.policy, "_index", None)
+    if index is None:
+        return
+    bm = sched.block_manager
+    for r in sched.policy.waiting():
+        assert index.match(r) == len(bm.find_cached_prefix(r)), r.request_id
+
+
+def run(
+    policy: str, weights, hot, seed: int, steps: int = 1200, quantum: int = 512
+) -> tuple[float, Scheduler]:
+    """Worst |weighted service of a - of b| over the run, both tenants backlogged throughout."""
+    sched = Scheduler(config(policy, quantum))
+    load = Locality(seed, weights, hot)
+    worst = 0.0
+    for _ in range(steps):
+        load.top_up(sched, weights)
+        load.step(sched)
+        worst = max(worst, abs(load.service["a"] - load.service["b"]))
+    run.service = load.service
+    run.hit_rate = sched.prefix_hits / sched.prefix_queries
+    return worst, sched
+
+
+def test_worst_case_gap_reaches_the_quantum_and_stays_within_the_bound():
+    # a's cached prefix always wins the longest match, so a is served whenever its deficit allows:
+    # each round a takes its whole quantum before b is admitted at all. That is DLPM's worst case.
+    for seed in range(2):
+        gap, sched = run("dlpm", {"a": 1.0, "b": 1.0}, hot={"a"}, seed=seed)
+        assert sched.policy.quantum <= gap <= bound(sched.config), gap
+
+
+def test_lpm_alone_breaks_the_bound_on_the_same_workload():
+    gap, sched = run("lpm", {"a": 1.0, "b": 1.0}, hot={"a"}, seed=0)
+    assert gap > bound(config("lpm")), gap
+
+
+def test_a_larger_quantum_buys_locality_within_its_larger_bound():
+    # Both tenants have their own hot prefix, and the pool holds one of them at a time alongside the
+    # running requests: interleaving evicts each; serving a quantum in a row reuses it (hit rate 0.55 vs 0.88).
+    rates, gaps = {}, {}
+    for q in (64, 2048):
+        sched = Scheduler(config("dlpm", q, num_blocks=20))
+        load = Locality(3, {"a": 1.0, "b": 1.0}, hot={"a", "b"})
+        worst = 0.0
+        for _ in range(1200):
+            load.top_up(sched, "ab")
+            load.step(sched)
+            worst = max(worst, abs(load.service["a"] - load.service["b"]))
+        rates[q] = sched.prefix_hits / sched.prefix_queries
+        gaps[q] = worst
+        assert worst <= bound(sched.config), (q, worst)
+    assert rates[2048] > 1.3 * rates[64], rates
+
+
+def test_weights_one_to_two_split_service_one_to_two():
+    gap, sched = run("dlpm", {"a": 1.0, "b": 2.0}, hot={"a", "b"}, seed=5, steps=2500)
+    assert gap <= bound(sched.config), gap
+    raw = {t: run.service[t] * w for t, w in {"a": 1.0, "b": 2.0}.items()}
+    assert 1.8 < raw["b"] / raw["a"] < 2.2, raw
+
+
+def test_tenant_back_from_idle_is_not_credited_for_its_absence():
+    cfg = config("dlpm")
+    sched = Scheduler(cfg)
+    load = Locality(7, {"a": 1.0, "b": 1.0}, hot={"a"})
+    for i in range(800):  # b has a few requests, then goes idle while a is served a lot
+        load.top_up(sched, "a" if i else "ab")
+        load.step(sched)
+    start = dict(load.service)
+    assert start["a"] > 10 * bound(cfg)
+    worst = 0.0
+    for _ in range(800):
+        load.top_up(sched, "ab")
+        load.step(sched)
+        worst = max(worst, abs((load.service["b"] - start["b"]) - (load.service["a"] - start["a"])))
+    assert load.service["b"] > start["b"]
+    assert worst <= bound(cfg), worst
+
+
+def test_admits_the_longest_cached_prefix_among_eligible_tenants():
+    sched = Scheduler(config("dlpm", quantum=10_000, num_blocks=64))
+    shared = list(range(10, 50))  # 40 tokens: 5 blocks
+    warm = make_request("warm", 41, 1, tenant="b", prefix=shared, arrival=0.0)
+    sched.add_request(warm)
+    while sched.has_unfinished_requests():
+        step(sched)
+    cold = make_request("cold", 41, 1, tenant="a", arrival=1.0, seed=1)
+    half = make_request("half", 41, 1, tenant="b", prefix=shared[:16], arrival=2.0, seed=2)
+    full = make_request("full", 41, 1, tenant="b", prefix=shared, arrival=3.0, seed=3)
+    for r in (cold, half, full):
+        sched.add_request(r)
+    policy = sched.policy
+    assert [policy.cached_match(r) for r in (cold, half, full)] == [0, 2, 5]
+    assert policy.peek() is full
+    policy.deficits()["b"] = 0.0  # b spent its round: a's cold request comes first
+    assert policy.peek() is cold
+
+
+def test_index_follows_evictions_under_pressure():
+    # Many tenants' prefixes through a pool that holds few of them: blocks are cached and evicted
+    # all the time; check_index (in Locality.step) compares every match with the block walk.
+    sched = Scheduler(config("dlpm", quantum=256, num_blocks=40))
+    tenants = {t: 1.0 for t in "abcdef"}
+    load = Locality(9, tenants, hot=set(tenants), depth=3)
+    evictions = 0
+    before = sched.block_manager.num_cached_blocks
+    for _ in range(600):
+        load.top_up(sched, tenants)
+        load.step(sched)
+        evictions += max(before - sched.block_manager.num_cached_blocks, 0)
+        before = sched.block_manager.num_cached_blocks
+    assert evictions > 50
+
+
+def _decision_time(num_tenants: int, num_waiting: int, decisions: int = 300) -> float:
+    """Seconds per admission decision (peek, remove, charge, and a new arrival to keep the size)."""
+    from scheduler.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=4096, block_size=8)
+    policy = DLPMPolicy(quantum=64)
+    policy.attach(bm)
+    rng = random.Random(0)
+    ids = itertools.count()
+
+    def new(tenant: int):
+        i = next(ids)
+        r = make_request(f"r{i}", 33, 4, tenant=f"t{tenant}", arrival=float(i), seed=i)
+        policy.add(r)
+
+    for i in range(num_waiting):
+        new(i % num_tenants)
+    start = time.perf_counter()
+    for _ in range(decisions):
+        r = policy.peek()
+        policy.remove(r)
+        policy.charge_admission(r)
+        policy.on_finish(r)
+        new(rng.randrange(num_tenants))
+    return (time.perf_counter() - start) / decisions
+
+
+def test_admission_cost_does_not_grow_with_the_waiting_queue():
+    # O(tenants + log waiting): at 1,000 tenants, 10x the waiting requests costs far less than 10x.
+    small = min(_decision_time(1000, 1000) for _ in range(2))
+    large = min(_decision_time(1000, 10_000) for _ in range(2))
+    assert large < 2.5 * small, (small, large)
+
+
+def test_prefix_index_alone_tracks_groups():
+    index = PrefixIndex()
+    a, b = make_request("a", 4, 1), make_request("b", 4, 1)
+    index.add(a, "g", 2.0)
+    index.add(b, "g", 1.0)
+    assert index.longest("g") is b
+    assert index.remove(b) and not index.remove(b)
+    assert index.longest("g") is a
+    index.remove(a)
+    assert not index.has("g") and index.longest("g") is None
