@@ -248,6 +248,8 @@ class Scheduler:
             tally.running += 1
             self.prefix_queries += request.num_tokens
             self.prefix_hits += hit
+            tally.prefix_queries += request.num_tokens
+            tally.prefix_hits += hit
             if request.num_cached_tokens < 0:  # first admission
                 request.num_cached_tokens = hit
                 tally.service_tokens += request.num_prompt_tokens
@@ -378,4 +380,6 @@ class Scheduler:
             policy=self.policy.name,
             tenants=tenants,
             retired_service_tokens=self.retired_service_tokens,
+            retired_prefix_hits=self._tenants.retired_prefix_hits,
+            retired_prefix_queries=self._tenants.retired_prefix_queries,
         )

@@ -53,6 +53,10 @@ class TenantStats(NamedTuple):
     running: int = 0
     since: int = 0
     """Which tally of this scheduler this is: a tenant forgotten and back gets a new one (scheduler/tenants.py)."""
+    prefix_hits: int = 0
+    """Prompt tokens of this tenant's admissions found in the prefix cache (a recompute counts again)."""
+    prefix_queries: int = 0
+    """Prompt tokens of this tenant's admissions looked up in the prefix cache."""
 
     def __getitem__(self, key):  # by name as well as by position
         return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
@@ -89,3 +93,7 @@ class SchedulerStats(_ByName):
     """Tenants with a tally: those with requests and at most max_idle_tenants idle ones."""
     retired_service_tokens: int = 0
     """Service of the tenants forgotten after being idle longest (still part of the total)."""
+    retired_prefix_hits: int = 0
+    """Prefix-cache hits (tokens) of the tenants forgotten after being idle longest."""
+    retired_prefix_queries: int = 0
+    """Prefix-cache lookups (tokens) of the tenants forgotten after being idle longest."""

@@ -19,6 +19,10 @@ from scheduler.stats import TenantStats
 class TenantTally:
     service_tokens: int = 0
     """Tokens served: prompt tokens at first admission (cache hits included) + generated tokens."""
+    prefix_hits: int = 0
+    """Prompt tokens of this tenant's admissions found in the prefix cache."""
+    prefix_queries: int = 0
+    """Prompt tokens of this tenant's admissions looked up in the prefix cache."""
     waiting: int = 0
     running: int = 0
     since: int = 0
@@ -35,6 +39,9 @@ class Tenants:
         self._made = 0
         self.retired_service_tokens = 0
         """Service of the tenants forgotten after being idle longest (still part of the total)."""
+        self.retired_prefix_hits = 0
+        """Prefix-cache hits and lookups (tokens) of the tenants forgotten (still part of the totals)."""
+        self.retired_prefix_queries = 0
 
     def __getitem__(self, tenant: str) -> TenantTally:
         return self._tallies[tenant]
@@ -57,13 +64,22 @@ class Tenants:
         if len(self._idle) <= self.max_idle_tenants:
             return None
         forgotten = self._idle.popitem(last=False)[0]
-        self.retired_service_tokens += self._tallies.pop(forgotten).service_tokens
+        tally = self._tallies.pop(forgotten)
+        self.retired_service_tokens += tally.service_tokens
+        self.retired_prefix_hits += tally.prefix_hits
+        self.retired_prefix_queries += tally.prefix_queries
         return forgotten
 
     def stats(self, counters: dict[str, float]) -> dict[str, TenantStats]:
         return {
             t: TenantStats(
-                counters.get(t, 0.0), tally.service_tokens, tally.waiting, tally.running, tally.since
+                counters.get(t, 0.0),
+                tally.service_tokens,
+                tally.waiting,
+                tally.running,
+                tally.since,
+                tally.prefix_hits,
+                tally.prefix_queries,
             )
             for t, tally in self._tallies.items()
         }

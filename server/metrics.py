@@ -200,6 +200,47 @@ class ServerMetrics:
             itl.observe(later - earlier)
 
 
+class _PerLabelTotal:
+    """One per-tenant tally field (service tokens, prefix hits) as a counter per label, monotonic like
+    any Prometheus counter.
+
+    The scheduler forgets long-idle tenants (their tally moves to a retired total) and a tenant that
+    comes back starts a new tally at 0. A tenant shown under its own label keeps its series: what it
+    had at the last scrape before it was forgotten is carried, and its new tally counts on top. What
+    no scrape saw under the tenant's name (counted after the last scrape, then forgotten) and that of
+    tenants labelled 'other' are reported under 'other'."""
+
+    def __init__(self, field: str, tenant_label: TenantLabels):
+        self.field = field
+        self.tenant_label = tenant_label
+        self._seen: dict[str, tuple[int, float]] = {}
+        """Tenants shown under their own label -> (their tally's `since`, the field at the last scrape)."""
+        self._carried: dict[str, float] = {}
+        """Label -> the field's total of that label's tenants before the scheduler forgot them."""
+        self._carried_total = 0.0
+
+    def __call__(self, tenants: dict, retired: float) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for tenant, (since, value) in list(self._seen.items()):
+            now = tenants.get(tenant)
+            if now is None or now.get("since", since) != since:  # forgotten (and perhaps back)
+                label = self.tenant_label(tenant)
+                self._carried[label] = self._carried.get(label, 0.0) + value
+                self._carried_total += value
+                del self._seen[tenant]
+        for tenant, t in tenants.items():
+            label = self.tenant_label(tenant)
+            value = t.get(self.field, 0)
+            if label == tenant:
+                self._seen[tenant] = (t.get("since", 0), value)
+            out[label] = out.get(label, 0.0) + value
+        for label, value in self._carried.items():
+            out[label] = out.get(label, 0.0) + value
+        if retired > self._carried_total:
+            out["other"] = out.get("other", 0.0) + retired - self._carried_total
+        return out
+
+
 class _EngineCollector:
     """Reads the engine's own counters and gauges at scrape time."""
 
@@ -208,39 +249,10 @@ class _EngineCollector:
         self.model_name = model_name
         self.stats_source = stats_source
         self.tenant_label = tenant_label
-        self._seen: dict[str, tuple[int, float]] = {}
-        """Tenants shown under their own label -> (their tally's `since`, service at the last scrape)."""
-        self._carried: dict[str, float] = {}
-        """Label -> service of that label's tenants before the scheduler forgot them."""
-        self._carried_total = 0.0
-
-    def _service_by_label(self, tenants: dict, retired: float) -> dict[str, float]:
-        """tenant_service_tokens per label, monotonic like any Prometheus counter.
-
-        The scheduler forgets long-idle tenants (their service moves to retired_service_tokens) and a
-        tenant that comes back starts a new tally at 0. A tenant shown under its own label keeps its
-        series: what it had at the last scrape before it was forgotten is carried, and its new tally
-        counts on top. Service no scrape saw under the tenant's name (served after the last scrape,
-        then forgotten) and that of tenants labelled 'other' are reported under 'other'."""
-        out: dict[str, float] = {}
-        for tenant, (since, served) in list(self._seen.items()):
-            now = tenants.get(tenant)
-            if now is None or now.get("since", since) != since:  # forgotten (and perhaps back)
-                label = self.tenant_label(tenant)
-                self._carried[label] = self._carried.get(label, 0.0) + served
-                self._carried_total += served
-                del self._seen[tenant]
-        for tenant, t in tenants.items():
-            label = self.tenant_label(tenant)
-            served = t.get("service_tokens", 0)
-            if label == tenant:
-                self._seen[tenant] = (t.get("since", 0), served)
-            out[label] = out.get(label, 0.0) + served
-        for label, served in self._carried.items():
-            out[label] = out.get(label, 0.0) + served
-        if retired > self._carried_total:
-            out["other"] = out.get("other", 0.0) + retired - self._carried_total
-        return out
+        if tenant_label is not None:
+            self._service_by_label = _PerLabelTotal("service_tokens", tenant_label)
+            self._prefix_hits_by_label = _PerLabelTotal("prefix_hits", tenant_label)
+            self._prefix_queries_by_label = _PerLabelTotal("prefix_queries", tenant_label)
 
     def describe(self):
         return []
@@ -297,11 +309,30 @@ class _EngineCollector:
             "Waiting requests per tenant.",
             labels=["model_name", "tenant"],
         )
+        hits = CounterMetricFamily(
+            PREFIX + "tenant_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache per tenant (over tenant_prefix_cache_queries: its hit "
+            "rate).",
+            labels=["model_name", "tenant"],
+        )
+        queries = CounterMetricFamily(
+            PREFIX + "tenant_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache per tenant.",
+            labels=["model_name", "tenant"],
+        )
         tenants = stats.get("tenants", {})
         for label, served in sorted(
             self._service_by_label(tenants, stats.get("retired_service_tokens", 0)).items()
         ):
             service.add_metric(m + [label], served)
+        for label, hit in sorted(
+            self._prefix_hits_by_label(tenants, stats.get("retired_prefix_hits", 0)).items()
+        ):
+            hits.add_metric(m + [label], hit)
+        for label, asked in sorted(
+            self._prefix_queries_by_label(tenants, stats.get("retired_prefix_queries", 0)).items()
+        ):
+            queries.add_metric(m + [label], asked)
         merged: dict[str, list[float]] = {}  # gauges: only the tenants the scheduler holds now
         for tenant, t in sorted(tenants.items()):
             acc = merged.setdefault(self.tenant_label(tenant), [0.0, 0.0])
@@ -311,5 +342,7 @@ class _EngineCollector:
             counter_g.add_metric(m + [label], vtc)
             waiting.add_metric(m + [label], queued)
         yield service
+        yield hits
+        yield queries
         yield counter_g
         yield waiting

@@ -213,7 +213,9 @@ def test_stats_report_per_tenant_service_and_queue():
     s.add_request(make_request("b1", 4, 3, tenant="b", arrival=2.0, seed=2))
     step(s)
     t = s.stats()["tenants"]
-    assert t["a"] == TenantStats(counter=6 + 2, service_tokens=6 + 1, waiting=1, running=1, since=1)
+    assert t["a"] == TenantStats(
+        counter=6 + 2, service_tokens=6 + 1, waiting=1, running=1, since=1, prefix_hits=0, prefix_queries=6
+    )
     assert t["b"] == TenantStats(counter=0.0, service_tokens=0, waiting=1, running=0, since=2)
     run_to_end(s)
     t = s.stats()["tenants"]

@@ -72,3 +72,28 @@ def test_a_returning_tenants_virtual_counter_is_lifted_not_reset():
     sched.add_request(Request("a1", [1, 2, 3], SamplingParams(max_tokens=1), tenant="alice"))
     values = scrape(metrics, gauge)
     assert values["alice"] == values["carol"] > 0
+
+
+def test_prefix_cache_hits_are_counted_per_tenant_and_survive_forgetting():
+    # block_size 4: a repeated 17-token prompt finds its first 4 blocks (16 tokens) cached; the prefix
+    # cache is per tenant, so bob's identical prompt finds nothing of alice's.
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_idle_tenants=1, policy="dlpm"))
+    metrics = ServerMetrics("m", 2048, sched.stats)
+    hits, queries = "prescient:tenant_prefix_cache_hits_total", "prescient:tenant_prefix_cache_queries_total"
+    run_one(sched, "a0", "alice", prompt=17)
+    run_one(sched, "a1", "alice", prompt=17)
+    assert scrape(metrics, hits) == {"alice": 16}
+    run_one(sched, "b0", "bob", prompt=17)
+    assert scrape(metrics, hits) == {"alice": 16, "bob": 0}
+    assert scrape(metrics, queries) == {"alice": 34, "bob": 17}
+    total = {
+        s.name: s.value
+        for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in f.samples
+        if s.name == "prescient:prefix_cache_hits_total"
+    }
+    assert total["prescient:prefix_cache_hits_total"] == 16
+    run_one(sched, "c0", "carol")  # alice, idle longest, is forgotten; her series keeps its value
+    run_one(sched, "a2", "alice", prompt=17)  # her blocks are still cached: 16 more
+    assert "alice" in sched.stats()["tenants"]
+    assert scrape(metrics, hits)["alice"] == 32
