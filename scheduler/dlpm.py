@@ -23,6 +23,14 @@ lets the cache decide the order *within* a fairness allowance:
   is never banked beyond one quantum and a debt is forgiven only as the
   others are served too. A preempted request returning does not count as a
   return from idle.
+* Sparse tenants first (after FQ-CoDel's new-flow list, RFC 8290): a tenant
+  that had no request at all (none waiting, none running) and sends one is
+  *new*, and the first request it has admitted goes before the others'
+  (longest match among new tenants) if its deficit is positive. A low-rate
+  tenant then waits for the next free slot, as under VTC, instead of for the
+  backlogged tenants' cached prefixes to use up their round. A backlogged
+  tenant always has a request in the system, so it is never new again; each
+  return from idle moves one request ahead, charged as any other.
 
 Fairness bound. While two tenants are both backlogged they receive the same
 rounds, so the difference of their weighted service over any such interval
@@ -77,6 +85,10 @@ class DLPMPolicy(Policy):
         self._left_at: dict[str, int] = {}
         """Round in which a tenant's queue last emptied."""
         self._charged: set[str] = set()
+        self._live: dict[str, set[str]] = {}
+        """Ids of each tenant's requests in the system (waiting or running)."""
+        self._new: set[str] = set()
+        """Tenants back from idle whose first request waits: it is admitted before the others' (see above)."""
 
     def attach(self, block_manager: BlockManager) -> None:
         self._index.attach(block_manager)
@@ -86,6 +98,9 @@ class DLPMPolicy(Policy):
     def add(self, request: Request) -> None:
         tenant = request.tenant
         self._service.setdefault(tenant, 0.0)
+        live = self._live.setdefault(tenant, set())
+        was_idle = not live
+        live.add(request.request_id)
         if not self._index.has(tenant):
             d = self._deficits.get(tenant)
             if d is None:
@@ -94,6 +109,8 @@ class DLPMPolicy(Policy):
                 away = self._rounds - self._left_at.get(tenant, self._rounds)
                 d = min(d + away * self.quantum, max(d, self.quantum))
             self._deficits[tenant] = d
+        if was_idle and self._deficits[tenant] > 0:
+            self._new.add(tenant)
         self._index.add(request, tenant, request.arrival_time)
 
     def peek(self) -> Request | None:
@@ -101,9 +118,12 @@ class DLPMPolicy(Policy):
         if not len(index):
             return None
         deficits = self._deficits
-        best, best_key = None, None
-        for _ in range(2):
-            for tenant in index.groups():
+        for tenants in (self._new, index.groups(), None, index.groups()):
+            if tenants is None:  # no backlogged tenant is eligible
+                self._new_round()
+                continue
+            best, best_key = None, None
+            for tenant in tenants:
                 if deficits[tenant] > 0:
                     match, seq = index.longest_match(tenant)
                     if (
@@ -114,7 +134,6 @@ class DLPMPolicy(Policy):
                         best, best_key = tenant, (match, seq)
             if best is not None:
                 return index.longest(best)
-            self._new_round()
         raise AssertionError("a round left no backlogged tenant eligible")
 
     def _new_round(self) -> None:
@@ -128,8 +147,10 @@ class DLPMPolicy(Policy):
             deficits[tenant] += rounds * self.quantum
 
     def remove(self, request: Request) -> None:
-        if self._index.remove(request) and not self._index.has(request.tenant):
-            self._left_at[request.tenant] = self._rounds
+        if self._index.remove(request):
+            self._new.discard(request.tenant)
+            if not self._index.has(request.tenant):
+                self._left_at[request.tenant] = self._rounds
 
     def num_waiting(self) -> int:
         return len(self._index)
@@ -155,17 +176,22 @@ class DLPMPolicy(Policy):
         self._charge(request, self.w_q * num_tokens / request.weight)
 
     def _charge(self, request: Request, amount: float) -> None:
-        self._deficits[request.tenant] -= amount
-        self._service[request.tenant] += amount
+        tenant = request.tenant
+        self._deficits[tenant] -= amount
+        self._service[tenant] += amount
 
     def on_finish(self, request: Request) -> None:
         self._charged.discard(request.request_id)
+        live = self._live.get(request.tenant)
+        if live is not None:
+            live.discard(request.request_id)
 
     def forget_tenant(self, tenant: str) -> None:
-        if not self._index.has(tenant):
+        if not self._index.has(tenant) and not self._live.get(tenant):
             self._deficits.pop(tenant, None)
             self._service.pop(tenant, None)
             self._left_at.pop(tenant, None)
+            self._live.pop(tenant, None)
 
     def victim(self, running: list[Request]) -> Request:
         """The newest running request of the tenant with the least deficit (served furthest ahead)."""

@@ -243,3 +243,49 @@ def test_prefix_index_alone_tracks_groups():
     assert index.longest("g") is a
     index.remove(a)
     assert not index.has("g") and index.longest("g") is None
+
+
+def test_a_sparse_tenant_is_admitted_at_the_next_free_slot():
+    # a's cached prefix would win every longest-match choice for a whole (large) quantum; w, back from
+    # idle with one request at a time, goes first anyway (the new-tenant tier), as it would under VTC.
+    sched = Scheduler(config("dlpm", quantum=50_000))
+    load = Locality(4, {"a": 1.0, "b": 1.0, "w": 1.0}, hot={"a"})
+    for _ in range(100):
+        load.top_up(sched, "ab")
+        load.step(sched)
+    waits = []
+    for k in range(5):
+        w = make_request(f"w{k}", 12, 4, tenant="w", arrival=1e6 + k, seed=100 + k)
+        sched.add_request(w)
+        steps = 0
+        while w.first_scheduled_time is None:
+            load.top_up(sched, "ab")
+            load.step(sched)
+            steps += 1
+            assert steps < 200
+        waits.append(steps)
+        while w.request_id in sched.requests:
+            load.top_up(sched, "ab")
+            load.step(sched)
+    lpm_like = DLPMPolicy(quantum=50_000)
+    lpm_like._new = _NeverNew()
+    sched2 = Scheduler(config("dlpm", quantum=50_000), lpm_like)
+    load2 = Locality(4, {"a": 1.0, "b": 1.0, "w": 1.0}, hot={"a"})
+    for _ in range(100):
+        load2.top_up(sched2, "ab")
+        load2.step(sched2)
+    w = make_request("w", 12, 4, tenant="w", arrival=1e6, seed=100)
+    sched2.add_request(w)
+    slow = 0
+    while w.first_scheduled_time is None and slow < 400:
+        load2.top_up(sched2, "ab")
+        load2.step(sched2)
+        slow += 1
+    assert max(waits) * 4 < slow, (waits, slow)
+
+
+class _NeverNew(set):
+    """A new-tenant tier that never holds anyone: DLPM without the sparse-tenant rule."""
+
+    def add(self, item) -> None:
+        pass
