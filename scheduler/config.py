@@ -48,7 +48,8 @@ class SchedulerConfig:
     dlpm_quantum: int = 4096
     """DLPM's quantum Q: weighted tokens each backlogged tenant may be served per round. Larger keeps a
     tenant's cached prefix in use for more requests in a row; two backlogged tenants' weighted service
-    then differs by at most 2 (Q + U_p + U_q) (scheduler/dlpm.py)."""
+    then differs by at most 2 (Q + U_p + U_q), U_p and U_q one prompt's and the running requests' outputs'
+    charges (scheduler/dlpm.py)."""
     max_idle_tenants: int = 1024
     """Tenants without requests that are still remembered (counters, service); beyond this the longest
     idle are forgotten, so memory and stats() cost do not grow with every `user` name ever seen."""

@@ -35,21 +35,23 @@ lets the cache decide the order *within* a fairness allowance:
 Fairness bound. While two tenants are both backlogged they receive the same
 rounds, so the difference of their weighted service over any such interval
 is the difference of their deficits' changes. A backlogged tenant's deficit
-never exceeds Q (a round tops up only tenants whose deficit is <= 0, and by
-the least number of quanta that makes one positive), and never falls below
--(U_p + U_q): it is admitted only with d > 0, its admission is charged at
-most U_p = w_p x longest prompt / weight, and after that its running requests
-can be charged at most U_q = w_q x KV pool tokens / weight for tokens they
-generate (the same M as VTC's bound). So two backlogged tenants' weighted
-service differs by at most
+never exceeds Q (a round tops up only when no backlogged tenant's deficit is
+positive, by the fewest quanta that make one positive), and never falls
+below -(U_p + U_q): it is admitted only with d > 0, that admission is charged
+at most U_p = w_p x longest prompt / weight, and after it the tenant's
+running requests can still be charged at most U_q = w_q x the tokens they
+can still generate / weight, which is at most max_num_seqs x the longest
+max_tokens and at most the KV pool's tokens (a preempted request needs d > 0
+to be admitted again). So two backlogged tenants' weighted service differs
+by at most
 
     2 (Q + U_p + U_q)
 
-Q trades locality for that bound: with Q below one request's charge DLPM is
-round robin by tokens; the larger Q, the more requests one tenant's cached
-prefix serves in a row. The step's token budget B enters only through
-U_q's w_q x B per step that a tenant's decodes may add once its deficit is
-spent; it does not loosen the bound beyond U_q.
+The step's token budget B does not enter: prompts are charged whole at
+admission, however many steps their prefill takes, and decodes add at most
+w_q per running request per step, all inside U_q. Q trades locality for the
+bound: with Q below one request's charge DLPM is round robin by tokens; the
+larger Q, the more requests one tenant's cached prefix serves in a row.
 
 Admission costs O(backlogged tenants + log waiting): one heap top per
 eligible tenant (PrefixIndex), kept current by cache events rather than by

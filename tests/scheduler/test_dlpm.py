@@ -32,9 +32,10 @@ def config(policy: str, quantum: int = 512, num_blocks: int = 48) -> SchedulerCo
 
 
 def bound(cfg: SchedulerConfig, weight: float = 1.0) -> float:
-    """2 (Q + U_p + U_q) from scheduler/dlpm.py, for the lightest tenant's weight."""
+    """2 (Q + U_p + U_q) from scheduler/dlpm.py, for the lightest tenant's weight: U_q is what the running
+    requests can still generate, max_num_seqs x the longest output (here less than the KV pool)."""
     u_p = W_P * (PREFIX + MAX_SUFFIX) / weight
-    u_q = W_Q * cfg.num_blocks * cfg.block_size / weight
+    u_q = W_Q * min(cfg.max_num_seqs * MAX_OUTPUT, cfg.num_blocks * cfg.block_size) / weight
     return 2 * (cfg.dlpm_quantum + u_p + u_q)
 
 
