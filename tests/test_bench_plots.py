@@ -108,6 +108,37 @@ def test_sizes_plot_sets_decode_against_bytes_read_with_the_roofline():
     assert ys == pytest.approx([20e9 / (x * 1e6) for x in xs]) and min(xs) < 600 and max(xs) > 1050
 
 
+LOCALITY = {
+    "title": "Locality",
+    "machine": "Test CPU, 2 cores",
+    "bound": 1000.0,
+    "rows": [
+        {
+            "policy": "dlpm",
+            "total tok/s": 90.0,
+            "prefix hit rate": 0.8,
+            "max weighted gap": 700.0,
+            "W TTFT p50 ms": 400.0,
+        },
+        {
+            "policy": "vtc",
+            "total tok/s": 50.0,
+            "prefix hit rate": 0.3,
+            "max weighted gap": 500.0,
+            "W TTFT p50 ms": 500.0,
+        },
+    ],
+}
+
+
+def test_fair_locality_plot_has_a_bar_per_policy_and_the_bound():
+    fig = plots.fair_locality(LOCALITY)
+    bars = {ax.get_title(): [p.get_height() for p in ax.patches] for ax in fig.axes}
+    assert bars["Throughput"] == [90.0, 50.0] and bars["Prefix hit rate"] == [0.8, 0.3]
+    assert bars["Well-behaved tenant's TTFT p50"] == [0.4, 0.5]  # seconds
+    assert lines(fig)["Largest service gap (backlogged)|DLPM's bound"][1] == [1000.0, 1000.0]
+
+
 def test_write_saves_a_png_titled_with_the_machine(tmp_path):
     for name, result in (("serve", SERVE), ("fairness", FAIRNESS), ("loader", LOADER), ("sizes", SIZES)):
         path = plots.write(name, result, tmp_path)

@@ -1,4 +1,4 @@
-"""Run the benchmarks: `make bench` or `python -m tests.bench [name ...]`.
+"""Run the benchmarks: `make bench` or `python -m tests.bench [name ...] [--option value ...]`.
 
 Each `tests/bench/bench_<name>.py` defines `run() -> dict` returning
 `{"title": str, "rows": [dict, ...], "notes": [str, ...]}`; rows are printed as
@@ -43,7 +43,24 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Bench names, and `--name value` options passed to each bench's run() (e.g. --replicas 4)."""
+    names, options, i = [], {}, 0
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            key, _, value = argv[i][2:].partition("=")
+            if not value:
+                i += 1
+                value = argv[i] if i < len(argv) else ""
+            options[key.replace("-", "_")] = value
+        else:
+            names.append(argv[i])
+        i += 1
+    return names, options
+
+
 def main(argv: list[str]) -> int:
+    argv, options = _options(argv)
     names = sorted(
         m.name[len("bench_") :] for m in pkgutil.iter_modules(package.__path__) if m.name.startswith("bench_")
     )
@@ -58,7 +75,7 @@ def main(argv: list[str]) -> int:
         started = time.time()
         progress = Progress(f"bench {name} ({wanted.index(name) + 1}/{len(wanted)})").ticking()
         try:
-            result = module.run()
+            result = module.run(**options)
         finally:
             progress.close(keep=False)
         result.setdefault("name", name)

@@ -5,7 +5,8 @@
 serve: output tokens/s and TTFT p50/p99 against concurrency; fairness: each tenant's service rate
 over time in the overload phase, one panel per policy; loader: accelerator utilization per epoch,
 the clairvoyant loader against torch's; sizes: one stream's decode against the bytes a step reads, both
-engines and the bandwidth roofline. Each figure names the machine the numbers came from.
+engines and the bandwidth roofline; fair_locality: throughput, hit rate, service gap (with DLPM's bound)
+and a light tenant's TTFT per policy or router. Each figure names the machine the numbers came from.
 """
 
 from __future__ import annotations
@@ -189,7 +190,43 @@ def sizes(result: dict) -> Figure | None:
     return fig
 
 
-PLOTS = {"serve": serve, "fairness": fairness, "loader": loader, "sizes": sizes}
+def fair_locality(result: dict) -> Figure | None:
+    """One bar per policy (one server) or router (replicas): throughput, prefix hit rate, the largest
+    weighted-service gap with DLPM's bound, and the well-behaved tenant's TTFT p50."""
+    rows = [r for r in result.get("rows", []) if "max weighted gap" in r]
+    if not rows:
+        return None
+    names = [r.get("policy") or r.get("router") for r in rows]
+    throughput = "total tok/s" if "total tok/s" in rows[0] else "output tok/s"
+    ttft, scale = ("W TTFT p50 ms", 1e-3) if "W TTFT p50 ms" in rows[0] else ("W TTFT p50 s", 1.0)
+    panels = (
+        (throughput, throughput.replace("tok/s", "tokens/s"), 1.0, "Throughput"),
+        ("prefix hit rate", "prefix-cache hit rate", 1.0, "Prefix hit rate"),
+        ("max weighted gap", "weighted tokens", 1.0, "Largest service gap (backlogged)"),
+        (ttft, "seconds", scale, "Well-behaved tenant's TTFT p50"),
+    )
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
+    for ax, (key, unit, k, title) in zip(axes, panels):
+        ax.bar(names, [(r.get(key) or 0.0) * k for r in rows], color="tab:blue")
+        ax.set(title=title, ylabel=unit)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    bound = result.get("bound_replicas") or result.get("bound")
+    if bound:
+        axes[2].axhline(bound, linestyle="--", color="tab:red", label="DLPM's bound")
+        axes[2].legend()
+    _title(fig, result)
+    fig.tight_layout()
+    return fig
+
+
+PLOTS = {
+    "serve": serve,
+    "fairness": fairness,
+    "loader": loader,
+    "sizes": sizes,
+    "fair_locality": fair_locality,
+}
 
 
 def write(name: str, result: dict, out_dir: Path) -> Path | None:
