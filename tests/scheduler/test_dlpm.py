@@ -200,8 +200,9 @@ def test_index_follows_evictions_under_pressure():
     assert evictions > 50
 
 
-def _decision_time(num_tenants: int, num_waiting: int, decisions: int = 300) -> float:
-    """Seconds per admission decision (peek, remove, charge, and a new arrival to keep the size)."""
+def _waiting_queue(num_tenants: int, num_waiting: int):
+    """A DLPM queue of num_waiting requests over num_tenants tenants, and a function timing `decisions`
+    admission decisions on it (peek, remove, charge, and a new arrival to keep the size), in seconds each."""
     from scheduler.block_manager import BlockManager
 
     bm = BlockManager(num_blocks=4096, block_size=8)
@@ -212,26 +213,33 @@ def _decision_time(num_tenants: int, num_waiting: int, decisions: int = 300) -> 
 
     def new(tenant: int):
         i = next(ids)
-        r = make_request(f"r{i}", 33, 4, tenant=f"t{tenant}", arrival=float(i), seed=i)
-        policy.add(r)
+        policy.add(make_request(f"r{i}", 33, 4, tenant=f"t{tenant}", arrival=float(i), seed=i))
 
     for i in range(num_waiting):
         new(i % num_tenants)
-    start = time.perf_counter()
-    for _ in range(decisions):
-        r = policy.peek()
-        policy.remove(r)
-        policy.charge_admission(r)
-        policy.on_finish(r)
-        new(rng.randrange(num_tenants))
-    return (time.perf_counter() - start) / decisions
+
+    def timed(decisions: int = 200) -> float:
+        start = time.perf_counter()
+        for _ in range(decisions):
+            r = policy.peek()
+            policy.remove(r)
+            policy.charge_admission(r)
+            policy.on_finish(r)
+            new(rng.randrange(num_tenants))
+        return (time.perf_counter() - start) / decisions
+
+    return timed
 
 
 def test_admission_cost_does_not_grow_with_the_waiting_queue():
     # O(tenants + log waiting): at 1,000 tenants, 10x the waiting requests costs far less than 10x.
-    small = min(_decision_time(1000, 1000) for _ in range(2))
-    large = min(_decision_time(1000, 10_000) for _ in range(2))
-    assert large < 2.5 * small, (small, large)
+    # Passes alternate between the two sizes so that both see this shared machine's load alike.
+    small, large = _waiting_queue(1000, 1000), _waiting_queue(1000, 10_000)
+    times = {"small": [], "large": []}
+    for _ in range(3):
+        times["small"].append(small())
+        times["large"].append(large())
+    assert min(times["large"]) < 3 * min(times["small"]), times
 
 
 def test_prefix_index_alone_tracks_groups():
