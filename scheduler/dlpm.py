@@ -24,13 +24,14 @@ lets the cache decide the order *within* a fairness allowance:
   others are served too. A preempted request returning does not count as a
   return from idle.
 * Sparse tenants first (after FQ-CoDel's new-flow list, RFC 8290): a tenant
-  that had no request at all (none waiting, none running) and sends one is
-  *new*, and the first request it has admitted goes before the others'
-  (longest match among new tenants) if its deficit is positive. A low-rate
-  tenant then waits for the next free slot, as under VTC, instead of for the
-  backlogged tenants' cached prefixes to use up their round. A backlogged
-  tenant always has a request in the system, so it is never new again; each
-  return from idle moves one request ahead, charged as any other.
+  with no request waiting that sends one is *new*, and that request goes
+  before the others' (longest match among new tenants) while the tenant's
+  deficit is positive. A low-rate tenant then waits for the next free slot,
+  as under VTC, instead of for the backlogged tenants' cached prefixes to use
+  up their round. A backlogged tenant always has a request waiting, so it is
+  never new; a tenant that keeps its queue empty gets its requests ahead only
+  while its deficit lasts, charged as any other, so it cannot take more than
+  its share.
 
 Fairness bound. While two tenants are both backlogged they receive the same
 rounds, so the difference of their weighted service over any such interval
@@ -90,7 +91,7 @@ class DLPMPolicy(Policy):
         self._live: dict[str, set[str]] = {}
         """Ids of each tenant's requests in the system (waiting or running)."""
         self._new: set[str] = set()
-        """Tenants back from idle whose first request waits: it is admitted before the others' (see above)."""
+        """Tenants whose one waiting request came to an empty queue: admitted before the others' (see above)."""
 
     def attach(self, block_manager: BlockManager) -> None:
         self._index.attach(block_manager)
@@ -100,9 +101,8 @@ class DLPMPolicy(Policy):
     def add(self, request: Request) -> None:
         tenant = request.tenant
         self._service.setdefault(tenant, 0.0)
-        live = self._live.setdefault(tenant, set())
-        was_idle = not live
-        live.add(request.request_id)
+        self._live.setdefault(tenant, set()).add(request.request_id)
+        sparse = not self._index.has(tenant) and request.status != RequestStatus.PREEMPTED
         if not self._index.has(tenant):
             d = self._deficits.get(tenant)
             if d is None:
@@ -111,7 +111,7 @@ class DLPMPolicy(Policy):
                 away = self._rounds - self._left_at.get(tenant, self._rounds)
                 d = min(d + away * self.quantum, max(d, self.quantum))
             self._deficits[tenant] = d
-        if was_idle and self._deficits[tenant] > 0:
+        if sparse and self._deficits[tenant] > 0:
             self._new.add(tenant)
         self._index.add(request, tenant, request.arrival_time)
 
