@@ -113,8 +113,9 @@ class _GlobalDeficits:
 
     def add(self, request: Request) -> None:
         t = request.tenant
-        if not self.live[t]:
-            self.deficit[t] = max(self.deficit[t], min(self.quantum, self.deficit[t] + self.quantum))
+        if t not in self.queues:  # sparse: its queue was empty (as DLPMPolicy)
+            if not self.live[t]:  # back from idle: a debt is forgiven up to one quantum
+                self.deficit[t] = max(self.deficit[t], min(self.quantum, self.deficit[t] + self.quantum))
             if self.deficit[t] > 0:
                 self.new.add(t)
         self.live[t] += 1
