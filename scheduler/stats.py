@@ -89,3 +89,11 @@ class SchedulerStats(_ByName):
     """Tenants with a tally: those with requests and at most max_idle_tenants idle ones."""
     retired_service_tokens: int = 0
     """Service of the tenants forgotten after being idle longest (still part of the total)."""
+    spec_num_drafts: int = 0
+    """Speculative decoding: decode steps that verified proposed tokens."""
+    spec_num_draft_tokens: int = 0
+    """Proposed tokens verified."""
+    spec_num_accepted_tokens: int = 0
+    """Proposed tokens accepted."""
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    """Accepted proposals by their position in the proposal (0: the first proposed token)."""

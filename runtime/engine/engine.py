@@ -28,6 +28,7 @@ from runtime.model.tokenizer import Tokenizer
 from runtime.quant.resolve import resolve_quantization
 from runtime.runner.model_runner import ModelRunner, ModelRunnerOutput
 from runtime.sample.grammar_compiler import GrammarCompiler
+from runtime.spec_decode import Speculator
 from scheduler import (
     InvalidRequestError,
     Request,
@@ -96,6 +97,13 @@ class Engine:
         )
         self.model_name = model_name or model.config.name
         self.outputs = OutputTracker(tokenizer)
+        spec = self.config.speculative.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError(
+                "speculative_config.method: draft_model is not supported yet; use ngram or suffix"
+            )
+        self.speculator = Speculator(spec) if spec is not None else None
+        """Proposes tokens for the running requests to verify (None: speculative decoding is off)."""
         self._ids = itertools.count()
 
     @classmethod
@@ -232,6 +240,8 @@ class Engine:
                 tracked.request.request_id
             )  # the runner forgets it with the next plan
             tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
+            if self.speculator is not None:
+                self.speculator.finish(tracked.request)
             first = first or tracked.delta()
         return first
 
@@ -269,17 +279,37 @@ class Engine:
                 outputs.append(self._fail(tracked.group_id, exc))
                 continue
             if tracked.detokenizer.stop_reason is not None:
+                # a stop string inside a run of accepted proposals ends the output at the token completing it
+                self.scheduler.truncate_output(req, tracked.num_sent)
                 self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
                 done.add(request_id)
             if new_ids or new_text or req.is_finished:
                 new_logprobs = None
                 if req.sampling_params.logprobs is not None:
                     score = result.logprobs.get(request_id)
-                    new_logprobs = [score] if new_ids and score is not None else []
+                    if type(score) is not list:
+                        score = [] if score is None else [score]
+                    new_logprobs = score[: len(new_ids)]
                 outputs.append(tracked.delta(new_ids, new_text, [now] * len(new_ids), new_logprobs))
         for request_id in done:
             self.outputs.finish(request_id)
+        if self.speculator is not None:
+            self._speculate(plan, sampled, finished, done)
         return outputs
+
+    def _speculate(
+        self, plan: SchedulerOutput, sampled: dict, finished: list[Request], done: set[str]
+    ) -> None:
+        """Book how the step's proposals fared, forget finished requests, propose for the next step."""
+        speculator = self.speculator
+        for request_id, drafts in plan.spec_token_ids.items():
+            tokens = sampled.get(request_id)
+            if type(tokens) is list:
+                speculator.observe(request_id, len(drafts), len(tokens) - 1)
+        for request, _ in plan.scheduled:
+            if request.is_finished:
+                speculator.finish(request)
+        speculator.propose(self.scheduler.running, self.runner.legal_prefix)
 
     def _execute(self, plan: SchedulerOutput, failed: list[OutputDelta]) -> ModelRunnerOutput:
         """Run the plan. If the step raises, run each of its requests alone, so that only the one(s) whose
