@@ -239,3 +239,13 @@ def test_sampled_next_tokens_cannot_tell_speculation_from_none(tiny):
         tokens = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= 10]
         stat = sum((ca[t] - cb[t]) ** 2 / (ca[t] + cb[t]) for t in tokens)  # equal sample sizes
         assert stat < chi_square_critical(len(tokens) - 1), (position, ca, cb)
+
+
+def test_suffix_method_is_lossless_and_learns_from_the_tenants_earlier_requests(tiny):
+    ps = prompts(3, seed=9)
+    want = run(variant(tiny), ps, GREEDY)
+    spec = variant(tiny, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    assert_same(run(spec, ps, GREEDY), want)
+    first = spec.stats().spec_num_accepted_tokens
+    assert_same(run(spec, ps, GREEDY), want)  # again: the tenant's store now holds these outputs
+    assert spec.stats().spec_num_accepted_tokens - first > first
