@@ -29,6 +29,7 @@ from runtime.quant.resolve import resolve_quantization
 from runtime.runner.model_runner import ModelRunner, ModelRunnerOutput
 from runtime.sample.grammar_compiler import GrammarCompiler
 from runtime.spec_decode import Speculator
+from runtime.spec_decode.draft_model import DraftModel
 from scheduler import (
     InvalidRequestError,
     Request,
@@ -98,11 +99,10 @@ class Engine:
         self.model_name = model_name or model.config.name
         self.outputs = OutputTracker(tokenizer)
         spec = self.config.speculative.speculative_config
+        draft = None
         if spec is not None and spec.method == "draft_model":
-            raise ValueError(
-                "speculative_config.method: draft_model is not supported yet; use ngram or suffix"
-            )
-        self.speculator = Speculator(spec) if spec is not None else None
+            draft = DraftModel(spec.model, model, tokenizer, num_blocks * sched.block_size, sched.block_size)
+        self.speculator = Speculator(spec, draft) if spec is not None else None
         """Proposes tokens for the running requests to verify (None: speculative decoding is off)."""
         self._ids = itertools.count()
 

@@ -44,8 +44,10 @@ class _State:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft=None):
+        """draft: the DraftModel (runtime/spec_decode/draft_model.py) of method draft_model."""
         self.config = config
+        self.draft = draft
         self.k = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
         self._states: dict[str, _State] = {}
@@ -62,6 +64,7 @@ class Speculator:
         longest prefix of tokens the request may generate (its grammar), for those with a grammar."""
         if len(running) >= self.disable_by_batch_size:
             return
+        drafting = []
         for request in running:
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling, or not yet booked
@@ -72,10 +75,20 @@ class Speculator:
             if state.cooldown:
                 state.cooldown -= 1
                 continue
-            drafts = self._propose(request, state)
-            if drafts and legal is not None and request.sampling_params.structured_output is not None:
-                drafts = legal(request, drafts)
-            request.spec_token_ids = drafts
+            if self.draft is not None:
+                drafting.append(request)
+                continue
+            self._set(request, self._propose(request, state), legal)
+        if drafting:
+            for request_id, drafts in self.draft.propose(drafting, self.k).items():
+                request = next(r for r in drafting if r.request_id == request_id)
+                self._set(request, drafts, legal)
+
+    @staticmethod
+    def _set(request: Request, drafts: list[int], legal) -> None:
+        if drafts and legal is not None and request.sampling_params.structured_output is not None:
+            drafts = legal(request, drafts)
+        request.spec_token_ids = drafts
 
     def _new_index(self) -> NgramIndex:
         c = self.config
@@ -105,5 +118,7 @@ class Speculator:
     def finish(self, request: Request) -> None:
         """Forget a finished request; the suffix method keeps its tokens for its tenant's later ones."""
         self._states.pop(request.request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request.request_id)
         if self.suffix is not None and request.finish_reason != "abort":
             self.suffix.add(request)

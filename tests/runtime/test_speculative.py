@@ -249,3 +249,23 @@ def test_suffix_method_is_lossless_and_learns_from_the_tenants_earlier_requests(
     first = spec.stats().spec_num_accepted_tokens
     assert_same(run(spec, ps, GREEDY), want)  # again: the tenant's store now holds these outputs
     assert spec.stats().spec_num_accepted_tokens - first > first
+
+
+def test_draft_model_with_the_same_vocabulary_is_lossless_and_others_are_refused(tmp_path):
+    target = save_hf_dir(hf_model("llama3"), tmp_path / "target")
+    base = Engine.from_pretrained(str(target), dtype="float32", device="cpu", kv_cache_bytes=4 << 20)
+    ps = prompts(3, seed=10)
+    want = run(base, ps, GREEDY)
+    draft = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4}
+    spec = Engine(base.model, base.tokenizer, kv_cache_bytes=4 << 20, speculative_config=draft)
+    assert_same(run(spec, ps, GREEDY), want)
+    stats = spec.stats()  # its own copy as the draft: every proposal is the target's greedy token
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    other = save_hf_dir(hf_model("llama3", vocab_size=300), tmp_path / "other")
+    with pytest.raises(ValueError, match="speculative_config.model: the draft model .* does not share"):
+        Engine(
+            base.model,
+            base.tokenizer,
+            kv_cache_bytes=4 << 20,
+            speculative_config=draft | {"model": str(other)},
+        )
