@@ -75,11 +75,15 @@ class _TenantStore:
         return 0, []
 
 
+MAX_TENANTS = 256
+"""Tenants whose stores are kept; the one that finished a request longest ago is dropped first."""
+
+
 class SuffixStore:
     def __init__(self, max_depth: int, max_requests: int):
         self.max_context = max(MIN_CONTEXT, min(max_depth, MAX_CONTEXT))
         self.max_requests = max_requests
-        self._tenants: dict[str, _TenantStore] = {}
+        self._tenants: OrderedDict[str, _TenantStore] = OrderedDict()
 
     def add(self, request: Request) -> None:
         """Keep a finished request's tokens for its tenant's later requests."""
@@ -88,6 +92,9 @@ class SuffixStore:
         store = self._tenants.get(request.tenant)
         if store is None:
             store = self._tenants[request.tenant] = _TenantStore(self.max_requests, self.max_context)
+            while len(self._tenants) > MAX_TENANTS:
+                self._tenants.popitem(last=False)
+        self._tenants.move_to_end(request.tenant)
         store.add(list(request.all_token_ids))
 
     def propose(self, request: Request, own: NgramIndex, k: int, min_prob: float) -> list[int]:
