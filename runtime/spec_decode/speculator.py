@@ -23,9 +23,11 @@ from runtime.spec_decode.ngram import NgramIndex
 from runtime.spec_decode.suffix import MAX_CONTEXT, MIN_CONTEXT, SuffixStore
 from scheduler import Request
 
-DEFAULT_DISABLE_BY_BATCH_SIZE = 16
-"""Running requests from which nobody proposes, unless the config says otherwise: the crossover where
-verification stopped paying on CPU (`python -m tests.bench speculative`, tests/bench/RESULTS.md)."""
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
+"""Running requests from which nobody proposes, unless the config says otherwise. Measured on a 2-core
+CPU (`python -m tests.bench speculative`, tests/bench/RESULTS.md): a step verifying proposals leaves the
+C decode loop for the multi-row path and costs 2-3.5x a one-row decode step, so with proposals forced on,
+8 streams of the copy workload ran at 0.61x and 32 at 0.24x; only a lone stream gained."""
 MAX_COOLDOWN = 32
 """The longest a backed-off request goes without proposing, in steps."""
 EWMA = 0.5

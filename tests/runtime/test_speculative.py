@@ -20,7 +20,13 @@ from runtime.sample.rejection_sampler import target_probs, verify
 from tests.random_families import hf_model, save_hf_dir
 from tests.random_llama import TINY, engine_for, hf_llama
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": 1000,  # proposals at every batch size: the tests check several streams
+}
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -224,7 +230,7 @@ def test_sampled_next_tokens_cannot_tell_speculation_from_none(tiny):
     n = 800
     base = variant(tiny, max_num_seqs=64)
     spec = oracle(
-        variant(tiny, max_num_seqs=64, speculative_config=NGRAM | {"disable_by_batch_size": 65}),
+        variant(tiny, max_num_seqs=64, speculative_config=NGRAM),
         {tuple(p): greedy.token_ids},
         k=2,
         wrong_every=10**9,
@@ -244,7 +250,9 @@ def test_sampled_next_tokens_cannot_tell_speculation_from_none(tiny):
 def test_suffix_method_is_lossless_and_learns_from_the_tenants_earlier_requests(tiny):
     ps = prompts(3, seed=9)
     want = run(variant(tiny), ps, GREEDY)
-    spec = variant(tiny, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    spec = variant(
+        tiny, speculative_config={"method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": 9}
+    )
     assert_same(run(spec, ps, GREEDY), want)
     first = spec.stats().spec_num_accepted_tokens
     assert_same(run(spec, ps, GREEDY), want)  # again: the tenant's store now holds these outputs
@@ -256,7 +264,12 @@ def test_draft_model_with_the_same_vocabulary_is_lossless_and_others_are_refused
     base = Engine.from_pretrained(str(target), dtype="float32", device="cpu", kv_cache_bytes=4 << 20)
     ps = prompts(3, seed=10)
     want = run(base, ps, GREEDY)
-    draft = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4}
+    draft = {
+        "method": "draft_model",
+        "model": str(target),
+        "num_speculative_tokens": 4,
+        "disable_by_batch_size": 9,
+    }
     spec = Engine(base.model, base.tokenizer, kv_cache_bytes=4 << 20, speculative_config=draft)
     assert_same(run(spec, ps, GREEDY), want)
     stats = spec.stats()  # its own copy as the draft: every proposal is the target's greedy token

@@ -13,7 +13,13 @@ from runtime import Engine, SamplingParams
 from scheduler import StructuredOutput
 from tests.runtime.conftest import chat_ids
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 5,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 5,
+    "disable_by_batch_size": 1000,  # proposals at every batch size
+}
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a small brass lamp "
     "and a notebook in which he recorded the wind, the tide and the ships that passed."
