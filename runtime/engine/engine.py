@@ -276,7 +276,9 @@ class Engine:
                 if req.sampling_params.logprobs is not None:
                     score = result.logprobs.get(request_id)
                     new_logprobs = [score] if new_ids and score is not None else []
-                outputs.append(tracked.delta(new_ids, new_text, [now] * len(new_ids), new_logprobs))
+                delta = tracked.delta(new_ids, new_text, [now] * len(new_ids), new_logprobs)
+                delta.embedding = result.embeddings.get(request_id)
+                outputs.append(delta)
         for request_id in done:
             self.outputs.finish(request_id)
         return outputs
@@ -310,6 +312,7 @@ class Engine:
             merged.sampled.update(result.sampled)
             merged.logprobs.update(result.logprobs)
             merged.prompt_logprobs.update(result.prompt_logprobs)
+            merged.embeddings.update(result.embeddings)
         return merged
 
     def _fail(self, request_id: str, exc: BaseException) -> OutputDelta:
