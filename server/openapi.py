@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.request_fields import CHAT, COMPLETION, DETOKENIZE, TOKENIZE
+from server.request_fields import CHAT, COMPLETION, DETOKENIZE, EMBEDDINGS, TOKENIZE
 from server.utility_api import server_version
 
 _ERROR = {
@@ -47,6 +47,11 @@ def document() -> dict:
                 "Chat completion (stream with SSE when stream=true)",
                 CHAT.schema(),
                 "chat.completion, or an SSE stream of chat.completion.chunk",
+            ),
+            "/v1/embeddings": _post(
+                "Embeddings: pooled, normalised final hidden states of the model served",
+                EMBEDDINGS.schema(),
+                "a list of embedding objects",
             ),
             "/v1/models": get("Models served"),
             "/v1/models/{model}": get("One model served (404 for any other id)"),

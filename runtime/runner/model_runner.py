@@ -156,7 +156,7 @@ class ModelRunner:
         ]
         if scored:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prefills, scored)
-        if any(w.seq.params.pooling is not None for w in prefills):
+        if any(w.seq.params.pooling is not None for w in work):  # a one-token prompt counts as a decode
             self._pool(hidden, work, out)
         ending = decodes + [w for w in prefills if w.samples]  # in the order of sample_rows
         to_sample = [w for w in ending if w.seq.params.pooling is None]

@@ -9,7 +9,7 @@ import torch
 from runtime import SamplingParams
 from tests.random_llama import TINY, engine_for, hf_llama
 
-PROMPTS = [[5 + (7 * i + 3 * k) % 400 for i in range(n)] for k, n in enumerate((3, 40, 100, 17))]
+PROMPTS = [[5 + (7 * i + 3 * k) % 400 for i in range(n)] for k, n in enumerate((3, 40, 100, 17, 1))]
 
 
 @pytest.fixture(scope="module")
