@@ -11,7 +11,7 @@ import uuid
 from aiohttp import web
 
 from runtime import AsyncEngine, Engine, EngineClient
-from server import embeddings_api, openai_api, openapi, utility_api
+from server import embeddings_api, openai_api, openapi, responses_api, utility_api
 from server.auth import Tenant
 from server.config import ServerConfig
 from server.errors import APIError
@@ -87,6 +87,7 @@ def build_app(
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/embeddings", embeddings_api.embeddings)
+    app.router.add_post("/v1/responses", responses_api.responses)
     app.router.add_get("/v1/models", utility_api.models)
     app.router.add_get("/v1/models/{model}", utility_api.model)
     app.router.add_get("/health", utility_api.health)

@@ -238,3 +238,26 @@ async def _engine_deltas(sources: list, gen: Generation) -> AsyncIterator[tuple[
                 if exc.delta.request_id == f"{gen.request_id}-{i}" and exc.delta.index == j:
                     assemble(c, exc.delta)
         raise engine_failure(exc, gen.request_id) from exc
+
+
+def prepare_translated(state: ServerState, chat_body: dict, keyed: Tenant | None, names: dict[str, str]):
+    """prepare() for a chat body another API's body was translated into; an error's field is named as the
+    client sent it (names: chat field -> the client's, matched as a prefix of the error's param)."""
+    try:
+        return prepare(state, chat_body, keyed, chat=True)
+    except APIError as exc:
+        raise renamed(exc, names) from exc
+
+
+def renamed(exc: APIError, names: dict[str, str]) -> APIError:
+    """The error with its param (and the param quoted in its message) in the client's names."""
+    param = exc.param
+    if param is None:
+        return exc
+    for ours, theirs in sorted(names.items(), key=lambda kv: -len(kv[0])):
+        if param == ours or param.startswith(ours + ".") or param.startswith(ours + "["):
+            new = theirs + param[len(ours) :]
+            exc.message = exc.message.replace(f"'{param}'", f"'{new}'")
+            exc.param = new
+            break
+    return exc

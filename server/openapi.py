@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from server.compat_fields import RESPONSES
 from server.request_fields import CHAT, COMPLETION, DETOKENIZE, EMBEDDINGS, TOKENIZE
 from server.utility_api import server_version
 
@@ -52,6 +53,11 @@ def document() -> dict:
                 "Embeddings: pooled, normalised final hidden states of the model served",
                 EMBEDDINGS.schema(),
                 "a list of embedding objects",
+            ),
+            "/v1/responses": _post(
+                "OpenAI Responses (stream with its named SSE events when stream=true)",
+                RESPONSES.schema(),
+                "a response object, or an SSE stream of response events",
             ),
             "/v1/models": get("Models served"),
             "/v1/models/{model}": get("One model served (404 for any other id)"),

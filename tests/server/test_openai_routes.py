@@ -133,3 +133,109 @@ def test_streamed_tool_call_arguments_arrive_while_generated(client):
     assert "".join(p for _, p in pieces) == call.function.arguments
     assert len(pieces) >= 3, pieces
     assert pieces[0][0] < finished_at  # the first piece came before generation ended
+
+
+RESPONSE_TOOLS = [
+    {"type": "function", "name": "get_weather", "description": "Current weather", "parameters": WEATHER}
+]
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_text_equals_the_chat_completion(client):
+    response = client.responses.create(
+        model=MODEL,
+        input="Name a color.",
+        instructions="Answer in one word.",
+        max_output_tokens=12,
+        temperature=0,
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "Name a color."},
+        ],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert response.output_text == chat.choices[0].message.content and response.output_text
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.id.startswith("resp_") and response.output[0].type == "message"
+
+
+def test_response_function_call_then_its_output_with_previous_response_id(client):
+    first = client.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=RESPONSE_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=60,
+        temperature=0,
+    )
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    follow = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature": 21}'}
+        ],
+        tools=RESPONSE_TOOLS,
+        tool_choice="none",
+        max_output_tokens=12,
+        temperature=0,
+    )
+    assert follow.output_text and follow.previous_response_id == first.id
+    # the follow-up saw the whole conversation: more input than the new item alone
+    assert follow.usage.input_tokens > first.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(
+            model=MODEL, input="hi", previous_response_id="resp_unknown", max_output_tokens=4
+        )
+    assert info.value.body["param"] == "previous_response_id"
+
+
+def test_response_json_schema(client):
+    response = client.responses.create(
+        model=MODEL,
+        input="Describe a person as JSON.",
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+        max_output_tokens=40,
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+
+
+def test_response_stream_events_assemble_in_the_sdk(client):
+    with client.responses.stream(
+        model=MODEL, input="Write a short sentence about the sea.", max_output_tokens=16, temperature=0
+    ) as stream:
+        events = list(stream)
+    types = [event.type for event in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    # at max_output_tokens the stream ends with response.incomplete, as OpenAI's does
+    assert types[-1] in ("response.completed", "response.incomplete") and types.count(types[-1]) == 1
+    final = events[-1].response
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 3 and "".join(deltas) == final.output_text
+    with client.responses.stream(
+        model=MODEL,
+        input="What is the weather in Oslo?",
+        tools=RESPONSE_TOOLS,
+        tool_choice="required",
+        max_output_tokens=60,
+        temperature=0,
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert len(deltas) >= 3 and "".join(deltas) == call.arguments
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
