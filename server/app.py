@@ -11,10 +11,10 @@ import uuid
 from aiohttp import web
 
 from runtime import AsyncEngine, Engine, EngineClient
-from server import embeddings_api, openai_api, openapi, responses_api, utility_api
+from server import anthropic_api, embeddings_api, openai_api, openapi, responses_api, utility_api
 from server.auth import Tenant
 from server.config import ServerConfig
-from server.errors import APIError
+from server.errors import APIError, error_style
 from server.state import ServerState
 
 log = logging.getLogger("prescient.server")
@@ -22,12 +22,13 @@ log = logging.getLogger("prescient.server")
 
 @web.middleware
 async def errors_as_envelopes(request: web.Request, handler):
-    """Every error leaves as an OpenAI envelope; an unexpected one is logged here, never sent as a
-    traceback."""
+    """Every error leaves in the envelope of the API its route speaks (OpenAI's, Anthropic's, Ollama's); an
+    unexpected one is logged here, never sent as a traceback."""
+    style = error_style(request.path)
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        return exc.response(style)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -36,13 +37,17 @@ async def errors_as_envelopes(request: web.Request, handler):
             405: f"Method {request.method} is not allowed on {request.path}.",
             413: f"Request body too large: the limit is {request.app['max_body_bytes']} bytes.",
         }
-        return APIError(exc.status, message.get(exc.status, exc.reason)).response()  # code from the status
+        return APIError(exc.status, message.get(exc.status, exc.reason)).response(
+            style
+        )  # code from the status
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         error_id = uuid.uuid4().hex
         log.exception("internal error %s on %s %s", error_id, request.method, request.path)
-        return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response()
+        return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response(
+            style
+        )
 
 
 @web.middleware
@@ -88,6 +93,8 @@ def build_app(
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/embeddings", embeddings_api.embeddings)
     app.router.add_post("/v1/responses", responses_api.responses)
+    app.router.add_post("/v1/messages", anthropic_api.messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
     app.router.add_get("/v1/models", utility_api.models)
     app.router.add_get("/v1/models/{model}", utility_api.model)
     app.router.add_get("/health", utility_api.health)

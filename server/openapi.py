@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.compat_fields import RESPONSES
+from server.compat_fields import COUNT_TOKENS, MESSAGES, RESPONSES
 from server.request_fields import CHAT, COMPLETION, DETOKENIZE, EMBEDDINGS, TOKENIZE
 from server.utility_api import server_version
 
@@ -14,19 +14,24 @@ _ERROR = {
 }
 
 
-def _post(summary: str, schema: dict, ok: str) -> dict:
+_ANTHROPIC_ERROR = {
+    "description": "Error (Anthropic envelope)",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}},
+}
+_OLLAMA_ERROR = {
+    "description": "Error (Ollama: the message alone)",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OllamaError"}}},
+}
+
+
+def _post(summary: str, schema: dict, ok: str, error: dict = _ERROR) -> dict:
     return {
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
             "responses": {
                 "200": {"description": ok},
-                "400": _ERROR,
-                "401": _ERROR,
-                "413": _ERROR,
-                "415": _ERROR,
-                "429": _ERROR,
-                "503": _ERROR,
+                **{status: error for status in ("400", "401", "413", "415", "429", "503")},
             },
         }
     }
@@ -59,6 +64,18 @@ def document() -> dict:
                 RESPONSES.schema(),
                 "a response object, or an SSE stream of response events",
             ),
+            "/v1/messages": _post(
+                "Anthropic Messages (x-api-key or Bearer; Anthropic's SSE events when stream=true)",
+                MESSAGES.schema(),
+                "a message, or an SSE stream of message events",
+                _ANTHROPIC_ERROR,
+            ),
+            "/v1/messages/count_tokens": _post(
+                "Anthropic: the prompt tokens a Messages body renders to",
+                COUNT_TOKENS.schema(),
+                "{input_tokens}",
+                _ANTHROPIC_ERROR,
+            ),
             "/v1/models": get("Models served"),
             "/v1/models/{model}": get("One model served (404 for any other id)"),
             "/health": get("Liveness and readiness (503 while draining)"),
@@ -83,7 +100,18 @@ def document() -> dict:
                             },
                         }
                     },
-                }
+                },
+                "AnthropicError": {
+                    "type": "object",
+                    "properties": {
+                        "type": {"const": "error"},
+                        "error": {
+                            "type": "object",
+                            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+                        },
+                    },
+                },
+                "OllamaError": {"type": "object", "properties": {"error": {"type": "string"}}},
             }
         },
     }
