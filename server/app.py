@@ -11,7 +11,7 @@ import uuid
 from aiohttp import web
 
 from runtime import AsyncEngine, Engine, EngineClient
-from server import anthropic_api, embeddings_api, openai_api, openapi, responses_api, utility_api
+from server import anthropic_api, embeddings_api, ollama_api, openai_api, openapi, responses_api, utility_api
 from server.auth import Tenant
 from server.config import ServerConfig
 from server.errors import APIError, error_style
@@ -95,6 +95,12 @@ def build_app(
     app.router.add_post("/v1/responses", responses_api.responses)
     app.router.add_post("/v1/messages", anthropic_api.messages)
     app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
+    app.router.add_post("/api/chat", ollama_api.chat)
+    app.router.add_post("/api/generate", ollama_api.generate)
+    app.router.add_post("/api/embed", ollama_api.embed_route)
+    app.router.add_get("/api/tags", ollama_api.tags)
+    app.router.add_post("/api/show", ollama_api.show)
+    app.router.add_get("/api/version", ollama_api.version)
     app.router.add_get("/v1/models", utility_api.models)
     app.router.add_get("/v1/models/{model}", utility_api.model)
     app.router.add_get("/health", utility_api.health)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.compat_fields import COUNT_TOKENS, MESSAGES, RESPONSES
+from server.compat_fields import (
+    COUNT_TOKENS,
+    MESSAGES,
+    OLLAMA_CHAT,
+    OLLAMA_EMBED,
+    OLLAMA_GENERATE,
+    OLLAMA_SHOW,
+    RESPONSES,
+)
 from server.request_fields import CHAT, COMPLETION, DETOKENIZE, EMBEDDINGS, TOKENIZE
 from server.utility_api import server_version
 
@@ -76,6 +84,24 @@ def document() -> dict:
                 "{input_tokens}",
                 _ANTHROPIC_ERROR,
             ),
+            "/api/chat": _post(
+                "Ollama chat (NDJSON stream unless stream=false)",
+                OLLAMA_CHAT.schema(),
+                "NDJSON lines of chat pieces, the last with done=true",
+                _OLLAMA_ERROR,
+            ),
+            "/api/generate": _post(
+                "Ollama generate (NDJSON stream unless stream=false; raw: no template)",
+                OLLAMA_GENERATE.schema(),
+                "NDJSON lines of response pieces, the last with done=true",
+                _OLLAMA_ERROR,
+            ),
+            "/api/embed": _post("Ollama embeddings", OLLAMA_EMBED.schema(), "{embeddings}", _OLLAMA_ERROR),
+            "/api/show": _post(
+                "Ollama: the model's details", OLLAMA_SHOW.schema(), "model details", _OLLAMA_ERROR
+            ),
+            "/api/tags": get("Ollama: models served"),
+            "/api/version": get("Ollama: the server's version"),
             "/v1/models": get("Models served"),
             "/v1/models/{model}": get("One model served (404 for any other id)"),
             "/health": get("Liveness and readiness (503 while draining)"),
