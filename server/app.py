@@ -15,6 +15,7 @@ from server import anthropic_api, embeddings_api, ollama_api, openai_api, openap
 from server.auth import Tenant
 from server.config import ServerConfig
 from server.errors import APIError, error_style
+from server.not_found_log import NotFoundLog
 from server.state import ServerState
 
 log = logging.getLogger("prescient.server")
@@ -32,6 +33,8 @@ async def errors_as_envelopes(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if exc.status == 404:
+            request.app["not_found_log"].record(request.method, request.path)
         message = {
             404: f"No route {request.method} {request.path}; see GET /openapi.json.",
             405: f"Method {request.method} is not allowed on {request.path}.",
@@ -86,6 +89,7 @@ def build_app(
         client = AsyncEngine(client, max_waiting=ServerConfig.max_waiting)
     app = web.Application(middlewares=[count_responses, errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
+    app["not_found_log"] = NotFoundLog()
     state = ServerState(client, api_keys, served_model_name, tenant_metrics=tenant_metrics)
     state.metrics_auth = metrics_auth
     app["state"] = state
