@@ -137,8 +137,8 @@ ANTHROPIC_BLOCK = {
                     "type": "array",
                     "items": {
                         "type": "object",
-                        "required": ["type"],
-                        "properties": {"type": {"const": "text"}},
+                        "required": ["type", "text"],
+                        "properties": {"type": {"const": "text"}, "text": TEXT},
                     },
                 },
             ]
@@ -167,7 +167,7 @@ ANTHROPIC_SYSTEM = {
             "items": {
                 "type": "object",
                 "required": ["type", "text"],
-                "properties": {"type": {"const": "text"}},
+                "properties": {"type": {"const": "text"}, "text": TEXT},
             },
         },
     ]
