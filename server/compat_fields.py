@@ -15,6 +15,7 @@ from server.request_fields import (
     MAX_TOOLS,
     POOLING,
     SAMPLING,
+    TOOL,
     RequestBody,
 )
 
@@ -273,7 +274,7 @@ OLLAMA_CHAT = RequestBody(
     {
         **OLLAMA_COMMON,
         "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": OLLAMA_MESSAGE},
-        "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": {"type": "object"}},
+        "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": TOOL, "description": "As chat's"},
     },
     required=("messages",),
 )
