@@ -239,3 +239,15 @@ def test_response_stream_events_assemble_in_the_sdk(client):
     (call,) = [item for item in final.output if item.type == "function_call"]
     assert len(deltas) >= 3 and "".join(deltas) == call.arguments
     jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
+def test_new_routes_are_counted_by_handler_and_a_404_is_logged_once(server, client):
+    client.embeddings.create(model=MODEL, input="count me")
+    for _ in range(2):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(server.url + "/v1/no-such-route", timeout=10)
+        assert info.value.code == 404
+    metrics = server.metrics()
+    assert metrics["prescient:http_responses_total{code=200,handler=/v1/embeddings}"] >= 1
+    assert metrics["prescient:http_responses_total{code=404,handler=unmatched}"] >= 2
+    assert server.output().count("404: no route GET /v1/no-such-route") == 1
