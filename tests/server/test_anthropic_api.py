@@ -1,6 +1,7 @@
-"""Anthropic's Messages API with the official anthropic SDK against a real server (SmolLM2), keyed with
---api-key so that both x-api-key (the SDK's) and Bearer are exercised: text equals the chat route's for the
-same conversation, a tool call streams as input_json_delta pieces, errors come in Anthropic's envelope."""
+"""Anthropic's Messages API with the official anthropic SDK against a real server (SmolLM2) keyed with
+--api-key (the server tests/server/conftest.py shares), so that both x-api-key (the SDK's) and Bearer are
+exercised: text equals the chat route's for the same conversation, a tool call streams as input_json_delta
+pieces, errors come in Anthropic's envelope."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import anthropic
 import jsonschema
 import pytest
 
-from tests.server.conftest import MODEL, running_server
+from tests.server.conftest import API_KEY as KEY
+from tests.server.conftest import MODEL
 
 pytestmark = pytest.mark.slow
 
-KEY = "sk-anthropic-test"
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -27,9 +28,8 @@ TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "in
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server("--api-key", KEY) as s:
-        yield s
+def server(apis_server):
+    return apis_server
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_stop_sequence_and_stream_of_text(client):
     with client.messages.stream(
         model=MODEL,
         messages=[{"role": "user", "content": "Count from 1 to 9."}],
-        max_tokens=40,
+        max_tokens=24,
         extra_body={"temperature": 0},  # this SDK no longer names it; clients still send it
     ) as stream:
         pieces = list(stream.text_stream)
@@ -77,7 +77,7 @@ def test_stop_sequence_and_stream_of_text(client):
     cut = client.messages.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Count from 1 to 9."}],
-        max_tokens=40,
+        max_tokens=24,
         extra_body={"temperature": 0},  # this SDK no longer names it; clients still send it
         stop_sequences=[stop],
     )

@@ -13,7 +13,7 @@ import ollama
 import pytest
 
 from tests.random_llama import SMOLLM2_135M
-from tests.server.conftest import MODEL, running_server
+from tests.server.conftest import API_KEY, MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -22,20 +22,19 @@ ASK = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "conte
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as s:
-        yield s
+def server(apis_server):
+    return apis_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return ollama.Client(host=server.url, timeout=60)
+    return ollama.Client(host=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
 def test_chat_streamed_and_not_equal_the_openai_route(client, server):
     whole = client.chat(model=MODEL, messages=ASK, options=GREEDY, stream=False)
     pieces = list(client.chat(model=MODEL, messages=ASK, options=GREEDY, stream=True))
-    reference = server.openai_client().chat.completions.create(
+    reference = server.openai_client(api_key=API_KEY).chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=12, temperature=0
     )
     text = reference.choices[0].message.content
@@ -54,7 +53,7 @@ def test_generate_and_format_schema(client, server):
     request = urllib.request.Request(
         server.url + "/api/generate",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
     )
     with urllib.request.urlopen(request, timeout=60) as r:
         assert r.headers["Content-Type"].startswith("application/x-ndjson")
@@ -80,7 +79,7 @@ def test_list_show_version_and_embed(client, server):
     assert shown.modelinfo["llama.embedding_length"] == SMOLLM2_135M["hidden_size"]
     assert "embedding" in shown.capabilities
     vectors = client.embed(model=MODEL, input=["first text", "second text"]).embeddings
-    alone = server.openai_client().embeddings.create(
+    alone = server.openai_client(api_key=API_KEY).embeddings.create(
         model=MODEL, input="second text", encoding_format="float"
     )
     assert len(vectors) == 2 and len(vectors[0]) == SMOLLM2_135M["hidden_size"]

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.random_llama import SMOLLM2_135M
-from tests.server.conftest import MODEL, running_server
+from tests.server.conftest import API_KEY, MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -28,14 +28,13 @@ TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "def add(
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as s:
-        yield s
+def server(apis_server):
+    return apis_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return server.openai_client(timeout=60)
+    return server.openai_client(api_key=API_KEY, timeout=60)
 
 
 def test_vectors_have_the_hidden_size_and_unit_length(client):
@@ -80,7 +79,9 @@ def test_dimensions_and_bad_inputs_are_400_naming_the_field(client):
 
 def post(server, path: str, body: dict) -> dict:
     req = urllib.request.Request(
-        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        server.url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
     )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
