@@ -9,6 +9,8 @@ import torch
 from runtime import SamplingParams
 from tests.random_llama import TINY, engine_for, hf_llama
 
+pytestmark = pytest.mark.slow  # builds a transformers model
+
 PROMPTS = [[5 + (7 * i + 3 * k) % 400 for i in range(n)] for k, n in enumerate((3, 40, 100, 17, 1))]
 
 
