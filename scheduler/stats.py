@@ -89,3 +89,8 @@ class SchedulerStats(_ByName):
     """Tenants with a tally: those with requests and at most max_idle_tenants idle ones."""
     retired_service_tokens: int = 0
     """Service of the tenants forgotten after being idle longest (still part of the total)."""
+    cpu_threads: int = 0
+    """Compute threads the engine runs this step (set by the engine, not the scheduler; 0: not set)."""
+    cpu_contention: float = 0.0
+    """Share of the compute threads' runnable time spent waiting for a core in the engine's last window of
+    measurement (set by the engine)."""

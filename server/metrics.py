@@ -279,6 +279,16 @@ class _EngineCollector:
         yield counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.get("prefix_cache_hits", 0)
         )
+        yield gauge(
+            "cpu_threads",
+            "Compute threads the engine runs (fewer while other processes share its cores or a quota throttles it).",
+            stats.get("cpu_threads", 0),
+        )
+        yield gauge(
+            "cpu_contention",
+            "Share of the compute threads' runnable time spent waiting for a core (steal included), last window.",
+            stats.get("cpu_contention", 0.0),
+        )
         if self.tenant_label is None:
             return
         service = CounterMetricFamily(

@@ -19,6 +19,7 @@ from runtime.attention.kv_cache import KVCache, bytes_per_block
 from runtime.attention.metadata import ScheduledRows
 from runtime.config import EngineConfig
 from runtime.device import resolve_device, resolve_dtype
+from runtime.engine.cpu_share import CpuShare
 from runtime.engine.output_tracker import OutputTracker
 from runtime.engine.outputs import OutputDelta, RequestOutput
 from runtime.engine.request_checks import RequestChecks
@@ -85,6 +86,10 @@ class Engine:
         self.admission = sched.admission  # the one rule, over this pool and context
         self.checks = RequestChecks(tokenizer, self.vocab_size, self.admission, model.config.card())
         self.scheduler = Scheduler(sched)
+        self.cpu = CpuShare(
+            config.parallel.num_threads,
+            adaptive=config.parallel.adaptive_threads and model.device.type == "cpu",
+        )
         self.grammar = GrammarCompiler(tokenizer, self.vocab_size)
         self.runner = ModelRunner(
             model,
@@ -243,6 +248,7 @@ class Engine:
     def step(self) -> list[OutputDelta]:
         """Run one iteration; returns a delta for every sequence that got a token, released text or finished:
         only what is new, so a step costs the same whatever the outputs' lengths."""
+        self.cpu.before_step()
         outputs = self._admit_compiled()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
@@ -387,8 +393,11 @@ class Engine:
         sched = self.config.scheduler
         return (
             f"model {self.model_name} ({self.model.dtype}, {self.model.device}): {self.kv.num_blocks} KV "
-            f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}"
+            f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}, "
+            f"{self.cpu.describe()}"
         )
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return replace(
+            self.scheduler.stats(), cpu_threads=self.cpu.threads, cpu_contention=self.cpu.contention
+        )
