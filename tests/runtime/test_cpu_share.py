@@ -155,7 +155,7 @@ def test_hysteresis_falls_at_once_rises_after_two_windows_and_backs_off_a_rise_t
 def test_under_a_fractional_quota_each_step_runs_all_threads_only_while_the_quota_has_room():
     threads = torch.get_num_threads()
     try:
-        share = CpuShare(limits=CpuLimits(2, 1.5, 0.1, None))
+        share = CpuShare(2, limits=CpuLimits(2, 1.5, 0.1, None))
         assert share.paced and share.threads == 2 and "paced" in share.describe()
         now = cpu = 0.0
         used = []
@@ -168,7 +168,7 @@ def test_under_a_fractional_quota_each_step_runs_all_threads_only_while_the_quot
         assert set(used) == {1, 2}
         assert rate <= 1.5 * cpu_share.PACE_SHARE + 0.05, rate  # within the quota, with the margin
         assert rate >= 1.5 * cpu_share.PACE_SHARE - 0.1, rate  # ... and spending most of it
-        unpaced = CpuShare(limits=CpuLimits(2, 2.0, 0.1, None))
+        unpaced = CpuShare(2, limits=CpuLimits(2, 2.0, 0.1, None))
         assert not unpaced.paced
     finally:
         torch.set_num_threads(threads)
