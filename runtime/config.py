@@ -77,7 +77,11 @@ class CacheConfig:
 @dataclass
 class ParallelConfig:
     num_threads: int | None = None
-    """CPU threads for torch (None: torch's default)."""
+    """CPU compute threads, the most the engine runs (None: the cores it may use: its affinity mask, at most
+    ceil(its cgroup CPU quota), at most torch's default)."""
+    adaptive_threads: bool = True
+    """Run fewer compute threads while other processes share the cores or a CPU quota throttles the engine,
+    and more again when cores stand idle (runtime/engine/cpu_share.py)."""
 
     def __post_init__(self) -> None:
         value = self.num_threads

@@ -251,8 +251,8 @@ class Scheduler:
             request = self.policy.peek()
             if request is None or seqs + 1 + len(request.forks) > max_num_seqs:
                 break
-            # prompt logprobs need every prompt position's logits, which cached blocks do not keep
-            cached = bm.find_cached_prefix(request) if request.sampling_params.prompt_logprobs is None else []
+            # prompt logprobs and mean pooling need every prompt position's row, which cached blocks lack
+            cached = [] if request.sampling_params.needs_every_prompt_row else bm.find_cached_prefix(request)
             hit = len(cached) * bm.block_size
             need = bm.num_blocks_to_allocate(request, request.num_tokens, cached)
             if need + reserved + (self._watermark_blocks if running else 0) > bm.num_free_blocks:

@@ -97,3 +97,8 @@ class SchedulerStats(_ByName):
     """Proposed tokens accepted."""
     spec_accepted_per_pos: tuple[int, ...] = ()
     """Accepted proposals by their position in the proposal (0: the first proposed token)."""
+    cpu_threads: int = 0
+    """Compute threads the engine runs this step (set by the engine, not the scheduler; 0: not set)."""
+    cpu_contention: float = 0.0
+    """Share of the compute threads' runnable time spent waiting for a core in the engine's last window of
+    measurement (set by the engine)."""

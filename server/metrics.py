@@ -302,6 +302,16 @@ class _EngineCollector:
         for position, accepted in enumerate(stats.get("spec_accepted_per_pos", ())):
             per_pos.add_metric([self.model_name, str(position)], accepted)
         yield per_pos
+        yield gauge(
+            "cpu_threads",
+            "Compute threads the engine runs (fewer while other processes share its cores or a quota throttles it).",
+            stats.get("cpu_threads", 0),
+        )
+        yield gauge(
+            "cpu_contention",
+            "Share of the compute threads' runnable time spent waiting for a core (steal included), last window.",
+            stats.get("cpu_contention", 0.0),
+        )
         if self.tenant_label is None:
             return
         service = CounterMetricFamily(

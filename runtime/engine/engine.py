@@ -19,6 +19,7 @@ from runtime.attention.kv_cache import KVCache, bytes_per_block
 from runtime.attention.metadata import ScheduledRows
 from runtime.config import EngineConfig
 from runtime.device import resolve_device, resolve_dtype
+from runtime.engine.cpu_share import CpuShare
 from runtime.engine.output_tracker import OutputTracker
 from runtime.engine.outputs import OutputDelta, RequestOutput
 from runtime.engine.request_checks import RequestChecks
@@ -87,6 +88,10 @@ class Engine:
         self.admission = sched.admission  # the one rule, over this pool and context
         self.checks = RequestChecks(tokenizer, self.vocab_size, self.admission, model.config.card())
         self.scheduler = Scheduler(sched)
+        self.cpu = CpuShare(
+            config.parallel.num_threads,
+            adaptive=config.parallel.adaptive_threads and model.device.type == "cpu",
+        )
         self.grammar = GrammarCompiler(tokenizer, self.vocab_size)
         self.runner = ModelRunner(
             model,
@@ -253,6 +258,7 @@ class Engine:
     def step(self) -> list[OutputDelta]:
         """Run one iteration; returns a delta for every sequence that got a token, released text or finished:
         only what is new, so a step costs the same whatever the outputs' lengths."""
+        self.cpu.before_step()
         outputs = self._admit_compiled()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
@@ -290,7 +296,9 @@ class Engine:
                     if type(score) is not list:
                         score = [] if score is None else [score]
                     new_logprobs = score[: len(new_ids)]
-                outputs.append(tracked.delta(new_ids, new_text, [now] * len(new_ids), new_logprobs))
+                delta = tracked.delta(new_ids, new_text, [now] * len(new_ids), new_logprobs)
+                delta.embedding = result.embeddings.get(request_id)
+                outputs.append(delta)
         for request_id in done:
             self.outputs.finish(request_id)
         if self.speculator is not None:
@@ -340,6 +348,7 @@ class Engine:
             merged.sampled.update(result.sampled)
             merged.logprobs.update(result.logprobs)
             merged.prompt_logprobs.update(result.prompt_logprobs)
+            merged.embeddings.update(result.embeddings)
         return merged
 
     def _fail(self, request_id: str, exc: BaseException) -> OutputDelta:
@@ -414,8 +423,11 @@ class Engine:
         sched = self.config.scheduler
         return (
             f"model {self.model_name} ({self.model.dtype}, {self.model.device}): {self.kv.num_blocks} KV "
-            f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}"
+            f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}, "
+            f"{self.cpu.describe()}"
         )
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return replace(
+            self.scheduler.stats(), cpu_threads=self.cpu.threads, cpu_contention=self.cpu.contention
+        )

@@ -96,6 +96,9 @@ class ModelRunnerOutput:
     asked (SamplingParams.logprobs)."""
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
     """request id -> (prompt position, its token's logprob) for the prompt tokens this step computed."""
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
+    """request id -> its pooled, normalised hidden state, for pooling requests whose prompt ended this step
+    (their `sampled` token is a placeholder that only ends them)."""
 
 
 class ModelRunner:
@@ -121,6 +124,9 @@ class ModelRunner:
         self.block_size = kv.block_size
         self._seqs: dict[str, _Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._pooled: dict[str, tuple[torch.Tensor, int]] = {}
+        """Mean pooling: request id -> (float32 sum of its prompt rows so far, the next position to add);
+        kept across a preemption, whose recompute repeats positions already added."""
         probe = torch.empty(
             1, model.config.num_heads, model.config.head_dim, dtype=model.dtype, device=self.device
         )
@@ -167,7 +173,18 @@ class ModelRunner:
         ]
         if scored:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prefills, scored)
-        to_sample = decodes + [w for w in prefills if w.samples]
+        if any(w.seq.params.pooling is not None for w in work):  # a one-token prompt counts as a decode
+            self._pool(hidden, work, out)
+        ending = decodes + [w for w in prefills if w.samples]  # in the order of sample_rows
+        to_sample = [w for w in ending if w.seq.params.pooling is None]
+        if len(to_sample) < len(ending):  # pooling requests end without a sampled token
+            kept, at = [], 0
+            for w in ending:  # a verifying sequence has a row per proposal besides its own
+                rows_of = 1 + len(w.drafts)
+                if w.seq.params.pooling is None:
+                    kept.extend(sample_rows[at : at + rows_of])
+                at += rows_of
+            sample_rows = kept
         if not to_sample:
             return out
         every_row = len(sample_rows) == hidden.shape[0]  # a step that only decodes: no gather
@@ -332,6 +349,34 @@ class ModelRunner:
         for m, n in consumed.values():
             m.rollback(n)
 
+    def _pool(self, hidden: torch.Tensor, work: list[_Work], out: ModelRunnerOutput) -> None:
+        """Pooling requests: add this step's prompt rows (mean) or take the last one; where the prompt ends,
+        the normalised vector goes to out.embeddings and a placeholder token (eos) ends the request."""
+        row = 0
+        for w in work:
+            first, row = row, row + w.num_tokens
+            pooling = w.seq.params.pooling
+            if pooling is None:
+                continue
+            start = w.seq.num_computed_tokens
+            if pooling == "mean":
+                total, next_pos = self._pooled.get(w.request_id, (None, 0))
+                skip = max(next_pos - start, 0)  # a recompute after preemption: rows already added
+                if start + skip < w.end:
+                    part = hidden[first + skip : row].float().sum(0)
+                    total = part if total is None else total + part
+                    next_pos = w.end
+                self._pooled[w.request_id] = (total, next_pos)
+            if not w.samples:
+                continue
+            if pooling == "mean":
+                vector = self._pooled.pop(w.request_id)[0] / w.seq.num_prompt_tokens
+            else:
+                vector = hidden[row - 1].float()
+            vector = torch.nn.functional.normalize(vector, dim=0)
+            out.embeddings[w.request_id] = vector.cpu().tolist()
+            out.sampled[w.request_id] = w.seq.eos_token_id if w.seq.eos_token_id is not None else 0
+
     @staticmethod
     def _prompt_rows(w: _Work) -> int:
         """Rows of this chunk whose next token is a prompt token (their logits score it)."""
@@ -364,6 +409,7 @@ class ModelRunner:
         for rid in plan.finished_request_ids:
             self._seqs.pop(rid, None)
             self._generators.pop(rid, None)
+            self._pooled.pop(rid, None)
         for rid in plan.preempted_request_ids:  # recomputed later from its tokens; its generator stays
             self._seqs.pop(rid, None)
         for new in plan.new_requests:
