@@ -235,9 +235,7 @@ def run() -> dict:
                                 }
                             )
                     if llama and quota is None:
-                        rate = llama_cpp_native.measure(
-                            model_path_for_llama(model), threads=2, batch=STREAMS
-                        )["x1"]
+                        rate = llama_cpp_native.measure(model_path_for_llama(model), threads=2, batch=8)["x1"]
                         if scenario == "quiet":
                             quiet["llama.cpp"] = rate
                         rows.append(
