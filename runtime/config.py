@@ -1,11 +1,12 @@
 """EngineConfig: every setting of the engine, and the one place where their defaults live.
 
-It nests four plain dataclasses, by what each setting governs:
+It nests five plain dataclasses, by what each setting governs:
 
-    model      which checkpoint, on which device, in which dtype
-    cache      how many bytes the paged KV pool takes
-    scheduler  scheduler.SchedulerConfig: blocks, batch limits, policy, context length
-    parallel   CPU threads
+    model        which checkpoint, on which device, in which dtype
+    cache        how many bytes the paged KV pool takes
+    scheduler    scheduler.SchedulerConfig: blocks, batch limits, policy, context length
+    parallel     CPU threads
+    speculative  speculative decoding: the proposer and how many tokens it proposes
 
 `Engine.from_pretrained` and the server's CLI (`server/cli.py` builds one flag
 per field) both read it; neither restates a default. Each field's docstring
@@ -24,6 +25,7 @@ from functools import cache, lru_cache
 
 from loader.sizes import parse_size
 from runtime.quant.resolve import QUANTIZATIONS
+from runtime.spec_decode.config import SpeculativeConfig
 from scheduler import SchedulerConfig
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -75,7 +77,11 @@ class CacheConfig:
 @dataclass
 class ParallelConfig:
     num_threads: int | None = None
-    """CPU threads for torch (None: torch's default)."""
+    """CPU compute threads, the most the engine runs (None: the cores it may use: its affinity mask, at most
+    ceil(its cgroup CPU quota), at most torch's default)."""
+    adaptive_threads: bool = True
+    """Run fewer compute threads while other processes share the cores or a CPU quota throttles the engine,
+    and more again when cores stand idle (runtime/engine/cpu_share.py)."""
 
     def __post_init__(self) -> None:
         value = self.num_threads
@@ -84,11 +90,24 @@ class ParallelConfig:
 
 
 @dataclass
+class SpeculativeSettings:
+    speculative_config: str | dict | SpeculativeConfig | None = None
+    """Speculative decoding, as vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 5,
+    "prompt_lookup_min": 2, "prompt_lookup_max": 5}, {"method": "suffix"} or {"method": "draft_model",
+    "model": PATH}. Proposed tokens are verified in the same step as the batch's other work; outputs are
+    those without it (greedy: token for token; sampled: the same distribution). None: off."""
+
+    def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+
+@dataclass
 class EngineConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
 
     def replace(self, **settings) -> EngineConfig:
         """A copy with settings changed by their field names (`max_num_seqs=8`, `dtype="float32"`);

@@ -69,11 +69,13 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def card(self) -> dict[str, object]:
-        """What GET /v1/models reports of the model: its family, weight format and context length."""
+        """What GET /v1/models reports of the model: its family, weight format, context length and hidden
+        size (the length of its embeddings)."""
         return {
             "architecture": self.architecture,
             "quantization": self.quantization,
             "context_length": self.max_model_len,
+            "hidden_size": self.hidden_size,
         }
 
     def layer_window(self, layer: int) -> int | None:

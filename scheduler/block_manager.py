@@ -237,6 +237,20 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the blocks of request's table past those num_tokens tokens need (they held only the
+        K/V of rejected proposals, so they go to the front of the free queue, unhashed)."""
+        table = request.block_table
+        keep = self.blocks_needed(num_tokens)
+        while len(table) > keep:
+            block = table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
+            else:
+                self.num_shared_refs -= 1
+
     def free(self, request: Request) -> None:
         """Release the request's blocks. Its tail is freed first, so it is evicted before its shared head."""
         free = self._free

@@ -9,7 +9,11 @@ plan alone:
     cached_requests   a request the runner holds: only the blocks added since the last plan,
                       and the entries a copy on write replaced (their contents are in block_copies)
     num_scheduled_tokens[request_id]
-                      tokens to compute this step, from num_computed_tokens on
+                      tokens to compute this step, from num_computed_tokens on, proposed ones included
+    spec_token_ids[request_id]
+                      a decode's proposed tokens (speculative decoding): its last token and
+                      these are computed in one step, and each proposal is accepted or rejected
+                      by the logits of the row before it; n = 1 + len(proposals)
     preempted_request_ids, finished_request_ids
                       requests whose state the runner drops (finished: since the last plan,
                       aborted included); a finished one also loses its sampling generator
@@ -55,6 +59,9 @@ class CachedRequestData:
     num_computed_tokens: int
     replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
     """(index, block): entries of its block table replaced since the last plan (copy on write)."""
+    num_kept_blocks: int | None = None
+    """Entries of its block table to keep before appending new_block_ids: fewer than it holds when
+    the blocks of rejected proposals were freed since (None: all)."""
 
 
 @dataclass
@@ -74,6 +81,8 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(source, destination) KV blocks to copy before this step runs (copy on write of a forked block)."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """request id -> the proposed tokens scheduled after its last token (counted in its n)."""
 
     def __post_init__(self) -> None:
         if not self.num_batched_tokens:

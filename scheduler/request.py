@@ -67,6 +67,9 @@ class Request:
     sample their first token from its logits and take its KV blocks by reference."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request, if any."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Tokens proposed to follow it (speculative decoding), verified with its next decode step; set by
+    the runtime after each step, cleared when it is scheduled or preempted."""
 
     # Timestamps (time.monotonic seconds) for the latency metrics.
     first_scheduled_time: float | None = None

@@ -19,9 +19,21 @@ class RunnerView:
         self._blocks_sent: dict[str, int] = {}
         """Block ids the model runner has been told of, per request it holds."""
         self._finished: list[str] = []
+        self._trimmed: dict[str, int] = {}
+        """Block-table entries the runner keeps, per request whose table was cut since the last plan."""
+
+    def trim(self, request: Request) -> None:
+        """The request's block table was cut short (blocks of rejected proposals freed): the next plan
+        tells the runner how many entries it keeps."""
+        rid = request.request_id
+        sent = self._blocks_sent.get(rid)
+        if sent is not None and len(request.block_table) < sent:
+            kept = min(len(request.block_table), self._trimmed.get(rid, sent))
+            self._trimmed[rid] = kept
 
     def drop(self, request: Request, finished: bool) -> None:
         """The runner is to forget this request (finished: for good, so the next plan names it)."""
+        self._trimmed.pop(request.request_id, None)
         if self._blocks_sent.pop(request.request_id, None) is not None and finished:
             self._finished.append(request.request_id)
 
@@ -35,9 +47,12 @@ class RunnerView:
             if known is None:
                 out.new_requests.append(new_request_data(request))
             else:
+                kept = self._trimmed.pop(rid, None)
+                if kept is not None:
+                    known = min(known, kept)
                 replaced = [(i, table[i]) for i in bm.rewritten.get(rid, ()) if i < known]
                 out.cached_requests.append(
-                    CachedRequestData(rid, table[known:], request.num_computed_tokens, replaced)
+                    CachedRequestData(rid, table[known:], request.num_computed_tokens, replaced, kept)
                 )
             sent[rid] = len(table)
             out.num_scheduled_tokens[rid] = n
@@ -66,12 +81,15 @@ def plans_alone(plan: SchedulerOutput) -> list[SchedulerOutput]:
     from it), the first carrying the plan's block copies: to run again, apart, a step that failed."""
     alone = []
     for request, n in plan.scheduled:
+        rid = request.request_id
+        drafts = plan.spec_token_ids.get(rid)
         alone.append(
             SchedulerOutput(
                 scheduled=[(request, n)],
                 new_requests=[new_request_data(request)],
-                num_scheduled_tokens={request.request_id: n},
+                num_scheduled_tokens={rid: n},
                 block_copies=[] if alone else plan.block_copies,
+                spec_token_ids={rid: drafts} if drafts else {},
             )
         )
     return alone

@@ -44,6 +44,9 @@ class StructuredOutput:
 
 
 STRUCTURED_OUTPUT_KINDS = ("json_object", "json_schema", "lark")
+POOLING_KINDS = ("last", "mean")
+"""How an embedding request pools its prompt's final hidden states: the last token's row, or the mean of
+every row (then L2-normalised either way)."""
 
 
 @dataclass
@@ -88,6 +91,10 @@ class SamplingParams:
     """Token id -> value added to its logit before sampling, in [-100, 100]."""
     structured_output: StructuredOutput | None = None
     """A grammar every generated token must keep the output inside (JSON schema, JSON object, Lark)."""
+    pooling: str | None = None
+    """Embed instead of generate: 'last' or 'mean' (POOLING_KINDS). The prompt is computed (prefill only,
+    through the same scheduler) and its pooled, normalised hidden state returned as OutputDelta.embedding;
+    nothing is sampled: the request ends after its prompt on a placeholder eos token (finish_reason 'stop')."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,6 +160,18 @@ class SamplingParams:
             _check_number("logit_bias", bias)
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+
+        if self.pooling is not None:
+            if self.pooling not in POOLING_KINDS:
+                raise ValueError(f"pooling must be one of {', '.join(POOLING_KINDS)}, got {self.pooling!r}")
+            if self.n != 1 or self.max_tokens != 1 or self.structured_output is not None:
+                raise ValueError("pooling asks for an embedding: n and max_tokens 1, no structured_output")
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Every prompt position must be computed (prompt logprobs, mean pooling): no prefix cache hits,
+        whose blocks keep K/V but neither logits nor hidden states."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def penalized(self) -> bool:

@@ -70,6 +70,11 @@ class Scheduler:
         self.prefix_hits = 0  # of those, tokens found there
         self.num_computed_tokens = 0  # tokens run through the model (prefill chunks and decodes)
         self.num_generated_tokens = 0  # tokens sampled
+        # speculative decoding: proposals verified, their tokens, those accepted, accepted by position
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
         self._tenants = Tenants(config.max_idle_tenants)
         self._unready: dict[str, Request] = {}
         """Requests waiting for their grammar (added with ready=False), not yet in the policy's queue."""
@@ -187,6 +192,13 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, budget) if request.spec_token_ids else ()
+            if drafts and not bm.allocate(request, n + len(drafts)):
+                drafts = ()  # short of blocks: verify nothing rather than preempt anyone for proposals
+            request.spec_token_ids = []
+            if drafts:
+                n += len(drafts)
+                out.spec_token_ids[request.request_id] = drafts
             while not bm.allocate(request, n):
                 victim = self.policy.victim(running)
                 j = running.index(victim)
@@ -200,6 +212,7 @@ class Scheduler:
                 if refund is not None:  # it was planned earlier this step: take it out of the batch
                     budget += refund
                     out.scheduled = [(r, k) for r, k in out.scheduled if r is not victim]
+                    out.spec_token_ids.pop(victim.request_id, None)
             else:
                 out.scheduled.append((request, n))
                 planned[request] = n
@@ -213,6 +226,20 @@ class Scheduler:
         out.block_copies, bm.copies = bm.copies, []
         self._runner_view.describe(out, bm)
         return out
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The proposed tokens a decode verifies this step: as many as the budget (which counts every
+        verified token), the context and max_tokens leave room for (its k accepted proposals and the
+        token after them are k + 1 new tokens)."""
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = budget - 1
+        if self.config.max_model_len:
+            room = min(room, self.config.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[: max(room, 0)]
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -231,8 +258,8 @@ class Scheduler:
             request = self.policy.peek()
             if request is None or seqs + 1 + len(request.forks) > max_num_seqs:
                 break
-            # prompt logprobs need every prompt position's logits, which cached blocks do not keep
-            cached = bm.find_cached_prefix(request) if request.sampling_params.prompt_logprobs is None else []
+            # prompt logprobs and mean pooling need every prompt position's row, which cached blocks lack
+            cached = [] if request.sampling_params.needs_every_prompt_row else bm.find_cached_prefix(request)
             hit = len(cached) * bm.block_size
             need = bm.num_blocks_to_allocate(request, request.num_tokens, cached)
             if need + reserved + (self._watermark_blocks if running else 0) > bm.num_free_blocks:
@@ -281,6 +308,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, index: int) -> None:
         del self.running[index]
+        request.spec_token_ids = []
         self._runner_view.drop(request, finished=False)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
@@ -292,17 +320,27 @@ class Scheduler:
         tally.waiting += 1
         self.policy.add(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int | list[int]]
+    ) -> list[Request]:
         """Book the step: computed tokens, new full blocks, sampled tokens, stops. Returns finished requests.
 
+        sampled: per request the token it sampled, or the tokens a step with proposals gave it (the
+        accepted proposals, then the token sampled after them). A stop among them ends the request
+        there; the rest are dropped. The KV slots of rejected proposals count as not computed, and the
+        blocks that held only those go back to the free queue.
         A request that reached its end without a sampled token is rolled back one token, so its
         last token is recomputed (and sampled) next step instead of the request stalling.
         """
         bm = self.block_manager
         self.num_computed_tokens += output.num_batched_tokens
+        spec = output.spec_token_ids
         for request, n in output.scheduled:
             if request.status is _RUNNING:  # not aborted or finished since schedule()
                 before = request.num_computed_tokens
+                drafts = spec.get(request.request_id) if spec else None
+                if drafts:  # their slots count once accepted, below
+                    n -= len(drafts)
                 request.num_computed_tokens = before + n
                 bm.cache_full_blocks(request, before)
                 if request.num_computed_tokens == request.num_tokens and request.request_id not in sampled:
@@ -312,7 +350,7 @@ class Scheduler:
         finished = []
         now = time.monotonic()
         max_len = self.config.max_model_len or sys.maxsize
-        for request_id, token in sampled.items():
+        for request_id, tokens in sampled.items():
             request = self.requests.get(request_id)
             if (
                 request is None
@@ -320,27 +358,72 @@ class Scheduler:
                 or request.num_computed_tokens != request.num_tokens
             ):
                 continue  # gone, or not at its end: no token is due
-            request.append_output_token(token)
-            self.num_generated_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self.policy.charge_output(request)
-            self._tenants[request.tenant].service_tokens += 1
-            params = request.sampling_params
-            status = None
-            if not params.ignore_eos and (token == request.eos_token_id or token in request.eog_token_ids):
-                status = RequestStatus.FINISHED_STOPPED
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-            elif request.num_tokens >= max_len or (
-                params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-            ):
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                self._finish(request, status)
-                finished.append(request)
+            if type(tokens) is int:
+                tokens = (tokens,)
+            drafts = spec.get(request_id) if spec else None
+            if drafts:
+                self._count_acceptance(len(drafts), len(tokens) - 1)
+            before = request.num_computed_tokens
+            for i, token in enumerate(tokens):
+                if i:  # the token before this one was an accepted proposal: its K/V were computed
+                    request.num_computed_tokens += 1
+                if self._append(request, token, now, max_len):
+                    finished.append(request)
+                    break
+            else:
+                if len(tokens) > 1:
+                    bm.cache_full_blocks(request, before)
+                if drafts:
+                    bm.trim(request, request.num_tokens)
+                    self._runner_view.trim(request)
         return finished
+
+    def _append(self, request: Request, token: int, now: float, max_len: int) -> bool:
+        """Book one generated token; True if it ended the request (which is then finished)."""
+        request.append_output_token(token)
+        self.num_generated_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        self.policy.charge_output(request)
+        self._tenants[request.tenant].service_tokens += 1
+        params = request.sampling_params
+        status = None
+        if not params.ignore_eos and (token == request.eos_token_id or token in request.eog_token_ids):
+            status = RequestStatus.FINISHED_STOPPED
+        elif params.stop_token_ids and token in params.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+        elif request.num_tokens >= max_len or (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        self._finish(request, status)
+        return True
+
+    def _count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    def truncate_output(self, request: Request, num_output_tokens: int) -> None:
+        """Drop the output tokens after its first num_output_tokens (a stop string ended it inside a step
+        that gave it several tokens), uncounting them; the caller then finishes it."""
+        extra = request.num_output_tokens - num_output_tokens
+        if extra <= 0:
+            return
+        del request.output_token_ids[num_output_tokens:]
+        self.num_generated_tokens -= extra
+        tally = self._tenants.get(request.tenant)
+        if tally is not None:  # else forgotten since: nothing left to refund
+            tally.service_tokens -= extra
+            self.policy.charge_output(request, -extra)
 
     # ---- observability --------------------------------------------------------------------------
 
@@ -382,4 +465,8 @@ class Scheduler:
             retired_service_tokens=self.retired_service_tokens,
             retired_prefix_hits=self._tenants.retired_prefix_hits,
             retired_prefix_queries=self._tenants.retired_prefix_queries,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
         )

@@ -97,3 +97,16 @@ class SchedulerStats(_ByName):
     """Prefix-cache hits (tokens) of the tenants forgotten after being idle longest."""
     retired_prefix_queries: int = 0
     """Prefix-cache lookups (tokens) of the tenants forgotten after being idle longest."""
+    spec_num_drafts: int = 0
+    """Speculative decoding: decode steps that verified proposed tokens."""
+    spec_num_draft_tokens: int = 0
+    """Proposed tokens verified."""
+    spec_num_accepted_tokens: int = 0
+    """Proposed tokens accepted."""
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    """Accepted proposals by their position in the proposal (0: the first proposed token)."""
+    cpu_threads: int = 0
+    """Compute threads the engine runs this step (set by the engine, not the scheduler; 0: not set)."""
+    cpu_contention: float = 0.0
+    """Share of the compute threads' runnable time spent waiting for a core in the engine's last window of
+    measurement (set by the engine)."""

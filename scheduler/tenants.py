@@ -46,6 +46,9 @@ class Tenants:
     def __getitem__(self, tenant: str) -> TenantTally:
         return self._tallies[tenant]
 
+    def get(self, tenant: str) -> TenantTally | None:
+        return self._tallies.get(tenant)
+
     def busy(self, tenant: str) -> TenantTally:
         """The tally of a tenant that has a request now (a new one if it had none)."""
         tally = self._tallies.get(tenant)

@@ -11,10 +11,11 @@ import uuid
 from aiohttp import web
 
 from runtime import AsyncEngine, Engine, EngineClient
-from server import openai_api, openapi, utility_api
+from server import anthropic_api, embeddings_api, ollama_api, openai_api, openapi, responses_api, utility_api
 from server.auth import Tenant
 from server.config import ServerConfig
-from server.errors import APIError
+from server.errors import APIError, error_style
+from server.not_found_log import NotFoundLog
 from server.state import ServerState
 
 log = logging.getLogger("prescient.server")
@@ -22,27 +23,34 @@ log = logging.getLogger("prescient.server")
 
 @web.middleware
 async def errors_as_envelopes(request: web.Request, handler):
-    """Every error leaves as an OpenAI envelope; an unexpected one is logged here, never sent as a
-    traceback."""
+    """Every error leaves in the envelope of the API its route speaks (OpenAI's, Anthropic's, Ollama's); an
+    unexpected one is logged here, never sent as a traceback."""
+    style = error_style(request.path)
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        return exc.response(style)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if exc.status == 404:
+            request.app["not_found_log"].record(request.method, request.path)
         message = {
             404: f"No route {request.method} {request.path}; see GET /openapi.json.",
             405: f"Method {request.method} is not allowed on {request.path}.",
             413: f"Request body too large: the limit is {request.app['max_body_bytes']} bytes.",
         }
-        return APIError(exc.status, message.get(exc.status, exc.reason)).response()  # code from the status
+        return APIError(exc.status, message.get(exc.status, exc.reason)).response(
+            style
+        )  # code from the status
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         error_id = uuid.uuid4().hex
         log.exception("internal error %s on %s %s", error_id, request.method, request.path)
-        return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response()
+        return APIError(500, f"Internal server error; it is logged under error id {error_id}.").response(
+            style
+        )
 
 
 @web.middleware
@@ -81,11 +89,22 @@ def build_app(
         client = AsyncEngine(client, max_waiting=ServerConfig.max_waiting)
     app = web.Application(middlewares=[count_responses, errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes
+    app["not_found_log"] = NotFoundLog()
     state = ServerState(client, api_keys, served_model_name, tenant_metrics=tenant_metrics)
     state.metrics_auth = metrics_auth
     app["state"] = state
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings_api.embeddings)
+    app.router.add_post("/v1/responses", responses_api.responses)
+    app.router.add_post("/v1/messages", anthropic_api.messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
+    app.router.add_post("/api/chat", ollama_api.chat)
+    app.router.add_post("/api/generate", ollama_api.generate)
+    app.router.add_post("/api/embed", ollama_api.embed_route)
+    app.router.add_get("/api/tags", ollama_api.tags)
+    app.router.add_post("/api/show", ollama_api.show)
+    app.router.add_get("/api/version", ollama_api.version)
     app.router.add_get("/v1/models", utility_api.models)
     app.router.add_get("/v1/models/{model}", utility_api.model)
     app.router.add_get("/health", utility_api.health)

@@ -131,3 +131,11 @@ def check_key(keys: dict[str, Tenant | None] | None, authorization: str | None) 
         if hmac.compare_digest(key.encode(), given):
             return tenant
     raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+def bearer_or_api_key(headers) -> str | None:
+    """The Authorization header, or Anthropic's `x-api-key` as if sent as a Bearer token."""
+    authorization = headers.get("Authorization")
+    if authorization is None and headers.get("x-api-key"):
+        return "Bearer " + headers["x-api-key"]
+    return authorization

@@ -25,8 +25,8 @@ class Choice:
     prompt_text: str
     out: RequestOutput | None = None
     """None until its first delta arrives."""
-    sent_text: int = 0
-    """Characters of out.text streamed, where tool calls hold text back (otherwise each delta goes out whole)."""
+    tool_stream: object | None = None
+    """Its ToolCallStream (server/tool_call_stream.py) when a streamed chat may call tools."""
     sent_offset: int = 0
     """text_offset of the next streamed completion token."""
     started: bool = False

@@ -77,8 +77,43 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """Anthropic's envelope: {"type": "error", "error": {"type", "message"}}."""
+        kind = _ANTHROPIC_TYPES.get(
+            self.status, "api_error" if self.status >= 500 else "invalid_request_error"
+        )
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, style: str = "openai") -> web.Response:
+        """The error in the envelope of the API the client speaks (error_style)."""
+        if style == "anthropic":
+            body = self.anthropic_body()
+        elif style == "ollama":
+            body = {"error": self.message}  # Ollama's: the message alone
+        else:
+            body = self.body()
+        return web.json_response(body, status=self.status, headers=self.headers)
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_style(path: str) -> str:
+    """Which envelope a route's errors use: Anthropic's under /v1/messages, Ollama's under /api/,
+    OpenAI's elsewhere."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    if path.startswith("/api/"):
+        return "ollama"
+    return "openai"
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

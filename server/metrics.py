@@ -291,6 +291,39 @@ class _EngineCollector:
         yield counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.get("prefix_cache_hits", 0)
         )
+        yield counter(
+            "spec_decode_num_drafts",
+            "Speculative decoding: decode steps that verified proposed tokens.",
+            stats.get("spec_num_drafts", 0),
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens",
+            "Speculative decoding: proposed tokens verified.",
+            stats.get("spec_num_draft_tokens", 0),
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Speculative decoding: proposed tokens accepted.",
+            stats.get("spec_num_accepted_tokens", 0),
+        )
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted tokens by their position in the proposal (0: the first).",
+            labels=["model_name", "position"],
+        )
+        for position, accepted in enumerate(stats.get("spec_accepted_per_pos", ())):
+            per_pos.add_metric([self.model_name, str(position)], accepted)
+        yield per_pos
+        yield gauge(
+            "cpu_threads",
+            "Compute threads the engine runs (fewer while other processes share its cores or a quota throttles it).",
+            stats.get("cpu_threads", 0),
+        )
+        yield gauge(
+            "cpu_contention",
+            "Share of the compute threads' runnable time spent waiting for a core (steal included), last window.",
+            stats.get("cpu_contention", 0.0),
+        )
         if self.tenant_label is None:
             return
         service = CounterMetricFamily(

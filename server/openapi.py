@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.request_fields import CHAT, COMPLETION, DETOKENIZE, TOKENIZE
+from server.compat_fields import (
+    COUNT_TOKENS,
+    MESSAGES,
+    OLLAMA_CHAT,
+    OLLAMA_EMBED,
+    OLLAMA_GENERATE,
+    OLLAMA_SHOW,
+    RESPONSES,
+)
+from server.request_fields import CHAT, COMPLETION, DETOKENIZE, EMBEDDINGS, TOKENIZE
 from server.utility_api import server_version
 
 _ERROR = {
@@ -13,19 +22,24 @@ _ERROR = {
 }
 
 
-def _post(summary: str, schema: dict, ok: str) -> dict:
+_ANTHROPIC_ERROR = {
+    "description": "Error (Anthropic envelope)",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}},
+}
+_OLLAMA_ERROR = {
+    "description": "Error (Ollama: the message alone)",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OllamaError"}}},
+}
+
+
+def _post(summary: str, schema: dict, ok: str, error: dict = _ERROR) -> dict:
     return {
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
             "responses": {
                 "200": {"description": ok},
-                "400": _ERROR,
-                "401": _ERROR,
-                "413": _ERROR,
-                "415": _ERROR,
-                "429": _ERROR,
-                "503": _ERROR,
+                **{status: error for status in ("400", "401", "413", "415", "429", "503")},
             },
         }
     }
@@ -48,6 +62,46 @@ def document() -> dict:
                 CHAT.schema(),
                 "chat.completion, or an SSE stream of chat.completion.chunk",
             ),
+            "/v1/embeddings": _post(
+                "Embeddings: pooled, normalised final hidden states of the model served",
+                EMBEDDINGS.schema(),
+                "a list of embedding objects",
+            ),
+            "/v1/responses": _post(
+                "OpenAI Responses (stream with its named SSE events when stream=true)",
+                RESPONSES.schema(),
+                "a response object, or an SSE stream of response events",
+            ),
+            "/v1/messages": _post(
+                "Anthropic Messages (x-api-key or Bearer; Anthropic's SSE events when stream=true)",
+                MESSAGES.schema(),
+                "a message, or an SSE stream of message events",
+                _ANTHROPIC_ERROR,
+            ),
+            "/v1/messages/count_tokens": _post(
+                "Anthropic: the prompt tokens a Messages body renders to",
+                COUNT_TOKENS.schema(),
+                "{input_tokens}",
+                _ANTHROPIC_ERROR,
+            ),
+            "/api/chat": _post(
+                "Ollama chat (NDJSON stream unless stream=false)",
+                OLLAMA_CHAT.schema(),
+                "NDJSON lines of chat pieces, the last with done=true",
+                _OLLAMA_ERROR,
+            ),
+            "/api/generate": _post(
+                "Ollama generate (NDJSON stream unless stream=false; raw: no template)",
+                OLLAMA_GENERATE.schema(),
+                "NDJSON lines of response pieces, the last with done=true",
+                _OLLAMA_ERROR,
+            ),
+            "/api/embed": _post("Ollama embeddings", OLLAMA_EMBED.schema(), "{embeddings}", _OLLAMA_ERROR),
+            "/api/show": _post(
+                "Ollama: the model's details", OLLAMA_SHOW.schema(), "model details", _OLLAMA_ERROR
+            ),
+            "/api/tags": get("Ollama: models served"),
+            "/api/version": get("Ollama: the server's version"),
             "/v1/models": get("Models served"),
             "/v1/models/{model}": get("One model served (404 for any other id)"),
             "/health": get("Liveness and readiness (503 while draining)"),
@@ -72,7 +126,18 @@ def document() -> dict:
                             },
                         }
                     },
-                }
+                },
+                "AnthropicError": {
+                    "type": "object",
+                    "properties": {
+                        "type": {"const": "error"},
+                        "error": {
+                            "type": "object",
+                            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+                        },
+                    },
+                },
+                "OllamaError": {"type": "object", "properties": {"error": {"type": "string"}}},
             }
         },
     }

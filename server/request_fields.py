@@ -367,3 +367,48 @@ DETOKENIZE = RequestBody(
     {"tokens": {"type": "array", "items": {"type": "integer"}}, "model": SAMPLING["model"]},
     required=("tokens",),
 )
+MAX_EMBED_INPUTS = 2048
+"""Most inputs in one embeddings request, as OpenAI allows."""
+EMBED_INPUT = {
+    "oneOf": [
+        {"type": "string", "minLength": 1},
+        {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": MAX_EMBED_INPUTS,
+            "items": {"type": "string", "minLength": 1},
+        },
+        TOKENS,
+        {"type": "array", "minItems": 1, "maxItems": MAX_EMBED_INPUTS, "items": TOKENS},
+    ],
+    "description": "A text, texts, token ids, or arrays of token ids; each is embedded on its own, at most "
+    "the model's context",
+}
+POOLING = {
+    "type": "string",
+    "enum": ["last", "mean"],
+    "default": "last",
+    "description": "How the final hidden states of the input's tokens make one vector (then L2-normalised): "
+    "the last token's, or their mean",
+}
+EMBEDDINGS = RequestBody(
+    "POST /v1/embeddings",
+    {
+        "input": EMBED_INPUT,
+        "model": SAMPLING["model"],
+        "encoding_format": {
+            "type": "string",
+            "enum": ["float", "base64"],
+            "default": "float",
+            "description": "base64: little-endian float32 bytes",
+        },
+        "dimensions": {
+            "type": "integer",
+            "minimum": 1,
+            "description": "Only the model's hidden size (vectors are not shortened)",
+        },
+        "user": SAMPLING["user"],
+        "pooling": POOLING,
+    },
+    required=("input",),
+)

@@ -27,3 +27,9 @@ async def send(response: web.StreamResponse, payload: dict) -> None:
 async def send_done(response: web.StreamResponse) -> None:
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
+
+
+async def send_event(response: web.StreamResponse, event: str, payload: dict) -> None:
+    """A named event (`event: NAME` then its data), as the Responses and Anthropic streams frame them."""
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    await response.write(b"event: " + event.encode() + b"\ndata: " + data + b"\n\n")

@@ -17,6 +17,7 @@ from runtime import EngineClient, RequestOutput
 from server.auth import Tenant, user_tenant
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
+from server.response_store import ResponseStore
 from server.schema_check import for_log
 
 log = logging.getLogger("prescient.server")
@@ -47,6 +48,8 @@ class ServerState:
         """/metrics asks for an API key (the per-tenant series name tenants and their load)."""
         self.draining = False
         self.started = time.time()
+        self.responses = ResponseStore()
+        """Recent Responses' conversations per tenant, for previous_response_id."""
 
     @property
     def in_flight(self) -> int:

@@ -8,7 +8,8 @@ from server.choices import Choice, choice_finish_reason, end_offset
 from server.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from server.protocol import GenerationRequest
 from server.state import ServerState
-from server.tool_calls import extract_tool_calls, held_back, parses_tool_calls
+from server.tool_call_stream import ArgumentsDelta, CallStart, Text, ToolCallStream
+from server.tool_calls import parses_tool_calls
 
 
 async def send_delta(
@@ -49,23 +50,15 @@ async def send_delta(
     if req.echo and not c.started:
         delta = c.prompt_text + delta
     finish = choice_finish_reason(c, out) if out.finished else None
-    tools = chat and parses_tool_calls(req.tools)
-    if tools:  # text that may be a call is held until the sequence ends: what is sent is counted in chars
-        text = out.text
-        delta = text[c.sent_text :]
-        if not out.finished:
-            delta = delta[: max(len(delta) - held_back(text), 0)]
-            text = text[: c.sent_text + len(delta)]
-        else:
-            content, calls = extract_tool_calls(text, req.tools)
-            if calls:
-                sent = text[: c.sent_text]
-                # what the client has not seen of the content, the calls taken out of it
-                delta = content[len(sent) :] if content and content.startswith(sent) else ""
-                for k, call in enumerate(calls):
-                    part = {"tool_calls": [dict(call, index=k)]}
-                    await sse.send(stream, chunk_body(request_id, created, model, c.index, part, None, chat))
-                finish = "tool_calls" if finish == "stop" else finish
+    if chat and parses_tool_calls(req.tools):  # content and calls as the text reveals them
+        if c.tool_stream is None:
+            c.tool_stream = ToolCallStream(req.tools)
+        for event in c.tool_stream.feed(out.text, out.finished):
+            if part := _delta(event):
+                await sse.send(stream, chunk_body(request_id, created, model, c.index, part, None, chat))
+        delta = ""
+        if finish == "stop" and c.tool_stream.calls:
+            finish = "tool_calls"
     if delta or finish or new_tokens and logprobs is not None:
         chunk = chunk_body(
             request_id, created, model, c.index, {"content": delta} if chat else delta, finish, chat
@@ -74,9 +67,19 @@ async def send_delta(
         if finish and out.stop_reason is not None and not req.echo_only:
             chunk["choices"][0]["stop_reason"] = out.stop_reason
         await sse.send(stream, chunk)
-        if tools:
-            c.sent_text = len(text)
     c.started = True
+
+
+def _delta(event) -> dict:
+    """A chat chunk's delta for a ToolCallStream event: content, or a piece of tool_calls[index]."""
+    if isinstance(event, Text):
+        return {"content": event.text}
+    if isinstance(event, CallStart):
+        call = {"id": event.id, "type": "function", "function": {"name": event.name, "arguments": ""}}
+        return {"tool_calls": [{"index": event.index, **call}]}
+    if isinstance(event, ArgumentsDelta):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    return {}  # CallEnd: the chat API has no event for it
 
 
 def chunk_body(

@@ -136,3 +136,21 @@ def test_no_import_cycle_between_the_concept_folders(package):
     """The folders read as the architecture: if runtime.engine imports runtime.model, nothing in
     runtime.model imports runtime.engine (function-level imports included)."""
     assert cycles_within(package, folders(graph())) == []
+
+
+@pytest.mark.slow
+def test_a_cpu_only_server_does_not_import_triton():
+    """Triton loads only where CUDA is (or its CPU interpreter is asked for): a CPU server's start-up and
+    exit stay free of it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, server.app, runtime.runner.model_runner, runtime.model.model; "
+        "print('triton' in sys.modules)"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

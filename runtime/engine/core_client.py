@@ -23,6 +23,7 @@ import time
 
 from runtime.engine.client import EngineClient
 from runtime.engine.core import CoreInfo, run_engine_core
+from runtime.engine.cpu_share import cpu_limits
 from runtime.engine.errors import EngineDeadError
 from runtime.engine.messages import CoreFailed, StepOutput, Stop
 
@@ -35,8 +36,21 @@ STOP_TIMEOUT_SECONDS = 10.0
 CORE_GOMP_SPINCOUNT = "300000"
 """How long the core's OpenMP threads spin before sleeping (a few milliseconds), unless OMP_WAIT_POLICY or
 GOMP_SPINCOUNT is set: libgomp's own default count, but set, not left to libgomp, which in the core spun
-for less (measured: 32 streams over HTTP against the offline engine, tests/bench/bench_serve.py). A host
-whose cores are shared with other busy processes wants a shorter spin (the README says which)."""
+for less (measured: 32 streams over HTTP against the offline engine, tests/bench/bench_serve.py). Where
+other processes share the cores the engine runs fewer threads (runtime/engine/cpu_share.py), and with one
+thread none spins."""
+QUOTA_GOMP_SPINCOUNT = "10000"
+"""The spin under a CPU quota of fewer cores than threads, where CpuShare paces the thread count step by step
+and a worker left out of a step would otherwise spend the quota spinning (a fraction of a millisecond)."""
+
+
+def _spin_count() -> str:
+    limits = cpu_limits()
+    return (
+        QUOTA_GOMP_SPINCOUNT
+        if limits.quota is not None and limits.quota < limits.cores
+        else CORE_GOMP_SPINCOUNT
+    )
 
 
 class EngineCoreClient(EngineClient):
@@ -78,7 +92,7 @@ class EngineCoreClient(EngineClient):
             daemon=True,
             args=(requests_read, outputs_write, settings, os.getpid(), log_level),
         )
-        spin = None if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ) else CORE_GOMP_SPINCOUNT
+        spin = None if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ) else _spin_count()
         if spin is not None:  # the spawned core reads its environment when torch loads libgomp
             os.environ["GOMP_SPINCOUNT"] = spin
         try:

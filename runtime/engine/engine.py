@@ -19,6 +19,7 @@ from runtime.attention.kv_cache import KVCache, bytes_per_block
 from runtime.attention.metadata import ScheduledRows
 from runtime.config import EngineConfig
 from runtime.device import resolve_device, resolve_dtype
+from runtime.engine.cpu_share import CpuShare
 from runtime.engine.output_tracker import OutputTracker
 from runtime.engine.outputs import OutputDelta, RequestOutput
 from runtime.engine.request_checks import RequestChecks
@@ -28,6 +29,8 @@ from runtime.model.tokenizer import Tokenizer
 from runtime.quant.resolve import resolve_quantization
 from runtime.runner.model_runner import ModelRunner, ModelRunnerOutput
 from runtime.sample.grammar_compiler import GrammarCompiler
+from runtime.spec_decode import Speculator
+from runtime.spec_decode.draft_model import DraftModel
 from scheduler import (
     InvalidRequestError,
     Request,
@@ -85,6 +88,10 @@ class Engine:
         self.admission = sched.admission  # the one rule, over this pool and context
         self.checks = RequestChecks(tokenizer, self.vocab_size, self.admission, model.config.card())
         self.scheduler = Scheduler(sched)
+        self.cpu = CpuShare(
+            config.parallel.num_threads,
+            adaptive=config.parallel.adaptive_threads and model.device.type == "cpu",
+        )
         self.grammar = GrammarCompiler(tokenizer, self.vocab_size)
         self.runner = ModelRunner(
             model,
@@ -96,6 +103,12 @@ class Engine:
         )
         self.model_name = model_name or model.config.name
         self.outputs = OutputTracker(tokenizer)
+        spec = self.config.speculative.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = DraftModel(spec.model, model, tokenizer, num_blocks * sched.block_size, sched.block_size)
+        self.speculator = Speculator(spec, draft) if spec is not None else None
+        """Proposes tokens for the running requests to verify (None: speculative decoding is off)."""
         self._ids = itertools.count()
 
     @classmethod
@@ -232,6 +245,8 @@ class Engine:
                 tracked.request.request_id
             )  # the runner forgets it with the next plan
             tracked.request.finished_time = tracked.request.finished_time or time.monotonic()
+            if self.speculator is not None:
+                self.speculator.finish(tracked.request)
             first = first or tracked.delta()
         return first
 
@@ -243,6 +258,7 @@ class Engine:
     def step(self) -> list[OutputDelta]:
         """Run one iteration; returns a delta for every sequence that got a token, released text or finished:
         only what is new, so a step costs the same whatever the outputs' lengths."""
+        self.cpu.before_step()
         outputs = self._admit_compiled()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
@@ -269,17 +285,39 @@ class Engine:
                 outputs.append(self._fail(tracked.group_id, exc))
                 continue
             if tracked.detokenizer.stop_reason is not None:
+                # a stop string inside a run of accepted proposals ends the output at the token completing it
+                self.scheduler.truncate_output(req, tracked.num_sent)
                 self.scheduler.stop_request(req, tracked.detokenizer.stop_reason)
                 done.add(request_id)
             if new_ids or new_text or req.is_finished:
                 new_logprobs = None
                 if req.sampling_params.logprobs is not None:
                     score = result.logprobs.get(request_id)
-                    new_logprobs = [score] if new_ids and score is not None else []
-                outputs.append(tracked.delta(new_ids, new_text, [now] * len(new_ids), new_logprobs))
+                    if type(score) is not list:
+                        score = [] if score is None else [score]
+                    new_logprobs = score[: len(new_ids)]
+                delta = tracked.delta(new_ids, new_text, [now] * len(new_ids), new_logprobs)
+                delta.embedding = result.embeddings.get(request_id)
+                outputs.append(delta)
         for request_id in done:
             self.outputs.finish(request_id)
+        if self.speculator is not None:
+            self._speculate(plan, sampled, finished, done)
         return outputs
+
+    def _speculate(
+        self, plan: SchedulerOutput, sampled: dict, finished: list[Request], done: set[str]
+    ) -> None:
+        """Book how the step's proposals fared, forget finished requests, propose for the next step."""
+        speculator = self.speculator
+        for request_id, drafts in plan.spec_token_ids.items():
+            tokens = sampled.get(request_id)
+            if type(tokens) is list:
+                speculator.observe(request_id, len(drafts), len(tokens) - 1)
+        for request, _ in plan.scheduled:
+            if request.is_finished:
+                speculator.finish(request)
+        speculator.propose(self.scheduler.running, self.runner.legal_prefix)
 
     def _execute(self, plan: SchedulerOutput, failed: list[OutputDelta]) -> ModelRunnerOutput:
         """Run the plan. If the step raises, run each of its requests alone, so that only the one(s) whose
@@ -310,6 +348,7 @@ class Engine:
             merged.sampled.update(result.sampled)
             merged.logprobs.update(result.logprobs)
             merged.prompt_logprobs.update(result.prompt_logprobs)
+            merged.embeddings.update(result.embeddings)
         return merged
 
     def _fail(self, request_id: str, exc: BaseException) -> OutputDelta:
@@ -384,8 +423,11 @@ class Engine:
         sched = self.config.scheduler
         return (
             f"model {self.model_name} ({self.model.dtype}, {self.model.device}): {self.kv.num_blocks} KV "
-            f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}"
+            f"blocks of {self.kv.block_size} tokens, context {self.max_model_len}, policy {sched.policy}, "
+            f"{self.cpu.describe()}"
         )
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return replace(
+            self.scheduler.stats(), cpu_threads=self.cpu.threads, cpu_contention=self.cpu.contention
+        )

@@ -34,11 +34,25 @@ class Tracked:
 
     def take_new(self) -> tuple[list[int], str]:
         """The tokens not yet handed over (those the scheduler took this step) and the text they release;
-        afterwards detokenizer.stop_reason says whether a stop string was hit."""
+        afterwards detokenizer.stop_reason says whether a stop string was hit, and num_sent how many
+        output tokens stay (those after the one completing a stop string are not handed over)."""
         req = self.request
-        new_ids = req.output_token_ids[self.num_sent :]
+        out = req.output_token_ids
+        start = self.num_sent
+        detok = self.detokenizer
+        if len(out) - start > 1 and detok.stop:
+            # several tokens at once (accepted proposals): a stop string ends the output at the token
+            # that completes it, as it would have one token at a time
+            text = []
+            for end in range(start + 1, len(out) + 1):
+                text.append(detok.update(out[:end], req.is_finished and end == len(out)))
+                if detok.stop_reason is not None:
+                    break
+            self.num_sent = end
+            return out[start:end], "".join(text)
+        new_ids = out[start:]
         self.num_sent += len(new_ids)
-        return new_ids, self.detokenizer.update(req.output_token_ids, req.is_finished)
+        return new_ids, detok.update(out, req.is_finished)
 
     def delta(
         self,

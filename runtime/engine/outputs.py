@@ -31,6 +31,9 @@ class SequenceStatus:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    embedding: list[float] | None = None
+    """An embedding request's pooled, L2-normalised hidden state (SamplingParams.pooling), on its final
+    delta; hidden size floats."""
     error: str | None = None
     """Set when the request failed inside the engine: what failed, without details. A delta carrying it is
     final (finish_reason 'abort'); the engine itself keeps serving."""

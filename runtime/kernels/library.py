@@ -47,6 +47,7 @@ SOURCES = [
         "layer_ops.c",
         "nucleus_sampling.c",
         "decode_layers.c",
+        "compute_threads.c",
         "isa_level.c",
     )
 ]
@@ -473,6 +474,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     ),
     "nucleus_sample": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]),
     "decode_layers": (None, [_ptr, _ptr, _i64, _ptr, _int]),
+    "compute_thread_ids": (_int, [_int, _ptr]),
     "prescient_cpu_supports": (_int, []),
     "prescient_vector_lanes": (_int, []),
 }

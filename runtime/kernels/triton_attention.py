@@ -19,13 +19,26 @@ the tests check it where there is no GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU wheel of torch does not bring Triton
-    triton = None
+
+def _load_triton():
+    """Triton only where its kernels can run: with CUDA, or under its CPU interpreter (TRITON_INTERPRET=1,
+    the tests). A CPU-only server never imports it (loading it costs start-up time, and its bindings print
+    leak warnings at exit)."""
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None, None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # the CPU wheel of torch does not bring Triton
+        return None, None
+    return triton, tl
+
+
+triton, tl = _load_triton()
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -23,7 +23,8 @@ from runtime.model.model import LlamaModel
 from runtime.runner.cuda_graphs import StepGraphs, warm_up
 from runtime.sample.logits_processors import apply_logits_processors
 from runtime.sample.logprobs import TokenLogprob, token_logprobs
-from runtime.sample.sampler import sample
+from runtime.sample.rejection_sampler import verify
+from runtime.sample.sampler import penalize, sample
 from runtime.sample.structured_output import GrammarBackend
 from scheduler import SamplingParams, SchedulerOutput
 
@@ -50,11 +51,18 @@ class _Sequence:
 
 @dataclass
 class _Row:
-    """One sampled row: a scheduled sequence, or a fork drawing from its parent's row."""
+    """One sampled row: a scheduled sequence, or a fork drawing from its parent's row. A sequence
+    verifying k proposed tokens has k + 1 rows, the one at `depth` j following its first j proposals."""
 
     request_id: str
     params: SamplingParams
     seq: _Sequence
+    drafts: list[int] = field(default_factory=list)
+    """The proposals before this row (its sequence's first `depth`)."""
+
+    @property
+    def depth(self) -> int:
+        return len(self.drafts)
 
 
 @dataclass
@@ -64,6 +72,9 @@ class _Work:
     request_id: str
     seq: _Sequence
     num_tokens: int
+    """Rows computed, proposed tokens included."""
+    drafts: list[int] = field(default_factory=list)
+    """Proposed tokens after its last one, verified this step (the last of its rows)."""
 
     @property
     def end(self) -> int:
@@ -71,18 +82,23 @@ class _Work:
 
     @property
     def samples(self) -> bool:
-        """It reaches its last token this step, so it gets a new one."""
-        return self.end == len(self.seq.token_ids)
+        """It reaches its last token this step, so it gets a new one (or several)."""
+        return self.end - len(self.drafts) == len(self.seq.token_ids)
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    """request id -> the token sampled for it, for sequences that reached their end this step."""
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    """request id -> the sampled token's logprob, for requests that asked (SamplingParams.logprobs)."""
+    sampled: dict[str, int | list[int]] = field(default_factory=dict)
+    """request id -> the token sampled for it, for sequences that reached their end this step; for one
+    that verified proposals, the list of its accepted proposals and the token after them."""
+    logprobs: dict[str, TokenLogprob | list[TokenLogprob]] = field(default_factory=dict)
+    """request id -> the sampled token's logprob (a list for a list of tokens), for requests that
+    asked (SamplingParams.logprobs)."""
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
     """request id -> (prompt position, its token's logprob) for the prompt tokens this step computed."""
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
+    """request id -> its pooled, normalised hidden state, for pooling requests whose prompt ended this step
+    (their `sampled` token is a placeholder that only ends them)."""
 
 
 class ModelRunner:
@@ -108,6 +124,9 @@ class ModelRunner:
         self.block_size = kv.block_size
         self._seqs: dict[str, _Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._pooled: dict[str, tuple[torch.Tensor, int]] = {}
+        """Mean pooling: request id -> (float32 sum of its prompt rows so far, the next position to add);
+        kept across a preemption, whose recompute repeats positions already added."""
         probe = torch.empty(
             1, model.config.num_heads, model.config.head_dim, dtype=model.dtype, device=self.device
         )
@@ -125,7 +144,11 @@ class ModelRunner:
         self.update_states(plan)
         if plan.block_copies:
             self.kv.copy_blocks(plan.block_copies)
-        work = [_Work(rid, self._seqs[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+        spec = plan.spec_token_ids
+        work = [
+            _Work(rid, self._seqs[rid], n, spec.get(rid, []) if spec else [])
+            for rid, n in plan.num_scheduled_tokens.items()
+        ]
         decodes = [w for w in work if w.num_tokens == 1 and w.samples]
         prefills = [w for w in work if not (w.num_tokens == 1 and w.samples)]
         work = decodes + prefills  # the rows' order: one per decode, then each prefill's chunk
@@ -150,13 +173,31 @@ class ModelRunner:
         ]
         if scored:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prefills, scored)
-        to_sample = decodes + [w for w in prefills if w.samples]
+        if any(w.seq.params.pooling is not None for w in work):  # a one-token prompt counts as a decode
+            self._pool(hidden, work, out)
+        ending = decodes + [w for w in prefills if w.samples]  # in the order of sample_rows
+        to_sample = [w for w in ending if w.seq.params.pooling is None]
+        if len(to_sample) < len(ending):  # pooling requests end without a sampled token
+            kept, at = [], 0
+            for w in ending:  # a verifying sequence has a row per proposal besides its own
+                rows_of = 1 + len(w.drafts)
+                if w.seq.params.pooling is None:
+                    kept.extend(sample_rows[at : at + rows_of])
+                at += rows_of
+            sample_rows = kept
         if not to_sample:
             return out
         every_row = len(sample_rows) == hidden.shape[0]  # a step that only decodes: no gather
         logits = self.model.logits(hidden if every_row else hidden[sample_rows])
-        # sequences forked from a request whose prompt ends now draw their first token from its row
-        rows = [_Row(w.request_id, w.seq.params, w.seq) for w in to_sample]
+        # a sequence verifying k proposals has k + 1 rows; sequences forked from a request whose prompt
+        # ends now draw their first token from its row
+        rows, first_row = [], []
+        for w in to_sample:
+            first_row.append(len(rows))
+            rows.extend(
+                _Row(w.request_id, w.seq.params, w.seq, w.drafts[:j]) for j in range(len(w.drafts) + 1)
+            )
+        num_seq_rows = len(rows)
         source = []
         for k, w in enumerate(to_sample):
             if w.seq.num_computed_tokens >= w.seq.num_prompt_tokens:
@@ -165,7 +206,7 @@ class ModelRunner:
                 if child_params.seed is not None and child_id not in self._generators:
                     self._generators[child_id] = torch.Generator(self.device).manual_seed(child_params.seed)
                 rows.append(_Row(child_id, child_params, w.seq))
-                source.append(k)
+                source.append(first_row[k])
         if source:
             logits = torch.cat([logits, logits[source]])
         params = [r.params for r in rows]
@@ -174,45 +215,167 @@ class ModelRunner:
         apply_logits_processors(
             logits,
             params,
-            [len(r.seq.token_ids) - r.seq.num_prompt_tokens for r in rows],
+            [len(r.seq.token_ids) - r.seq.num_prompt_tokens + r.depth for r in rows],
             [(r.seq.eos_token_id, *r.seq.eog_token_ids) for r in rows],
         )
-        constrained = [i for i, r in enumerate(rows) if r.seq.matcher is not None]
-        if constrained:  # a fork's row draws from its parent's state: the same matcher, before it moves
-            self.grammar.apply_masks(
-                logits,
-                constrained,
-                [rows[i].seq.matcher for i in constrained],
-                [rows[i].seq.eos_token_id for i in constrained],
-            )
+        if any(r.seq.matcher is not None for r in rows):
+            self._apply_grammar(logits, rows)
         histories = None
         if any(p.penalized for p in params):
             histories = [
-                (r.seq.token_ids[: r.seq.num_prompt_tokens], r.seq.token_ids[r.seq.num_prompt_tokens :])
+                (
+                    r.seq.token_ids[: r.seq.num_prompt_tokens],
+                    r.seq.token_ids[r.seq.num_prompt_tokens :] + r.drafts,
+                )
                 for r in rows
             ]
-        tokens = sample(logits, params, [self._generators.get(r.request_id) for r in rows], histories)
-        for w, token in zip(to_sample, tokens):
-            w.seq.token_ids.append(token)
+        emitted = self._sample(logits, rows, params, histories, to_sample, first_row, num_seq_rows)
+        for w, tokens in zip(to_sample, emitted):
+            w.seq.token_ids.extend(tokens)
             if w.seq.matcher is not None:
-                self.grammar.accept(w.seq.matcher, token)
-        out.sampled = {r.request_id: t for r, t in zip(rows, tokens)}
-        if raw:
-            scores = token_logprobs(raw_logits, [tokens[i] for i in raw], [params[i].logprobs for i in raw])
-            out.logprobs.update((rows[i].request_id, s) for i, s in zip(raw, scores))
-        processed = [
-            i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "processed"
-        ]
-        if processed:
-            # sample() applied the penalties to `logits` in place; temperature divides what it drew from
-            scale = torch.tensor([params[i].temperature or 1.0 for i in processed], device=logits.device)
-            scores = token_logprobs(
-                logits[processed] / scale.unsqueeze(1),
-                [tokens[i] for i in processed],
-                [params[i].logprobs for i in processed],
-            )
-            out.logprobs.update((rows[i].request_id, s) for i, s in zip(processed, scores))
+                for token in tokens:
+                    self.grammar.accept(w.seq.matcher, token)
+        # the row each emitted token came from: a sequence's i-th token from its i-th row
+        starts = first_row + list(range(num_seq_rows, len(rows)))
+        owners = [rows[r].request_id for r in starts]
+        logprob_rows, logprob_tokens, logprob_owner = [], [], []
+        verifying = [bool(w.drafts) for w in to_sample] + [False] * (len(rows) - num_seq_rows)
+        for owner, start, tokens, spec in zip(owners, starts, emitted, verifying):
+            out.sampled[owner] = tokens if spec else tokens[0]
+            if params[start].logprobs is not None:
+                for i, token in enumerate(tokens):
+                    logprob_rows.append(start + i)
+                    logprob_tokens.append(token)
+                    logprob_owner.append((owner, spec))
+        if logprob_rows:
+            self._logprobs(out, logits, raw_logits, raw, params, logprob_rows, logprob_tokens, logprob_owner)
         return out
+
+    @torch.inference_mode()
+    def _sample(self, logits, rows, params, histories, to_sample, first_row, num_seq_rows) -> list[list[int]]:
+        """The tokens each sampled sequence emits (to_sample's, then each fork's): one drawn token, or a
+        verifying sequence's accepted proposals and the token after them."""
+        spec = [k for k, w in enumerate(to_sample) if w.drafts]
+        if not spec:
+            tokens = sample(logits, params, [self._generators.get(r.request_id) for r in rows], histories)
+            return [[tokens[r]] for r in first_row] + [[t] for t in tokens[num_seq_rows:]]
+        spec_rows = {first_row[k] + j for k in spec for j in range(len(to_sample[k].drafts) + 1)}
+        plain = [i for i in range(len(rows)) if i not in spec_rows]
+        drawn = {}
+        if plain:
+            sub = logits[plain]
+            tokens = sample(
+                sub,
+                [params[i] for i in plain],
+                [self._generators.get(rows[i].request_id) for i in plain],
+                [histories[i] for i in plain] if histories is not None else None,
+            )
+            logits[plain] = sub  # with its penalties, for processed logprobs
+            drawn = dict(zip(plain, tokens))
+        penalized = [i for i in sorted(spec_rows) if params[i].penalized]
+        if penalized:
+            penalize(logits, penalized, params, histories)
+        verified = verify(
+            logits,
+            [first_row[k] for k in spec],
+            [to_sample[k].drafts for k in spec],
+            [to_sample[k].seq.params for k in spec],
+            [self._generators.get(to_sample[k].request_id) for k in spec],
+        )
+        by_seq = dict(zip(spec, verified))
+        emitted = [by_seq[k] if k in by_seq else [drawn[first_row[k]]] for k in range(len(to_sample))]
+        return emitted + [[drawn[i]] for i in range(num_seq_rows, len(rows))]
+
+    def _logprobs(self, out, logits, raw_logits, raw, params, rows, tokens, owners) -> None:
+        """Logprobs of the emitted tokens from the rows that gave them: raw (before any processing) or
+        processed (penalties, bias, masks, temperature), as each request's logprobs_mode asks."""
+        raw_index = {row: i for i, row in enumerate(raw)}
+        scores: list = [None] * len(rows)
+        raw_at = [i for i, r in enumerate(rows) if r in raw_index]
+        if raw_at:
+            got = token_logprobs(
+                raw_logits[[raw_index[rows[i]] for i in raw_at]],
+                [tokens[i] for i in raw_at],
+                [params[rows[i]].logprobs for i in raw_at],
+            )
+            for i, score in zip(raw_at, got):
+                scores[i] = score
+        processed = [i for i, r in enumerate(rows) if r not in raw_index]
+        if processed:
+            # penalties were applied to `logits` in place; temperature divides what it drew from
+            scale = torch.tensor(
+                [params[rows[i]].temperature or 1.0 for i in processed], device=logits.device
+            )
+            got = token_logprobs(
+                logits[[rows[i] for i in processed]] / scale.unsqueeze(1),
+                [tokens[i] for i in processed],
+                [params[rows[i]].logprobs for i in processed],
+            )
+            for i, score in zip(processed, got):
+                scores[i] = score
+        for (owner, spec), score in zip(owners, scores):
+            if spec:
+                out.logprobs.setdefault(owner, []).append(score)
+            else:
+                out.logprobs[owner] = score
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[_Row]) -> None:
+        """Mask each constrained row by its grammar's state after the proposals before it. A sequence's
+        matcher is advanced through its legal proposals (a row after an illegal one needs no mask: that
+        proposal is rejected by the row before) and then rolled back."""
+        max_depth = max(r.depth for r in rows)
+        consumed: dict[int, tuple] = {}
+        for depth in range(max_depth + 1):
+            at = [
+                i
+                for i, r in enumerate(rows)
+                if r.seq.matcher is not None
+                and r.depth == depth
+                and (depth == 0 or consumed.get(id(r.seq.matcher), (None, 0))[1] == depth)
+            ]
+            if at:
+                self.grammar.apply_masks(
+                    logits, at, [rows[i].seq.matcher for i in at], [rows[i].seq.eos_token_id for i in at]
+                )
+            for i in at:  # advance each verifying sequence by its next proposal, while its grammar allows
+                r = rows[i]
+                nxt = i + 1
+                if nxt < len(rows) and rows[nxt].seq is r.seq and rows[nxt].depth == depth + 1:
+                    m = r.seq.matcher
+                    token = rows[nxt].drafts[-1]
+                    if not m.is_error() and m.validate_tokens([token]) == 1:
+                        m.consume_token(token)
+                        consumed[id(m)] = (m, depth + 1)
+        for m, n in consumed.values():
+            m.rollback(n)
+
+    def _pool(self, hidden: torch.Tensor, work: list[_Work], out: ModelRunnerOutput) -> None:
+        """Pooling requests: add this step's prompt rows (mean) or take the last one; where the prompt ends,
+        the normalised vector goes to out.embeddings and a placeholder token (eos) ends the request."""
+        row = 0
+        for w in work:
+            first, row = row, row + w.num_tokens
+            pooling = w.seq.params.pooling
+            if pooling is None:
+                continue
+            start = w.seq.num_computed_tokens
+            if pooling == "mean":
+                total, next_pos = self._pooled.get(w.request_id, (None, 0))
+                skip = max(next_pos - start, 0)  # a recompute after preemption: rows already added
+                if start + skip < w.end:
+                    part = hidden[first + skip : row].float().sum(0)
+                    total = part if total is None else total + part
+                    next_pos = w.end
+                self._pooled[w.request_id] = (total, next_pos)
+            if not w.samples:
+                continue
+            if pooling == "mean":
+                vector = self._pooled.pop(w.request_id)[0] / w.seq.num_prompt_tokens
+            else:
+                vector = hidden[row - 1].float()
+            vector = torch.nn.functional.normalize(vector, dim=0)
+            out.embeddings[w.request_id] = vector.cpu().tolist()
+            out.sampled[w.request_id] = w.seq.eos_token_id if w.seq.eos_token_id is not None else 0
 
     @staticmethod
     def _prompt_rows(w: _Work) -> int:
@@ -234,11 +397,19 @@ class ModelRunner:
             out[w.request_id] = [(start + 1 + i, s) for i, s in enumerate(scores)]
         return out
 
+    def legal_prefix(self, request, tokens: list[int]) -> list[int]:
+        """The longest prefix of tokens that the request's grammar allows next (all: no grammar here)."""
+        seq = self._seqs.get(request.request_id)
+        if seq is None or seq.matcher is None or seq.matcher.is_error():
+            return tokens
+        return tokens[: seq.matcher.validate_tokens(tokens)]
+
     def update_states(self, plan: SchedulerOutput) -> None:
         """Bring the per-sequence state up to this plan: forget what left, add what is new, grow tables."""
         for rid in plan.finished_request_ids:
             self._seqs.pop(rid, None)
             self._generators.pop(rid, None)
+            self._pooled.pop(rid, None)
         for rid in plan.preempted_request_ids:  # recomputed later from its tokens; its generator stays
             self._seqs.pop(rid, None)
         for new in plan.new_requests:
@@ -260,6 +431,8 @@ class ModelRunner:
                 self._generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
         for cached in plan.cached_requests:
             seq = self._seqs[cached.request_id]
+            if cached.num_kept_blocks is not None:  # blocks of rejected proposals were freed
+                del seq.block_table[cached.num_kept_blocks :]
             for index, block in cached.replaced_block_ids:  # a copy on write: the copy is its own now
                 seq.block_table[index] = block
             seq.block_table.extend(cached.new_block_ids)
@@ -268,17 +441,20 @@ class ModelRunner:
     def prepare_rows(
         self, work: list[_Work], ids: list[int], positions: list[int], slots: list[int]
     ) -> list[int]:
-        """Each scheduled sequence's rows (a decode's last token, a prefill's chunk): their token ids,
-        positions and KV slots; returns the rows to sample (each sequence's last row where it ends now)."""
+        """Each scheduled sequence's rows (a decode's last token and its proposals, a prefill's chunk): their
+        token ids, positions and KV slots; returns the rows to sample (each sequence's last row where it
+        ends now, and the rows of its proposals)."""
         bs = self.block_size
         sample_rows = []
         for w in work:
             start, end, table = w.seq.num_computed_tokens, w.end, w.seq.block_table
             ids.extend(w.seq.token_ids[start:end])
+            if w.drafts:
+                ids.extend(w.drafts)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if w.samples:
-                sample_rows.append(len(ids) - 1)
+            if w.samples:  # its last row, or all of a verifying sequence's last k + 1
+                sample_rows.extend(range(len(ids) - 1 - len(w.drafts), len(ids)))
         return sample_rows
 
     def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:

@@ -45,7 +45,7 @@ def sample(
     Returns N token ids."""
     penalized = [i for i, p in enumerate(params) if p.penalized]
     if penalized:
-        _penalize(logits, penalized, params, histories)
+        penalize(logits, penalized, params, histories)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) == len(params):
         tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
@@ -170,7 +170,7 @@ def _sample_cut(
     return order.gather(1, _inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
 
 
-def _penalize(
+def penalize(
     logits: torch.Tensor,
     rows: list[int],
     params: list[SamplingParams],

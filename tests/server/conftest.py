@@ -133,3 +133,14 @@ def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
         ) or time.time() > deadline:
             return m
         time.sleep(0.1)
+
+
+API_KEY = "sk-apis-test"
+
+
+@pytest.fixture(scope="session")
+def apis_server():
+    """One server with an API key, shared by the files that test the APIs beside chat (embeddings,
+    Responses, Anthropic Messages, Ollama): a server start is the dearest part of those tests."""
+    with running_server("--api-key", API_KEY) as s:
+        yield s

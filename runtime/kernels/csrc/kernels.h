@@ -48,6 +48,9 @@ struct decode_step;
 void decode_layers(const struct decode_model *m, const struct decode_layer *layers, int64_t num_layers,
                    const struct decode_step *s, int threads);
 
+/* compute_threads.c: the kernel threads' Linux thread ids (out[num_threads]); returns how many ran */
+int compute_thread_ids(int num_threads, int64_t *out);
+
 /* isa_level.c: whether this CPU runs this build's instruction-set level, and its vector width in floats */
 int prescient_cpu_supports(void);
 int prescient_vector_lanes(void);

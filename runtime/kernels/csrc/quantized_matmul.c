@@ -354,7 +354,7 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     _Pragma("omp parallel num_threads(num_threads)")
     {
         float *ds = (float *)malloc(sizeof(float) * (size_t)(nb + 16));
-        _Pragma("omp for schedule(static)")
+        _Pragma("omp for schedule(dynamic, chunk_for(tiles, num_threads))")
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n1 = (t + 1) * ROW_TILE < N ? (t + 1) * ROW_TILE : N;
             for (int64_t m = 0; m < M; m++) {
@@ -1184,7 +1184,7 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     const size_t elem = x_bf16 ? 2 : 4;
     _Pragma("omp parallel num_threads(num_threads)")
     {
-        _Pragma("omp for schedule(static)")
+        _Pragma("omp for schedule(dynamic, chunk_for(M, num_threads))")
         for (int64_t m = 0; m < M; m++) {
             quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb,
                          xs + m * nb, portable);
@@ -1217,13 +1217,13 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
                       ldo, out_bf16, portable, silu);                                                              \
     } while (0)
         if (M <= GEMM_CHUNK) {
-            _Pragma("omp for schedule(guided)")
+            _Pragma("omp for schedule(dynamic, chunk_for(pairs_end / 2, num_threads))")
             for (int64_t g = 0; g < pairs_end; g += 2)
                 PAIR(0, M);
         } else {
             for (int64_t mc = 0; mc < M; mc += GEMM_CHUNK) {
                 const int64_t mend = mc + GEMM_CHUNK < M ? mc + GEMM_CHUNK : M;
-                _Pragma("omp for schedule(static)")
+                _Pragma("omp for schedule(dynamic, chunk_for(pairs_end / 2, num_threads))")
                 for (int64_t g = 0; g < pairs_end; g += 2)
                     PAIR(mc, mend);
             }

@@ -35,6 +35,17 @@ static inline int threads_for(int64_t elems, int num_threads) {
     return elems >= PARALLEL_MIN_ELEMS && num_threads > 1 ? num_threads : 1;
 }
 
+/* Work shared over threads is taken in chunks, each thread taking the next free one (schedule(dynamic)): a
+ * thread the kernel has descheduled (another process on its core, a CPU quota) holds back only the chunk it
+ * holds, not a fixed share of the loop. CHUNKS_PER_THREAD chunks a thread keeps the atomic hand-out rare
+ * against the work (a chunk of a decode projection is tens of kB of weights). */
+#define CHUNKS_PER_THREAD 8
+
+static inline int chunk_for(int64_t n, int num_threads) {
+    const int64_t c = n / ((int64_t)num_threads * CHUNKS_PER_THREAD);
+    return c > 1 ? (int)c : 1;
+}
+
 typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
 typedef uint32_t vu __attribute__((vector_size(4 * W), aligned(4)));

@@ -1,0 +1,396 @@
+"""CpuShare: how many compute threads the engine runs, from the cores it may use and the share of them it gets.
+
+A server rarely owns its cores: pods share nodes under CPU quotas, CI runners and laptops run other work.
+Every kernel splits its work over the compute threads and ends in a barrier, so a step waits for its
+slowest thread; a thread the kernel has descheduled for another process's time slice stalls the step, and
+its peer spins (burning the slice the neighbours and the stalled thread need). Three measurements decide
+how many threads to run:
+
+- The cores it may use: its affinity mask (os.sched_getaffinity), and under a CPU quota of Q cores (cgroup
+  v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us, the smallest along the cgroup's path) at most
+  ceil(Q): the most threads it ever runs.
+- Whether its threads wait for a core: each compute thread's scheduler statistics
+  (/proc/self/task/TID/schedstat: time run, time runnable but waiting for a core). With T threads runnable
+  on C cores, a waiting share w means about C / (1 - w) runnable tasks, so C / (1 - w) - T of them are
+  someone else's; a VM's steal time counts as waiting too.
+- Whether a core stands idle: the idle time of the cores in its mask (/proc/stat), and under a quota
+  whether the cgroup was throttled (cpu.stat's nr_throttled).
+
+Every WINDOW_SECONDS of stepping it decides, with hysteresis:
+- fewer threads when they waited for a WAIT_SHARE_DOWN share of their runnable time or the cgroup was
+  throttled: as many as the cores the others leave free, at least one. With one thread no barrier waits
+  on a descheduled peer and the idle OpenMP workers stop spinning (they sleep after their spin count), so
+  the engine spins only while it runs several threads on cores it has measured to be free;
+- one more thread when, over a window, its threads did not wait and a core of its mask stood idle for at
+  least IDLE_CORE_UP of the window; after a thread count that proved too many (it waited or was throttled
+  again within a window or two of rising), not before a back-off that doubles up to BACKOFF_MAX_SECONDS.
+
+Under a quota of fewer cores than threads (1.5 cores, 2 threads) it paces each step (CpuShare.paced), and
+the core process starts with a short OpenMP spin (runtime/engine/core_client.py).
+
+The choice and the measured contention are in every step's stats (`prescient:cpu_threads`,
+`prescient:cpu_contention`) and in the engine's startup line. Without /proc (not Linux) it keeps the most
+threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.kernels.library import load
+
+log = logging.getLogger("prescient.engine")
+
+WINDOW_SECONDS = 0.25
+"""How often the measurements are read while the engine steps (each read costs ~0.1 ms)."""
+BUSY_SHARE_MIN = 0.2
+"""A window whose compute threads were runnable for less than this share of it (the engine mostly idle)
+decides nothing."""
+WAIT_SHARE_DOWN = 0.15
+"""Fewer threads once they waited for a core this share of their runnable time."""
+WAIT_SHARE_UP = 0.05
+"""More threads only while they waited less than this share."""
+IDLE_CORE_UP = 0.6
+"""More threads only when the cores of the mask stood idle this many core-windows in a window."""
+PACE_SHARE = 0.85
+"""Under a fractional CPU quota, the CPU time the engine aims to use over each quota period, as a share of
+the quota (the rest is the front end's and the margin against throttling)."""
+BACKOFF_SECONDS = 2.0
+BACKOFF_MAX_SECONDS = 60.0
+"""After a rise proved too many, the next rise waits BACKOFF_SECONDS, doubling each time up to this."""
+
+
+@dataclass(frozen=True)
+class CpuLimits:
+    """The cores this process may run on."""
+
+    affinity: int
+    """Cores in its affinity mask."""
+    quota: float | None
+    """Its cgroup's CPU quota in cores (None: none)."""
+    period: float | None
+    """The quota's period in seconds (None: no quota)."""
+    cpu_stat: Path | None
+    """Its cgroup's cpu.stat, whose nr_throttled counts the quota periods it was throttled in (None: none)."""
+
+    @property
+    def cores(self) -> int:
+        """The most threads worth running: the mask's cores, at most ceil(quota)."""
+        return max(1, min(self.affinity, math.ceil(self.quota))) if self.quota else self.affinity
+
+
+def cpu_limits(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> CpuLimits:
+    """This process's affinity mask and cgroup CPU quota (v2 cpu.max, or v1 cfs quota and period)."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = os.cpu_count() or 1
+    quota, period, stat = None, None, None
+    for controllers, path in _cgroups(proc / "self" / "cgroup"):
+        if controllers == "":  # cgroup v2: the unified hierarchy
+            base = _mount(proc, "cgroup2", None) or cgroup_root
+            found = _along(base, path, _v2_quota)
+        elif "cpu" in controllers.split(","):
+            base = _mount(proc, "cgroup", "cpu") or cgroup_root / controllers
+            found = _along(base, path, _v1_quota)
+        else:
+            continue
+        if found is not None:
+            (q, p), s = found
+            if quota is None or q < quota:
+                quota, period, stat = q, p, s
+    return CpuLimits(affinity, quota, period, stat)
+
+
+def _cgroups(path: Path) -> list[tuple[str, str]]:
+    """(controllers, path) of each line of /proc/self/cgroup."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            out.append((parts[1], parts[2]))
+    return out
+
+
+def _mount(proc: Path, fstype: str, option: str | None) -> Path | None:
+    """Where /proc/self/mountinfo says a cgroup hierarchy of this type (and controller) is mounted."""
+    try:
+        lines = (proc / "self" / "mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3 or tail[0] != fstype:
+            continue
+        if option is None or option in tail[2].split(","):
+            return Path(fields[4])
+    return None
+
+
+def _along(base: Path, path: str, read) -> tuple[tuple[float, float], Path | None] | None:
+    """The smallest quota from the cgroup up to the hierarchy's root, and the cgroup's own cpu.stat."""
+    own = base / path.lstrip("/")
+    if not own.is_dir():  # a namespaced view: the cgroup is the mount's root
+        own = base
+    smallest = None
+    node = own
+    while True:
+        q = read(node)
+        if q is not None and (smallest is None or q[0] < smallest[0]):
+            smallest = q
+        if node == base or node.parent == node:
+            break
+        node = node.parent
+    if smallest is None:
+        return None
+    stat = own / "cpu.stat"
+    return smallest, stat if stat.exists() else None
+
+
+def _v2_quota(node: Path) -> tuple[float, float] | None:
+    """(cores, period seconds) of cpu.max, or None for "max"."""
+    try:
+        quota, _, period = (node / "cpu.max").read_text().strip().partition(" ")
+        if quota == "max" or not period:
+            return None
+        return int(quota) / int(period), int(period) / 1e6
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(node: Path) -> tuple[float, float] | None:
+    """(cores, period seconds) of cpu.cfs_quota_us and cpu.cfs_period_us, or None for -1."""
+    try:
+        quota = int((node / "cpu.cfs_quota_us").read_text())
+        period = int((node / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return (quota / period, period / 1e6) if quota > 0 and period > 0 else None
+
+
+def _throttled(stat: Path | None) -> int:
+    if stat is None:
+        return 0
+    try:
+        for line in stat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "nr_throttled":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _cpu_times(cpus: set[int]) -> tuple[int, int, int]:
+    """(idle, steal, total) jiffies summed over these CPUs' lines of /proc/stat."""
+    idle = steal = total = 0
+    try:
+        with open("/proc/stat", "rb") as f:
+            text = f.read(65536).decode()
+    except OSError:
+        return 0, 0, 0
+    for line in text.splitlines():
+        if not line.startswith("cpu") or line.startswith("cpu "):
+            continue
+        name, *values = line.split()
+        try:
+            cpu = int(name[3:])
+        except ValueError:
+            break
+        if cpu not in cpus:
+            continue
+        v = [int(x) for x in values[:8]]
+        idle += v[3] + v[4]
+        steal += v[7] if len(v) > 7 else 0
+        total += sum(v)
+    return idle, steal, total
+
+
+def _schedstat(tid: int) -> tuple[int, int] | None:
+    """(ns run, ns runnable but waiting) of one of this process's threads."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+            run, wait, _ = f.read().split()
+        return int(run), int(wait)
+    except (OSError, ValueError):
+        return None
+
+
+def decide(
+    threads: int,
+    most: int,
+    cores: int,
+    wait_share: float,
+    idle_cores: float,
+    throttled: bool,
+) -> int:
+    """The thread count for the next window from the last one's measurements (no hysteresis here).
+
+    threads: run in the window; most: the cap; cores: the cores it may use (mask, quota); wait_share: the
+    share of the threads' runnable time spent waiting for a core (steal included); idle_cores: core-windows
+    the mask's cores stood idle; throttled: the cgroup's quota throttled it in the window."""
+    if throttled:
+        return max(1, threads - 1)
+    if wait_share >= WAIT_SHARE_DOWN and threads > 1:
+        others = cores / (1.0 - min(wait_share, 0.95)) - threads
+        return max(1, min(threads - 1, round(cores - others)))
+    if wait_share < WAIT_SHARE_UP and idle_cores >= IDLE_CORE_UP and threads < most:
+        return threads + 1
+    return threads
+
+
+class CpuShare:
+    """Chooses the engine's compute thread count while it steps (the module docstring has how)."""
+
+    def __init__(self, most: int | None = None, adaptive: bool = True, limits: CpuLimits | None = None):
+        """most: the cap (None: the cores it may use, at most torch's default thread count)."""
+        self.limits = limits or cpu_limits()
+        self.most = most or max(1, min(self.limits.cores, torch.get_num_threads()))
+        self.adaptive = adaptive
+        self.threads = self.most
+        """The threads it runs, as measured each window (a step under quota pacing may run fewer)."""
+        self.contention = 0.0
+        """The last window's waiting share of the compute threads' runnable time (steal included)."""
+        quota = self.limits.quota
+        self.paced = adaptive and quota is not None and quota < self.most
+        """Under a quota of fewer cores than threads (1.5 cores, 2 threads): each step runs all the threads
+        while the process's CPU time over the quota's last period stays under PACE_SHARE of the quota, and
+        floor(quota) threads (at least one) otherwise, so the quota is spent evenly instead of throttled."""
+        self._floor = max(1, int(quota)) if self.paced else self.most
+        self._budget = PACE_SHARE * quota if self.paced else 0.0
+        self._history: deque[tuple[float, float]] = deque()
+        self.step_threads = self.threads
+        torch.set_num_threads(self.threads)
+        self._tids: list[int] | None = None
+        self._cpus: set[int] = set()
+        self._next = 0.0
+        self._last: tuple | None = None
+        self._risen_at = None  # (time, threads before) of the last rise, until it proves out
+        self._backoff = BACKOFF_SECONDS
+        self._hold_until = 0.0
+        self._streak = 0
+
+    def describe(self) -> str:
+        quota = f"{self.limits.quota:g} cores" if self.limits.quota else "none"
+        mode = "adaptive" if self.adaptive else "fixed"
+        if self.paced:
+            quota += f", paced to {PACE_SHARE:.0%} of it"
+        return (
+            f"{self.threads} compute threads ({mode}; affinity {self.limits.affinity} cores, quota {quota})"
+        )
+
+    def before_step(self) -> None:
+        """Called by the stepping thread before each step: reads the measurements once a window and sets
+        the thread count for the steps that follow."""
+        if not self.adaptive:
+            return
+        now = time.monotonic()
+        if self.paced:
+            self._pace(now, time.process_time())
+        if now < self._next:
+            return
+        self._next = now + WINDOW_SECONDS
+        if self._tids is None:
+            self._start()
+            if not self._tids:
+                self.adaptive = False
+                return
+        sample = self._sample(now)
+        last, self._last = self._last, sample
+        if last is None:
+            return
+        self._decide(now, last, sample)
+
+    def _pace(self, now: float, cpu: float) -> None:
+        """now: monotonic seconds; cpu: the process's CPU seconds (all its threads)."""
+        history, period = self._history, self.limits.period or 0.1
+        history.append((now, cpu))
+        while len(history) > 2 and history[1][0] <= now - period:
+            history.popleft()
+        then, used = history[0]
+        rate = (cpu - used) / (now - then) if now - then >= period / 4 else 0.0
+        want = self.threads if rate < self._budget else min(self.threads, self._floor)
+        if want != self.step_threads:
+            self.step_threads = want
+            torch.set_num_threads(want)
+
+    def _start(self) -> None:
+        """The stepping thread's own OpenMP pool: its threads' ids (the thread count set for it here)."""
+        torch.set_num_threads(self.threads)
+        lib = load()
+        if lib is None or not Path("/proc/self/task").is_dir():
+            self._tids = []
+            return
+        ids = (ctypes.c_int64 * self.most)()
+        n = lib.compute_thread_ids(self.most, ids)
+        torch.set_num_threads(self.threads)
+        self._tids = [int(ids[i]) for i in range(n)]
+        try:
+            self._cpus = set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self._cpus = set(range(os.cpu_count() or 1))
+
+    def _sample(self, now: float) -> tuple:
+        run = wait = 0
+        for tid in self._tids[: self.threads]:
+            got = _schedstat(tid)
+            if got is not None:
+                run += got[0]
+                wait += got[1]
+        return now, run, wait, _cpu_times(self._cpus), _throttled(self.limits.cpu_stat), self.threads
+
+    def _decide(self, now: float, last: tuple, sample: tuple) -> None:
+        t0, run0, wait0, (idle0, steal0, total0), thr0, threads0 = last
+        t1, run1, wait1, (idle1, steal1, total1), thr1, threads1 = sample
+        if threads0 != threads1:  # the window straddled a change: measure the new count afresh
+            return
+        seconds = t1 - t0
+        run, wait = run1 - run0, wait1 - wait0
+        busy = (run + wait) / 1e9 / seconds / threads1 if seconds > 0 else 0.0
+        if busy < BUSY_SHARE_MIN:
+            return
+        jiffies = total1 - total0
+        steal = (steal1 - steal0) / jiffies if jiffies > 0 else 0.0
+        idle_cores = (idle1 - idle0) / jiffies * len(self._cpus) if jiffies > 0 else 0.0
+        self.contention = min(1.0, wait / (run + wait) + steal) if run + wait else steal
+        throttled = thr1 > thr0
+        want = decide(threads1, self.most, self.limits.cores, self.contention, idle_cores, throttled)
+        if want < threads1 and self._risen_at is not None and now - self._risen_at < 3 * WINDOW_SECONDS:
+            self._hold_until = now + self._backoff  # the rise proved too many: wait longer before the next
+            self._backoff = min(2 * self._backoff, BACKOFF_MAX_SECONDS)
+        if want > threads1 and now < self._hold_until:
+            want = threads1
+        if want == threads1:
+            self._streak = 0
+            if self._risen_at is not None and now - self._risen_at >= 3 * WINDOW_SECONDS:
+                self._risen_at = None
+                self._backoff = BACKOFF_SECONDS
+            return
+        self._streak += 1
+        if want > threads1 and self._streak < 2:  # rise on two windows in a row; fall on one
+            return
+        self._streak = 0
+        self._risen_at = now if want > threads1 else None
+        log.debug(
+            "compute threads %d -> %d (waiting %.2f, idle cores %.2f)",
+            threads1,
+            want,
+            self.contention,
+            idle_cores,
+        )
+        self.threads = self.step_threads = want
+        torch.set_num_threads(want)

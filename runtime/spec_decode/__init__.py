@@ -1,0 +1,4 @@
+from runtime.spec_decode.config import SpeculativeConfig
+from runtime.spec_decode.speculator import Speculator
+
+__all__ = ["SpeculativeConfig", "Speculator"]

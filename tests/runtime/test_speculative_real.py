@@ -1,0 +1,72 @@
+"""Speculative decoding on the real model (SmolLM2): greedy outputs token for token those without it, with
+the n-gram proposer on prompts it copies from, with and without prefix caching, at one and several
+streams; structured output checks each proposal against the grammar."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from runtime import Engine, SamplingParams
+from scheduler import StructuredOutput
+from tests.runtime.conftest import chat_ids
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 5,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 5,
+    "disable_by_batch_size": 1000,  # proposals at every batch size
+}
+TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a small brass lamp "
+    "and a notebook in which he recorded the wind, the tide and the ships that passed."
+)
+ASKS = [f"Repeat this text exactly, word for word:\n\n{TEXT}", "Write a short poem about the sea."]
+PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def variant(base: Engine, **kw) -> Engine:
+    kw.setdefault("num_blocks", 256)
+    return Engine(base.model, base.tokenizer, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine_fp32):
+    return [chat_ids(engine_fp32.tokenizer, a) for a in ASKS]
+
+
+@pytest.fixture(scope="module")
+def want(engine_fp32, prompts):
+    return [o.token_ids for o in variant(engine_fp32).generate(prompts, PARAMS)]
+
+
+def test_greedy_is_lossless_on_the_real_model(engine_fp32, prompts, want):
+    spec = variant(engine_fp32, speculative_config=NGRAM)
+    assert [o.token_ids for o in spec.generate(prompts, PARAMS)] == want  # two streams, prefix caching
+    stats = spec.stats()
+    assert stats.spec_num_accepted_tokens > 10, "the copy prompt should have proposals accepted"
+    assert stats.num_free_blocks == stats.num_blocks
+    alone = variant(engine_fp32, enable_prefix_caching=False, speculative_config=NGRAM)
+    assert [o.token_ids for o in alone.generate(prompts[:1], PARAMS)] == want[:1]  # one, no caching
+
+
+def test_structured_output_checks_proposals_against_the_grammar(engine_fp32):
+    schema = {
+        "type": "object",
+        "properties": {"text": {"type": "string", "maxLength": 60}, "words": {"type": "integer"}},
+        "required": ["text", "words"],
+        "additionalProperties": False,
+    }
+    prompt = chat_ids(engine_fp32.tokenizer, f"Return JSON with the text quoted and its word count:\n{TEXT}")
+    params = SamplingParams(
+        max_tokens=40, temperature=0, structured_output=StructuredOutput("json_schema", json.dumps(schema))
+    )
+    want = variant(engine_fp32).generate(prompt, params)[0]
+    spec = variant(engine_fp32, speculative_config=NGRAM)
+    got = spec.generate(prompt, params)[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    jsonschema.validate(json.loads(got.text), schema)
+    assert spec.stats().spec_num_accepted_tokens > 0
