@@ -63,7 +63,7 @@ print(json.dumps({"rate": statistics.median(rates), "threads": s.cpu_threads, "c
 def _model(name: str) -> tuple[str, str | None]:
     """(label, path or None for the default model)."""
     if name == "smollm2":
-        return "SmolLM2-135M Q8_0", None
+        return "SmolLM2-135M Q4_1", None
     if name == "1b":
         from tests.bench.size_ladder import model_file
 
