@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import uuid
-from contextlib import aclosing
 
 from aiohttp import web
 
 from server import sse
 from server.auth import Tenant, bearer_or_api_key, check_key, user_tenant
 from server.compat_fields import COUNT_TOKENS, MESSAGES
-from server.engine_errors import engine_failure
-from server.errors import APIError, bad_request
+from server.errors import bad_request
 from server.generation import Generation, Prepared, check_grammar, prepare_translated
 from server.state import ServerState, off_loop, parse_json, read_body
 from server.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, ToolCallStream
@@ -39,23 +37,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     await check_grammar(prepared)
     gen = Generation(request, state, prepared, "msg_")
     writer = MessageWriter(state, gen, prepared, v["stop_sequences"] or [])
-    stream = None
-    try:
-        async with aclosing(gen.deltas()) as outputs:
-            async for choice, _ in outputs:
-                if v["stream"]:
-                    if stream is None:
-                        stream = await sse.open_stream(request)
-                        await writer.start(stream)
-                    await writer.feed(choice.out.text, choice.out.finished)
-    except ConnectionError:
-        raise
-    except Exception as exc:
-        error = exc if isinstance(exc, APIError) else engine_failure(exc, gen.request_id)
-        if stream is None:
-            raise error from exc
-        await sse.send_event(stream, "error", error.anthropic_body())
-        await stream.write_eof()
+    stream, failed = await gen.write_events(
+        v["stream"], writer, lambda stream, error: sse.send_event(stream, "error", error.anthropic_body())
+    )
+    if failed:
         return stream
     out = gen.ordered[0].out
     if stream is None:

@@ -21,6 +21,7 @@ from aiohttp import web
 from runtime import OutputDelta, QueueFullError, RequestFailedError
 from runtime.sample.structured_output import check_structured_output
 from scheduler import InvalidRequestError, StructuredOutput
+from server import sse
 from server.auth import Tenant, user_tenant
 from server.choices import Choice, assemble, decode_prompt, usage
 from server.engine_errors import engine_failure
@@ -202,6 +203,34 @@ class Generation:
         finally:
             for c in self.choices.values():
                 state.record(self.request, req, tenant.name, c.out)
+
+    async def write_events(
+        self, streamed: bool, writer, send_error
+    ) -> tuple[web.StreamResponse | None, bool]:
+        """Run the request for a one-choice API whose writer turns text into events (Responses, Anthropic
+        Messages): when `streamed`, the event stream opens at the first delta (writer.start) and each delta's
+        text goes to writer.feed. An error before the stream opened raises (the API's own error reply); one
+        after it goes to `send_error(stream, error)` and ends the stream. Returns (the stream or None, whether
+        it ended on an error)."""
+        stream = None
+        try:
+            async with aclosing(self.deltas()) as outputs:
+                async for choice, _ in outputs:
+                    if streamed:
+                        if stream is None:
+                            stream = await sse.open_stream(self.request)
+                            await writer.start(stream)
+                        await writer.feed(choice.out.text, choice.out.finished)
+        except ConnectionError:
+            raise
+        except Exception as exc:
+            error = exc if isinstance(exc, APIError) else engine_failure(exc, self.request_id)
+            if stream is None:
+                raise error from exc
+            await send_error(stream, error)
+            await stream.write_eof()
+            return stream, True
+        return stream, False
 
     @property
     def ordered(self) -> list[Choice]:

@@ -12,14 +12,10 @@ previous_response_id.
 
 from __future__ import annotations
 
-from contextlib import aclosing
-
 from aiohttp import web
 
-from server import sse
 from server.auth import Tenant, check_key, user_tenant
 from server.compat_fields import RESPONSES
-from server.engine_errors import engine_failure
 from server.errors import APIError, bad_request
 from server.generation import Generation, Prepared, check_grammar, prepare_translated
 from server.response_writer import ResponseWriter
@@ -43,24 +39,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     await check_grammar(prepared)
     gen = Generation(request, state, prepared, "resp_")
     writer = ResponseWriter(state, v, gen, prepared.req.tools)
-    stream = None
-    try:
-        async with aclosing(gen.deltas()) as outputs:
-            async for choice, _ in outputs:
-                if v["stream"]:
-                    if stream is None:
-                        stream = await sse.open_stream(request)
-                        await writer.start(stream)
-                    await writer.feed(choice.out.text, choice.out.finished)
-    except ConnectionError:
-        raise
-    except Exception as exc:
-        error = exc if isinstance(exc, APIError) else engine_failure(exc, gen.request_id)
-        if stream is None:
-            raise error from exc
-        body = error.body()["error"]
-        await writer.send("error", {"code": body["code"], "message": body["message"], "param": body["param"]})
-        await stream.write_eof()
+    stream, failed = await gen.write_events(v["stream"], writer, lambda _, error: _send_error(writer, error))
+    if failed:
         return stream
     out = gen.ordered[0].out
     if stream is None:
@@ -73,6 +53,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
     await writer.send(f"response.{response['status']}", {"response": response})
     await stream.write_eof()
     return stream
+
+
+async def _send_error(writer: ResponseWriter, error: APIError) -> None:
+    body = error.body()["error"]
+    await writer.send("error", {"code": body["code"], "message": body["message"], "param": body["param"]})
 
 
 def _prepare(state: ServerState, raw: bytes, keyed: Tenant | None) -> tuple[dict, list[dict], Prepared]:
