@@ -21,8 +21,7 @@ from server.compat_fields import COUNT_TOKENS, MESSAGES
 from server.errors import bad_request
 from server.generation import Generation, Prepared, check_grammar, prepare_translated
 from server.state import ServerState, off_loop, parse_json, read_body
-from server.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, ToolCallStream
-from server.tool_calls import parses_tool_calls
+from server.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, reply_events
 
 NAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
 """Chat fields -> the Anthropic fields they came from, for errors ('messages', 'tools' keep their names)."""
@@ -156,14 +155,13 @@ class MessageWriter:
     def __init__(self, state: ServerState, gen: Generation, prepared: Prepared, stop_sequences: list[str]):
         self.state, self.gen, self.prepared = state, gen, prepared
         tools = prepared.req.tools
-        self.tools = ToolCallStream(tools) if parses_tool_calls(tools) else None
+        self.events = reply_events(tools)
         self.stop_sequences = stop_sequences
         self.blocks: list[dict] = []
         self.stream = None
         self._open: int | None = None
         """Index of the block being written."""
         self._arguments: dict[int, str] = {}
-        self._sent = 0
 
     async def start(self, stream) -> None:
         self.stream = stream
@@ -176,11 +174,7 @@ class MessageWriter:
             await sse.send_event(self.stream, event, {"type": event, **payload})
 
     async def feed(self, text: str, final: bool) -> None:
-        if self.tools is not None:
-            events = self.tools.feed(text, final)
-        else:
-            events, self._sent = [Text(text[self._sent :])] if len(text) > self._sent else [], len(text)
-        for event in events:
+        for event in self.events.feed(text, final):
             if isinstance(event, Text):
                 if self._open is None or self.blocks[self._open]["type"] != "text":
                     await self._start_block({"type": "text", "text": ""})

@@ -8,8 +8,8 @@ import uuid
 from server import sse
 from server.generation import Generation
 from server.state import ServerState
-from server.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, ToolCallStream
-from server.tool_calls import ToolRequest, parses_tool_calls
+from server.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, reply_events
+from server.tool_calls import ToolRequest
 
 
 class ResponseWriter:
@@ -18,15 +18,13 @@ class ResponseWriter:
 
     def __init__(self, state: ServerState, v: dict, gen: Generation, tools: ToolRequest | None):
         self.state, self.v, self.gen = state, v, gen
-        self.tools = ToolCallStream(tools) if parses_tool_calls(tools) else None
+        self.events = reply_events(tools)
         self.items: list[dict] = []
         self.stream = None
         self.sequence = 0
         self._message: dict | None = None
         """The output message being written (its text grows), if any."""
         self._calls: dict[int, dict] = {}
-        self._sent = 0
-        """Characters of the text read (without tools)."""
 
     async def start(self, stream) -> None:
         self.stream = stream
@@ -42,11 +40,7 @@ class ResponseWriter:
             self.sequence += 1
 
     async def feed(self, text: str, final: bool) -> None:
-        if self.tools is not None:
-            events = self.tools.feed(text, final)
-        else:
-            events, self._sent = [Text(text[self._sent :])] if len(text) > self._sent else [], len(text)
-        for event in events:
+        for event in self.events.feed(text, final):
             if isinstance(event, Text):
                 await self._text(event.text)
             elif isinstance(event, CallStart):

@@ -23,7 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from server.tool_calls import CLOSE, OPEN, ToolRequest, extract_tool_calls, held_back
+from server.tool_calls import CLOSE, OPEN, ToolRequest, extract_tool_calls, held_back, parses_tool_calls
 
 _HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
@@ -53,6 +53,24 @@ class ArgumentsDelta:
 @dataclass
 class CallEnd:
     index: int
+
+
+def reply_events(tools: ToolRequest | None) -> ToolCallStream | TextStream:
+    """What turns a reply's growing text into events: calls parsed out when the request's tools ask for it,
+    its new text alone otherwise."""
+    return ToolCallStream(tools) if parses_tool_calls(tools) else TextStream()
+
+
+class TextStream:
+    """Feed it the whole text so far (each time it grows); it returns the new text as one Text event."""
+
+    def __init__(self):
+        self._sent = 0
+
+    def feed(self, text: str, final: bool) -> list:
+        new = text[self._sent :]
+        self._sent = max(self._sent, len(text))
+        return [Text(new)] if new else []
 
 
 class ToolCallStream:
