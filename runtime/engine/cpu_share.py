@@ -279,7 +279,7 @@ class CpuShare:
         self._cpus: set[int] = set()
         self._next = 0.0
         self._last: tuple | None = None
-        self._risen_at = None  # (time, threads before) of the last rise, until it proves out
+        self._risen_at: float | None = None  # when the last rise happened, until it proves out
         self._backoff = BACKOFF_SECONDS
         self._hold_until = 0.0
         self._streak = 0
@@ -329,15 +329,15 @@ class CpuShare:
             torch.set_num_threads(want)
 
     def _start(self) -> None:
-        """The stepping thread's own OpenMP pool: its threads' ids (the thread count set for it here)."""
-        torch.set_num_threads(self.threads)
+        """The stepping thread's own OpenMP pool: its threads' ids, and the step's thread count set for this
+        thread (OpenMP keeps it per thread)."""
+        torch.set_num_threads(self.step_threads)
         lib = load()
         if lib is None or not Path("/proc/self/task").is_dir():
             self._tids = []
             return
         ids = (ctypes.c_int64 * self.most)()
         n = lib.compute_thread_ids(self.most, ids)
-        torch.set_num_threads(self.threads)
         self._tids = [int(ids[i]) for i in range(n)]
         try:
             self._cpus = set(os.sched_getaffinity(0))

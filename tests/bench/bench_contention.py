@@ -124,7 +124,7 @@ def _new_cgroup() -> tuple[Path, bool]:
         _, controllers, path = line.split(":", 2)
         if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
             parent = Path("/sys/fs/cgroup") / path.lstrip("/")
-            # a v2 cgroup holding processes cannot enable controllers for children: use a sibling's parent
+            # fails (the bench then says so) where this cgroup holds processes: v2 lets only a leaf hold them
             (parent / "cgroup.subtree_control").write_text("+cpu")
             child = parent / name
             child.mkdir()
