@@ -11,11 +11,15 @@ import uuid
 from aiohttp import web
 
 from runtime import AsyncEngine, Engine, EngineClient
-from server import anthropic_api, embeddings_api, ollama_api, openai_api, openapi, responses_api, utility_api
+from server import openapi
+from server.anthropic import anthropic_api
 from server.auth import Tenant
 from server.config import ServerConfig
 from server.errors import APIError, error_style
 from server.not_found_log import NotFoundLog
+from server.ollama import ollama_api
+from server.openai import embeddings_api, openai_api, utility_api
+from server.responses import responses_api
 from server.state import ServerState
 
 log = logging.getLogger("prescient.server")

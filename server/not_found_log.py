@@ -6,7 +6,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from server.schema_check import for_log
+from server.schema.schema_check import for_log
 
 log = logging.getLogger("prescient.server")
 

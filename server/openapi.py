@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.compat_fields import (
+from server.openai.utility_api import server_version
+from server.schema.compat_fields import (
     COUNT_TOKENS,
     MESSAGES,
     OLLAMA_CHAT,
@@ -13,8 +14,7 @@ from server.compat_fields import (
     OLLAMA_SHOW,
     RESPONSES,
 )
-from server.request_fields import CHAT, COMPLETION, DETOKENIZE, EMBEDDINGS, TOKENIZE
-from server.utility_api import server_version
+from server.schema.request_fields import CHAT, COMPLETION, DETOKENIZE, EMBEDDINGS, TOKENIZE
 
 _ERROR = {
     "description": "Error (OpenAI envelope)",
@@ -46,7 +46,7 @@ def _post(summary: str, schema: dict, ok: str, error: dict = _ERROR) -> dict:
 
 
 def document() -> dict:
-    """Request bodies come from server/request_fields.py, the tables the server validates with."""
+    """Request bodies come from server/schema/request_fields.py, the tables the server validates with."""
     get = lambda summary: {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}  # noqa: E731
     return {
         "openapi": "3.1.0",

@@ -18,7 +18,7 @@ from server.auth import Tenant, user_tenant
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
 from server.response_store import ResponseStore
-from server.schema_check import for_log
+from server.schema.schema_check import for_log
 
 log = logging.getLogger("prescient.server")
 T = TypeVar("T")

@@ -73,7 +73,7 @@ def _cost(value: str) -> int:
 
 GRAMMAR_CACHE_BYTES = 64 << 20
 """Compiled grammar text kept per process (the server's, and the engine core's), least recently used
-dropped first; the server caps a schema at server.request_fields.MAX_SCHEMA_CHARS."""
+dropped first; the server caps a schema at server.schema.request_fields.MAX_SCHEMA_CHARS."""
 _grammars = _GrammarCache(GRAMMAR_CACHE_BYTES)
 _problems = _GrammarCache(1 << 20)
 

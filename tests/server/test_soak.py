@@ -22,7 +22,7 @@ HOSTILE = [  # (path, body, Content-Type): each gets a 4xx
     (COMP, b'{"prompt": "\xff\xfe"}', JSON_TYPE),
     (COMP, json.dumps({"prompt": "x", "stop": ["s"] * 1000}).encode(), JSON_TYPE),
     (COMP, b'{"prompt": "x", "max_tokens": -1}', JSON_TYPE),
-    # the caps (server/request_fields.py)
+    # the caps (server/schema/request_fields.py)
     (COMP, json.dumps({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}).encode(), JSON_TYPE),
     (COMP, json.dumps({"prompt": "x", "logit_bias": {"999999": 1}}).encode(), JSON_TYPE),
     (COMP, json.dumps({"prompt": "x", "user": "u" * 100_000}).encode(), JSON_TYPE),

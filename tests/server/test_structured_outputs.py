@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from server.tool_calls import ToolRequest, extract_tool_calls
+from server.tools.tool_calls import ToolRequest, extract_tool_calls
 from tests.server.conftest import MODEL
 
 SCHEMAS = {

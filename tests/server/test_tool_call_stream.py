@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from server.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, ToolCallStream
-from server.tool_calls import ToolRequest, extract_tool_calls
+from server.tools.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, ToolCallStream
+from server.tools.tool_calls import ToolRequest, extract_tool_calls
 
 TOOLS = ToolRequest(
     [

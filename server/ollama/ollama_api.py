@@ -1,6 +1,6 @@
 """Ollama's API: /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/version.
 
-Chat and generate are translated onto the chat path (server/generation.py; /api/generate with `raw`
+Chat and generate are translated onto the chat path (server/openai/generation.py; /api/generate with `raw`
 onto completions): options num_predict, temperature, top_k, top_p, seed, stop, repeat_penalty and the
 penalties become SamplingParams (temperature, top_k and top_p default to Ollama's 0.8, 40 and 0.9), and
 `format` ("json" or a JSON Schema) becomes structured output. Replies stream as NDJSON, one object per
@@ -20,15 +20,15 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 from server.auth import Tenant, check_key, user_tenant
-from server.compat_fields import OLLAMA_CHAT, OLLAMA_EMBED, OLLAMA_GENERATE, OLLAMA_SHOW
-from server.embeddings_api import embed, prepare_inputs
 from server.engine_errors import engine_failure
 from server.errors import APIError, bad_request
-from server.generation import Generation, Prepared, check_grammar, check_model, prepare, renamed
+from server.openai.embeddings_api import embed, prepare_inputs
+from server.openai.generation import Generation, Prepared, check_grammar, check_model, prepare, renamed
+from server.openai.utility_api import server_version
+from server.schema.compat_fields import OLLAMA_CHAT, OLLAMA_EMBED, OLLAMA_GENERATE, OLLAMA_SHOW
 from server.state import ServerState, off_loop, parse_json, read_body
-from server.tool_call_stream import CallEnd, Text, ToolCallStream
-from server.tool_calls import parses_tool_calls
-from server.utility_api import server_version
+from server.tools.tool_call_stream import CallEnd, Text, ToolCallStream
+from server.tools.tool_calls import parses_tool_calls
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 """Ollama's sampling defaults, where a request's options leave them out."""

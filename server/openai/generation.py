@@ -1,8 +1,8 @@
 """The one generation path every API shares: a checked body to prompt ids, then the engine's deltas.
 
-OpenAI's chat and completions (server/openai_api.py) and the APIs translated onto chat (Responses,
+OpenAI's chat and completions (server/openai/openai_api.py) and the APIs translated onto chat (Responses,
 Anthropic Messages, Ollama) all come through here: `prepare` checks, renders and tokenizes a request
-(server/protocol.py reads the body), `check_grammar` compiles its grammar off the loop, and a Generation
+(server/openai/protocol.py reads the body), `check_grammar` compiles its grammar off the loop, and a Generation
 runs it on the engine, yielding each choice as a delta arrives and booking metrics and the log line
 however it ends. Only how the output is written differs between APIs.
 """
@@ -21,16 +21,16 @@ from aiohttp import web
 from runtime import OutputDelta, QueueFullError, RequestFailedError
 from runtime.sample.structured_output import check_structured_output
 from scheduler import InvalidRequestError, StructuredOutput
-from server import sse
 from server.auth import Tenant, user_tenant
-from server.choices import Choice, assemble, decode_prompt, usage
 from server.engine_errors import engine_failure
 from server.errors import APIError, bad_request
-from server.protocol import GenerationRequest, parse_chat, parse_completion
-from server.request_fields import MAX_ECHO_LOGPROBS
-from server.schema_check import _show
+from server.openai import sse
+from server.openai.choices import Choice, assemble, decode_prompt, usage
+from server.openai.protocol import GenerationRequest, parse_chat, parse_completion
+from server.openai.stream_merge import merge
+from server.schema.request_fields import MAX_ECHO_LOGPROBS
+from server.schema.schema_check import _show
 from server.state import ServerState
-from server.stream_merge import merge
 
 
 @dataclass

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from runtime.sample.structured_output import JSON_WHITESPACE
 from scheduler import StructuredOutput
 from server.errors import bad_request
-from server.request_fields import MAX_SCHEMA_CHARS
-from server.schema_check import _show
+from server.schema.request_fields import MAX_SCHEMA_CHARS
+from server.schema.schema_check import _show
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)

@@ -10,8 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.auth import authenticate, check_key
 from server.errors import APIError, bad_request
-from server.protocol import parse_messages
-from server.request_fields import DETOKENIZE, TOKENIZE
+from server.openai.protocol import parse_messages
+from server.schema.request_fields import DETOKENIZE, TOKENIZE
 from server.state import ServerState, off_loop, parse_json, read_body
 
 JSON = "application/json"

@@ -1,14 +1,15 @@
 """The request bodies of the APIs translated onto chat: OpenAI Responses, Anthropic Messages, Ollama.
 
-Declared as JSON Schema, as server/request_fields.py declares OpenAI's (the same RequestBody: published
-by /openapi.json, enforced when read, unknown fields logged and ignored). Each translation
-(server/responses_api.py, server/anthropic_api.py, server/ollama_api.py) then writes a chat body, which
-the chat path checks again for everything else (ranges, tools, schemas), so the rules live in one place.
+Declared as JSON Schema, as server/schema/request_fields.py declares OpenAI's (the same RequestBody:
+published by /openapi.json, enforced when read, unknown fields logged and ignored). Each translation
+(server/responses/responses_api.py, server/anthropic/anthropic_api.py, server/ollama/ollama_api.py) then
+writes a chat body, which the chat path checks again for everything else (ranges, tools, schemas), so the
+rules live in one place.
 """
 
 from __future__ import annotations
 
-from server.request_fields import (
+from server.schema.request_fields import (
     EMBED_INPUT,
     FUNCTION_NAME,
     MAX_MESSAGES,

@@ -1,5 +1,5 @@
 """Every field a request body may carry, declared once as JSON Schema: /openapi.json publishes these
-schemas and RequestBody.read enforces them (server/schema_check.py), so the two cannot drift.
+schemas and RequestBody.read enforces them (server/schema/schema_check.py), so the two cannot drift.
 
 A field has an effect only if it is declared here. A field that is not declared is ignored, as vLLM
 does and as OpenAI's SDKs expect of a compatible server (clients send `store`, `metadata`,
@@ -8,7 +8,7 @@ meaning this server cannot honour (`suffix`, `functions`, ...) are declared with
 accepts, so they get a 400 naming them instead of being dropped silently.
 
 To add a field: declare its schema in the right table (with `default` where there is one), then read it
-in server/protocol.py from the dict RequestBody.read returns. Rules between fields (best_of >= n,
+in server/openai/protocol.py from the dict RequestBody.read returns. Rules between fields (best_of >= n,
 min_tokens <= max_tokens) are checked there, and said in the fields' descriptions.
 """
 
@@ -18,7 +18,7 @@ import copy
 import logging
 
 from scheduler.sampling_params import MAX_LOGPROBS, SEED_RANGE
-from server.schema_check import check_object, for_log
+from server.schema.schema_check import check_object, for_log
 
 log = logging.getLogger("prescient.server")
 

@@ -1,15 +1,15 @@
 """A Response's output items (a message with output_text, function_call items), built from the text as it
-grows and sent as the Responses event stream when one is open (server/responses_api.py)."""
+grows and sent as the Responses event stream when one is open (server/responses/responses_api.py)."""
 
 from __future__ import annotations
 
 import uuid
 
-from server import sse
-from server.generation import Generation
+from server.openai import sse
+from server.openai.generation import Generation
 from server.state import ServerState
-from server.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, reply_events
-from server.tool_calls import ToolRequest
+from server.tools.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, reply_events
+from server.tools.tool_calls import ToolRequest
 
 
 class ResponseWriter:

@@ -13,9 +13,9 @@ from aiohttp import web
 from scheduler import SamplingParams
 from server.auth import Tenant, check_key, user_tenant
 from server.errors import bad_request
-from server.generation import Generation, Prepared, check_model
-from server.protocol import GenerationRequest
-from server.request_fields import EMBEDDINGS
+from server.openai.generation import Generation, Prepared, check_model
+from server.openai.protocol import GenerationRequest
+from server.schema.request_fields import EMBEDDINGS
 from server.state import ServerState, off_loop, parse_json, read_body
 
 REPLY_BYTES_PER_INPUT = 8192

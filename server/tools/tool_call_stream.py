@@ -1,6 +1,6 @@
 """Tool calls read from a growing text, as the model writes them: what streaming APIs send as it comes.
 
-The model writes `<tool_call>{"name": "f", "arguments": {...}}</tool_call>` (server/tool_calls.py). As soon
+The model writes `<tool_call>{"name": "f", "arguments": {...}}</tool_call>` (server/tools/tool_calls.py). As soon
 as the name of a known function is read, the call starts; its arguments then go out piece by piece as they
 are generated (OpenAI's `tool_calls[].function.arguments` deltas, Responses'
 `response.function_call_arguments.delta`, Anthropic's `input_json_delta`). Every API renders the same
@@ -23,7 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from server.tool_calls import CLOSE, OPEN, ToolRequest, extract_tool_calls, held_back, parses_tool_calls
+from server.tools.tool_calls import CLOSE, OPEN, ToolRequest, extract_tool_calls, held_back, parses_tool_calls
 
 _HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'

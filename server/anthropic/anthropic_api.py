@@ -2,7 +2,7 @@
 
 system, messages (text, tool_use and tool_result blocks), max_tokens, stop_sequences, temperature, top_p,
 top_k, tools (input_schema) and tool_choice (auto, any, tool, none) become a chat body, which the chat
-path checks, renders and runs (server/generation.py). The reply is a message of text and tool_use blocks,
+path checks, renders and runs (server/openai/generation.py). The reply is a message of text and tool_use blocks,
 whole or as Anthropic's event stream (message_start, content_block_start, content_block_delta with
 text_delta / input_json_delta, content_block_stop, message_delta, message_stop). The key is read from
 `x-api-key` as well as `Authorization: Bearer`; errors use Anthropic's envelope (server/errors.py).
@@ -15,13 +15,13 @@ import uuid
 
 from aiohttp import web
 
-from server import sse
 from server.auth import Tenant, bearer_or_api_key, check_key, user_tenant
-from server.compat_fields import COUNT_TOKENS, MESSAGES
 from server.errors import bad_request
-from server.generation import Generation, Prepared, check_grammar, prepare_translated
+from server.openai import sse
+from server.openai.generation import Generation, Prepared, check_grammar, prepare_translated
+from server.schema.compat_fields import COUNT_TOKENS, MESSAGES
 from server.state import ServerState, off_loop, parse_json, read_body
-from server.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, reply_events
+from server.tools.tool_call_stream import ArgumentsDelta, CallEnd, CallStart, Text, reply_events
 
 NAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
 """Chat fields -> the Anthropic fields they came from, for errors ('messages', 'tools' keep their names)."""

@@ -1,6 +1,6 @@
 """Check a JSON value against the JSON Schema that documents it, with an error naming the field.
 
-The request fields (server/request_fields.py) are declared once, as JSON Schema; /openapi.json publishes
+The request fields (server/schema/request_fields.py) are declared once, as JSON Schema; /openapi.json publishes
 those schemas and this module enforces them, so what is documented and what is accepted cannot drift.
 It reads the subset the fields use: type (a name or a list), enum, const, minimum, maximum,
 exclusiveMinimum, minLength, maxLength, pattern, minItems, maxItems, items, properties, required,

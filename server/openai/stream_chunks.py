@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from runtime import OutputDelta
-from server import sse
-from server.choices import Choice, choice_finish_reason, end_offset
-from server.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
-from server.protocol import GenerationRequest
+from server.openai import sse
+from server.openai.choices import Choice, choice_finish_reason, end_offset
+from server.openai.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
+from server.openai.protocol import GenerationRequest
 from server.state import ServerState
-from server.tool_call_stream import ArgumentsDelta, CallStart, Text, ToolCallStream
-from server.tool_calls import parses_tool_calls
+from server.tools.tool_call_stream import ArgumentsDelta, CallStart, Text, ToolCallStream
+from server.tools.tool_calls import parses_tool_calls
 
 
 async def send_delta(

@@ -1,6 +1,6 @@
 """Turn OpenAI request bodies into what the engine needs.
 
-Each field's type and range are declared once in server/request_fields.py (and published by
+Each field's type and range are declared once in server/schema/request_fields.py (and published by
 /openapi.json); RequestBody.read enforces them. What is left here are the rules between fields and the
 shape the engine wants. Every check names the offending field; nothing here raises anything but
 APIError, so a bad body can never turn into a 500.
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from scheduler import SamplingParams, StructuredOutput
 from scheduler.sampling_params import GREEDY_TEMPERATURE
 from server.errors import bad_request
-from server.request_fields import CHAT, COMPLETION, MAX_N, MAX_SCHEMA_CHARS
-from server.schema_check import _show
-from server.tool_calls import ToolRequest, parse_tools
+from server.schema.request_fields import CHAT, COMPLETION, MAX_N, MAX_SCHEMA_CHARS
+from server.schema.schema_check import _show
+from server.tools.tool_calls import ToolRequest, parse_tools
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """POST /v1/completions and /v1/chat/completions, streaming or not.
 
 The handler validates, hands the request to the engine client, and relays
-outputs as they arrive: whole (server/choices.py) or as SSE chunks
-(server/stream_chunks.py). If the client goes away, the handler is cancelled (or
+outputs as they arrive: whole (server/openai/choices.py) or as SSE chunks
+(server/openai/stream_chunks.py). If the client goes away, the handler is cancelled (or
 its write fails) and leaving the `async for` aborts the request in the
 engine at once, which frees its KV blocks.
 """
@@ -14,14 +14,14 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from server import sse
 from server.auth import Tenant, check_key
-from server.choices import best, final_choice, usage
 from server.engine_errors import engine_failure
 from server.errors import APIError
-from server.generation import Generation, Prepared, check_grammar, prepare
+from server.openai import sse
+from server.openai.choices import best, final_choice, usage
+from server.openai.generation import Generation, Prepared, check_grammar, prepare
+from server.openai.stream_chunks import send_delta
 from server.state import ServerState, off_loop, parse_json, read_body
-from server.stream_chunks import send_delta
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

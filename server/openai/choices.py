@@ -1,7 +1,7 @@
 """One returned sequence of a completion (prompt i, sample j) and what the response says of it: its
 choice object, the usage of them all, and best_of's pick.
 
-Used by both the whole response (final_choice) and the stream (server/stream_chunks.py).
+Used by both the whole response (final_choice) and the stream (server/openai/stream_chunks.py).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from runtime import OutputDelta, RequestOutput
 from server.errors import bad_request
-from server.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
-from server.protocol import GenerationRequest
+from server.openai.logprobs_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
+from server.openai.protocol import GenerationRequest
 from server.state import ServerState
-from server.tool_calls import extract_tool_calls, parses_tool_calls
+from server.tools.tool_calls import extract_tool_calls, parses_tool_calls
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Choice:
     out: RequestOutput | None = None
     """None until its first delta arrives."""
     tool_stream: object | None = None
-    """Its ToolCallStream (server/tool_call_stream.py) when a streamed chat may call tools."""
+    """Its ToolCallStream (server/tools/tool_call_stream.py) when a streamed chat may call tools."""
     sent_offset: int = 0
     """text_offset of the next streamed completion token."""
     started: bool = False

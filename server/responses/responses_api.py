@@ -2,7 +2,7 @@
 
 The body becomes a chat body (input items -> messages, instructions -> a system message,
 max_output_tokens, text.format -> response_format, flat function tools -> chat tools), which the chat
-path checks, renders and runs (server/generation.py): sampling, tool prompts, grammars and tool-call
+path checks, renders and runs (server/openai/generation.py): sampling, tool prompts, grammars and tool-call
 parsing are the chat path's own. The output is written as Responses output items (a message with
 output_text, function_call items), whole or as the Responses event stream (response.created,
 response.output_item.added, response.output_text.delta, response.function_call_arguments.delta, ...,
@@ -15,10 +15,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from server.auth import Tenant, check_key, user_tenant
-from server.compat_fields import RESPONSES
 from server.errors import APIError, bad_request
-from server.generation import Generation, Prepared, check_grammar, prepare_translated
-from server.response_writer import ResponseWriter
+from server.openai.generation import Generation, Prepared, check_grammar, prepare_translated
+from server.responses.response_writer import ResponseWriter
+from server.schema.compat_fields import RESPONSES
 from server.state import ServerState, off_loop, parse_json, read_body
 
 NAMES = {

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API, translated onto the chat path."""

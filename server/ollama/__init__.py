@@ -1,0 +1,1 @@
+"""Ollama's API, translated onto the chat path."""

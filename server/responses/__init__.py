@@ -1,0 +1,1 @@
+"""OpenAI's Responses API, translated onto the chat path."""

@@ -1,0 +1,1 @@
+"""Function calling: tools in the request, tool calls read from the model's text (whole or as it streams)."""
