@@ -38,7 +38,14 @@ def tiny(tmp_path_factory):
 
 def variant(base: Engine, **kw) -> Engine:
     kw.setdefault("num_blocks", 256)
-    return Engine(base.model, base.tokenizer, **kw)
+    return every_proposal_pays(Engine(base.model, base.tokenizer, **kw))
+
+
+def every_proposal_pays(engine: Engine) -> Engine:
+    """Proposals at every batch size and rate (no step-cost model): the tests check verification."""
+    if engine.speculator is not None:
+        engine.speculator.row_cost = 0.0
+    return engine
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -65,7 +72,7 @@ def oracle(engine: Engine, reference: dict[tuple, list[int]], k: int = 4, wrong_
         return drafts
 
     spec._propose = propose
-    return engine
+    return every_proposal_pays(engine)
 
 
 def run(engine: Engine, ps, params):

@@ -32,7 +32,14 @@ PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 def variant(base: Engine, **kw) -> Engine:
     kw.setdefault("num_blocks", 256)
-    return Engine(base.model, base.tokenizer, **kw)
+    return every_proposal_pays(Engine(base.model, base.tokenizer, **kw))
+
+
+def every_proposal_pays(engine: Engine) -> Engine:
+    """Proposals at every batch size and rate (no step-cost model): the tests check verification."""
+    if engine.speculator is not None:
+        engine.speculator.row_cost = 0.0
+    return engine
 
 
 @pytest.fixture(scope="module")
