@@ -30,13 +30,14 @@ from scheduler import Request
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 """Running requests from which nobody proposes, unless the config says otherwise. Measured on a 2-core
-CPU (`python -m tests.bench speculative`, tests/bench/RESULTS.md, 2026-11-28 13:20-13:37): with the
-proposals' rows on the decode path, proposals forced on (counted per request as below) ran the copy
-workload at 1.17x and 0.84x at 2 streams in two runs, ~1.0x at 4, 0.75-0.91x at 8; the multi-turn one
-at 0.95x and 0.69x already at 2. Only a lone stream gains reliably."""
+CPU (`python -m tests.bench speculative`, tests/bench/RESULTS.md, 2026-11-28 13:24 and 13:29): with the
+proposals' rows on the decode path and proposals forced on (five every step, then counted per request as
+below), the copy workload ran 1.17x and 0.84x at 2 streams, 1.07x and 1.00x at 4, 0.91x and 0.75x at 8;
+the multi-turn one 0.95x and 0.69x already at 2. Only a lone stream gains reliably."""
 ROW_COST = 0.22
 """A decode step's time grows by about this fraction of a one-row step for each more row, on the same
-CPU (SmolLM2, one stream: 2 rows 1.30x, 4 rows 1.61x, 6 rows 2.09x the one-row step)."""
+CPU (SmolLM2, one stream: 2 rows 1.12-1.30x, 4 rows 1.31-1.61x, 6 rows 1.80-2.09x the one-row step in
+two runs; the larger figures taken)."""
 MAX_COOLDOWN = 32
 """The longest a backed-off request goes without proposing, in steps."""
 EWMA = 0.5
