@@ -168,6 +168,8 @@ def run(
         max_num_seqs=32,
         speculative_config=NGRAM | {"disable_by_batch_size": 1000},
     )
+    for engine in (off, on, forced):  # touch every KV page now: first-use page faults would land in one side
+        engine.runner.kv.pool.zero_()
     workloads = _workloads(base)
     rows = []
     if "steps" in wanted:
