@@ -4,9 +4,11 @@ The runner reads only the plan's narrow view (scheduler/plan.py) and keeps its
 own state per sequence: token ids, block table, sampling params, and a seeded
 generator that lives as long as the request (a preempted request keeps it).
 
-Rows of the flattened batch: first one token for each decoding sequence, then
-each prefill chunk. Only the rows whose sequence reaches its end this step
-(a decode, or the last chunk of a prefill) go through the LM head.
+Rows of the flattened batch: first one token for each decoding sequence (and
+after it the tokens it proposed, when it verifies proposals: one decode row
+each), then each prefill chunk. Only the rows whose sequence reaches its end
+this step (a decode and its proposals, or the last chunk of a prefill) go
+through the LM head.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
+    verify_as_decode = True
+    """A sequence verifying k proposals runs as k + 1 decode rows (the C decode loop on CPU: the weights read
+    once for every row of the step); False: as a prefill chunk, as other multi-row sequences (kept to measure
+    one against the other, tests/bench/bench_speculative.py)."""
+
     def __init__(
         self,
         model: LlamaModel,
@@ -149,9 +156,10 @@ class ModelRunner:
             _Work(rid, self._seqs[rid], n, spec.get(rid, []) if spec else [])
             for rid, n in plan.num_scheduled_tokens.items()
         ]
-        decodes = [w for w in work if w.num_tokens == 1 and w.samples]
-        prefills = [w for w in work if not (w.num_tokens == 1 and w.samples)]
-        work = decodes + prefills  # the rows' order: one per decode, then each prefill's chunk
+        decodes = [w for w in work if self._decodes(w)]
+        prefills = [w for w in work if not self._decodes(w)]
+        # the rows' order: each decode's (and its proposals'), then each prefill's chunk
+        work = decodes + prefills
         ids, positions, slots = [], [], []
         sample_rows = self.prepare_rows(work, ids, positions, slots)
         scheduled = [ScheduledRows(w.seq.block_table, w.seq.num_computed_tokens, w.end) for w in work]
@@ -159,8 +167,16 @@ class ModelRunner:
             hidden = self.graphs.run(ids, positions, slots, *row_inputs(scheduled, self.block_size))
         else:
             slot_mapping = torch.tensor(slots, device=self.device)
+            # a verifying sequence's k + 1 rows are k + 1 decode rows on its one table, row j seeing the
+            # cache up to its own position: the earlier rows' keys are written before any row attends, so
+            # that is the causal mask among the new rows
+            decode_rows = [
+                ScheduledRows(r.block_table, p, p + 1)
+                for r in scheduled[: len(decodes)]
+                for p in range(r.start, r.end)
+            ]
             meta = self.attention.build(
-                scheduled[: len(decodes)],
+                decode_rows,
                 scheduled[len(decodes) :],
                 slot_mapping,
                 self.block_size,
@@ -250,6 +266,13 @@ class ModelRunner:
         if logprob_rows:
             self._logprobs(out, logits, raw_logits, raw, params, logprob_rows, logprob_tokens, logprob_owner)
         return out
+
+    def _decodes(self, w: _Work) -> bool:
+        """It runs as decode rows: its last token, and its proposals when it verifies some (unless
+        verify_as_decode is off)."""
+        if w.drafts and not self.verify_as_decode:
+            return False
+        return w.samples and w.num_tokens == 1 + len(w.drafts)
 
     @torch.inference_mode()
     def _sample(self, logits, rows, params, histories, to_sample, first_row, num_seq_rows) -> list[list[int]]:

@@ -7,8 +7,15 @@ free       free writing (little to copy: the proposer should cost next to nothin
 Each at 1 stream and 32 streams (32 requests of the workload at once), with speculation off and on
 (the default config: {"method": "ngram", "num_speculative_tokens": 5}, which stops proposing while
 disable_by_batch_size or more requests run), alternated in rounds on one loaded model (the machine is
-shared). The crossover rows force proposals on at 2 and 8 streams of the copy workload to show
-where verification stops paying. Greedy decoding, max_tokens MAX_TOKENS, ignore_eos.
+shared). The crossover rows force proposals on at `crossover` streams (default 2, 4, 8) of the copy and
+multi-turn workloads to show where verification stops paying. Greedy decoding, max_tokens MAX_TOKENS,
+ignore_eos.
+
+The step-cost rows time one stream's engine step with 0, 1, 3 and 5 proposals injected (1, 2, 4, 6 rows),
+the verifying sequence run as decode rows (the runner's default) and as a prefill chunk (the way before),
+alternated, medians of STEP_ROUNDS.
+
+Options: --quantization=gguf|none|auto (default auto), --crossover=2,4,8, --parts=steps,workloads,crossover.
 """
 
 from __future__ import annotations
@@ -19,10 +26,14 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from runtime import Engine, SamplingParams
+from runtime.runner.model_runner import ModelRunner
 
 MAX_TOKENS = 64
 ROUNDS = 2
+STEP_ROUNDS = 12
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 PASSAGE = (
     "The harbour town woke slowly on winter mornings. Before the sun cleared the eastern hills, the "
@@ -73,12 +84,21 @@ def _workloads(engine: Engine) -> dict[str, list[int]]:
     }
 
 
-def _tokens_per_second(engine: Engine, prompt: list[int], streams: int) -> float:
+def _tokens_per_second(engine: Engine, prompt: list[int], streams: int) -> tuple[float, float]:
+    """Generated tokens/s over the whole run (prefill included), and over its decode: the tokens after each
+    stream's first, from the first stream's first token to the last one's last."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     outs = engine.generate([prompt] * streams, params)
     seconds = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs) / seconds
+    decoding = max(o.token_times[-1] for o in outs) - min(o.token_times[0] for o in outs)
+    return sum(len(o.token_ids) for o in outs) / seconds, sum(len(o.token_ids) - 1 for o in outs) / decoding
+
+
+def _weights(engine: Engine) -> str:
+    """How the projections are held: packed GGUF blocks (the C decode loop) or dense."""
+    w = engine.model.layers[0].qkv
+    return "dense weights" if isinstance(w, torch.Tensor) else "packed weights"
 
 
 def _cpu() -> str:
@@ -92,8 +112,51 @@ def _cpu() -> str:
     )
 
 
-def run() -> dict:
-    base = Engine.from_pretrained(kv_cache_bytes=512 << 20, max_num_seqs=32)
+def _step_costs(engine: Engine, prompt: list[int]) -> list[dict]:
+    """One stream's step time at 1, 2, 4 and 6 rows (proposals injected: its own last tokens, mostly
+    rejected), verification as decode rows and as a prefill chunk, alternated."""
+    request = engine.add_request(
+        "step-cost", prompt, SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    )
+    while request.num_computed_tokens < len(prompt):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    taken: dict[tuple[bool, int], list[float]] = {}
+    try:
+        for _ in range(STEP_ROUNDS):
+            for as_decode in (False, True):
+                ModelRunner.verify_as_decode = as_decode
+                for rows in (1, 2, 4, 6):
+                    request.spec_token_ids = list(request.all_token_ids[-(rows - 1) :]) if rows > 1 else []
+                    start = time.perf_counter()
+                    engine.step()
+                    taken.setdefault((as_decode, rows), []).append(time.perf_counter() - start)
+    finally:
+        ModelRunner.verify_as_decode = True
+        engine.abort_request("step-cost")
+    one = statistics.median(taken[(True, 1)])
+    out = []
+    for rows in (1, 2, 4, 6):
+        chunk, decode = (statistics.median(taken[(d, rows)]) for d in (False, True))
+        out.append(
+            {
+                "workload": f"step, {rows} rows",
+                "streams": 1,
+                "as chunk ms": 1e3 * chunk,
+                "as decode ms": 1e3 * decode,
+                "decode / chunk": decode / chunk,
+                "decode / 1 row": decode / one,
+            }
+        )
+    return out
+
+
+def run(
+    quantization: str = "auto", crossover: str = "2,4,8", parts: str = "steps,workloads,crossover"
+) -> dict:
+    wanted = set(parts.split(","))
+    base = Engine.from_pretrained(quantization=quantization, kv_cache_bytes=512 << 20, max_num_seqs=32)
     off = Engine(base.model, base.tokenizer, kv_cache_bytes=512 << 20, max_num_seqs=32)
     on = Engine(
         base.model, base.tokenizer, kv_cache_bytes=512 << 20, max_num_seqs=32, speculative_config=NGRAM
@@ -105,10 +168,20 @@ def run() -> dict:
         max_num_seqs=32,
         speculative_config=NGRAM | {"disable_by_batch_size": 1000},
     )
+    for engine in (off, on, forced):  # touch every KV page now: first-use page faults would land in one side
+        engine.runner.kv.pool.zero_()
     workloads = _workloads(base)
-    cases = [(w, s, on) for w in workloads for s in (1, 32)] + [("copy", s, forced) for s in (2, 8)]
-    _tokens_per_second(off, workloads["free"], 1)  # warm up
     rows = []
+    if "steps" in wanted:
+        rows += _step_costs(off, workloads["free"])
+        for row in rows:
+            print(row, file=sys.stderr, flush=True)
+    cases = []
+    if "workloads" in wanted:
+        cases += [(w, s, on) for w in workloads for s in (1, 32)]
+    if "crossover" in wanted:
+        cases += [(w, int(s), forced) for w in ("copy", "multiturn") for s in crossover.split(",")]
+    _tokens_per_second(off, workloads["free"], 1)  # warm up
     for workload, streams, engine in cases:
         prompt = workloads[workload]
         spec, plain = [], []
@@ -119,24 +192,28 @@ def run() -> dict:
         after = engine.stats()
         drafts = after.spec_num_drafts - before.spec_num_drafts
         accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        whole = [statistics.median(r[0] for r in runs) for runs in (plain, spec)]
+        decode = [statistics.median(r[1] for r in runs) for runs in (plain, spec)]
         rows.append(
             row := {
                 "workload": workload,
                 "streams": streams,
                 "proposals": "forced on" if engine is forced else "default",
-                "off tok/s": statistics.median(plain),
-                "on tok/s": statistics.median(spec),
-                "speedup": statistics.median(spec) / statistics.median(plain),
+                "off tok/s": whole[0],
+                "on tok/s": whole[1],
+                "speedup": whole[1] / whole[0],
+                "decode speedup": decode[1] / decode[0],
                 "accept len": 1 + accepted / drafts if drafts else None,
             }
         )
         print(row, file=sys.stderr, flush=True)  # a long run's rows survive an interruption
     return {
-        "title": f"Speculative decoding (n-gram), {base.model_name}, {base.model.dtype}",
+        "title": f"Speculative decoding (n-gram), {base.model_name}, {base.model.dtype}, {_weights(base)}",
         "rows": rows,
         "notes": [
             f"CPU: {_cpu()}; {ROUNDS} rounds alternated, medians; max_tokens {MAX_TOKENS}, greedy",
             "accept len: tokens per verifying step (1 + accepted proposals per verification)",
+            "speedup: generated tokens/s, prefill included; decode speedup: after each stream's first token",
             "the machine is shared with other sessions: figures are noisy",
         ],
     }

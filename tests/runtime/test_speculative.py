@@ -38,7 +38,14 @@ def tiny(tmp_path_factory):
 
 def variant(base: Engine, **kw) -> Engine:
     kw.setdefault("num_blocks", 256)
-    return Engine(base.model, base.tokenizer, **kw)
+    return every_proposal_pays(Engine(base.model, base.tokenizer, **kw))
+
+
+def every_proposal_pays(engine: Engine) -> Engine:
+    """Proposals at every batch size and rate (no step-cost model): the tests check verification."""
+    if engine.speculator is not None:
+        engine.speculator.row_cost = 0.0
+    return engine
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -65,7 +72,7 @@ def oracle(engine: Engine, reference: dict[tuple, list[int]], k: int = 4, wrong_
         return drafts
 
     spec._propose = propose
-    return engine
+    return every_proposal_pays(engine)
 
 
 def run(engine: Engine, ps, params):
@@ -98,6 +105,31 @@ def test_greedy_is_lossless_at_one_and_several_streams(tiny, caching):
     stats = spec.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert_no_leaks(spec)
+
+
+def test_verifying_rows_run_as_decode_rows(tiny, monkeypatch):
+    """A sequence verifying k proposals is k + 1 decode rows (no prefill chunk), beside plain decodes, with
+    the same greedy tokens as without speculation and as verification through a prefill chunk."""
+    ps = prompts(4, seed=8)
+    want = run(variant(tiny), ps, GREEDY)
+    reference = {tuple(p): o.token_ids for p, o in zip(ps, want)}
+    spec = oracle(variant(tiny, speculative_config=NGRAM), reference)
+    steps = []
+    build = type(spec.runner.attention).build
+
+    def recorded(self, decodes, prefills, *args):
+        steps.append(([d.end - d.start for d in decodes], len(prefills)))
+        return build(self, decodes, prefills, *args)
+
+    monkeypatch.setattr(type(spec.runner.attention), "build", recorded)
+    assert_same(run(spec, ps, GREEDY), want)
+    decoding = [(rows, chunks) for rows, chunks in steps if rows]
+    assert all(rows == [1] * len(rows) for rows, _ in decoding)
+    # some steps verify several sequences' proposals (more decode rows than sequences) without a chunk
+    assert any(len(rows) > 4 and chunks == 0 for rows, chunks in decoding)
+    monkeypatch.setattr(type(spec.runner), "verify_as_decode", False)
+    chunked = oracle(variant(tiny, speculative_config=NGRAM), reference)
+    assert_same(run(chunked, ps, GREEDY), want)
 
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "gemma3", "phi3"])

@@ -1,6 +1,7 @@
 """Speculative decoding on the real model (SmolLM2): greedy outputs token for token those without it, with
 the n-gram proposer on prompts it copies from, with and without prefix caching, at one and several
-streams; structured output checks each proposal against the grammar."""
+streams, in float32 and with the GGUF's blocks packed (the C decode loop verifying proposals); structured
+output checks each proposal against the grammar."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import jsonschema
 import pytest
 
+import runtime.model.decode_layers as native_decode
 from runtime import Engine, SamplingParams
 from scheduler import StructuredOutput
 from tests.runtime.conftest import chat_ids
@@ -30,7 +32,14 @@ PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 def variant(base: Engine, **kw) -> Engine:
     kw.setdefault("num_blocks", 256)
-    return Engine(base.model, base.tokenizer, **kw)
+    return every_proposal_pays(Engine(base.model, base.tokenizer, **kw))
+
+
+def every_proposal_pays(engine: Engine) -> Engine:
+    """Proposals at every batch size and rate (no step-cost model): the tests check verification."""
+    if engine.speculator is not None:
+        engine.speculator.row_cost = 0.0
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +60,31 @@ def test_greedy_is_lossless_on_the_real_model(engine_fp32, prompts, want):
     assert stats.num_free_blocks == stats.num_blocks
     alone = variant(engine_fp32, enable_prefix_caching=False, speculative_config=NGRAM)
     assert [o.token_ids for o in alone.generate(prompts[:1], PARAMS)] == want[:1]  # one, no caching
+
+
+def test_greedy_is_lossless_through_the_c_decode_loop(prompts, monkeypatch):
+    """Packed weights: a verifying sequence's rows go through the C layer loop with the plain decodes, and
+    the greedy tokens are those without speculation, at one stream and at three."""
+    packed = Engine.from_pretrained(
+        dtype="float32", device="cpu", quantization="gguf", kv_cache_bytes=64 << 20
+    )
+    rows = []
+    forward = native_decode.NativeDecode.forward
+
+    def counted(self, h, *args):
+        rows.append(h.shape[0])
+        return forward(self, h, *args)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "forward", counted)
+    three = prompts + prompts[:1]
+    want = [o.token_ids for o in variant(packed).generate(three, PARAMS)]
+    plain_rows = max(rows)
+    rows.clear()
+    spec = variant(packed, speculative_config=NGRAM)
+    assert [o.token_ids for o in spec.generate(three, PARAMS)] == want
+    assert [o.token_ids for o in spec.generate(prompts[:1], PARAMS)] == want[:1]
+    assert spec.stats().spec_num_accepted_tokens > 10
+    assert plain_rows <= 3 and max(rows) > 3  # steps with proposals' rows ran in the C loop
 
 
 def test_structured_output_checks_proposals_against_the_grammar(engine_fp32):
