@@ -75,6 +75,11 @@ class Policy:
         """Which of the running requests (non-empty) to preempt when KV blocks run out."""
         raise NotImplementedError
 
+    def displace(self, running: list[Request]) -> Request | None:
+        """With the batch full (max_num_seqs), a running request to preempt so that the request peek()
+        names starts now rather than at the next free slot; None (the default): it waits."""
+        return None
+
     def charge_admission(self, request: Request) -> None:
         """Called whenever a request is admitted (again after a preemption: charge its prompt once)."""
 

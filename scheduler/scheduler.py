@@ -244,6 +244,12 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         running = self.running
+        if running and len(running) + sum(len(r.forks) for r in running) >= self.config.max_num_seqs:
+            victim = self.policy.displace(running)
+            if victim is not None:
+                budget += self._unplan(out, victim)
+                self._preempt(victim, running.index(victim))
+                out.preempted.append(victim)
         # Blocks that running requests still need to finish their prompts (or whose decode
         # was left out of this step): admission must not take them.
         reserved = 0
@@ -289,6 +295,14 @@ class Scheduler:
             out.scheduled.append((request, n))
             budget -= n
             admitted += n
+
+    @staticmethod
+    def _unplan(out: SchedulerOutput, request: Request) -> int:
+        """Take a request out of this step's plan; returns the tokens it had been given."""
+        given = sum(n for r, n in out.scheduled if r is request)
+        out.scheduled = [(r, n) for r, n in out.scheduled if r is not request]
+        out.spec_token_ids.pop(request.request_id, None)
+        return given
 
     def _fork(self, parent: Request) -> None:
         """Start the parent's sibling sequences on its computed prompt: they share its KV blocks, are

@@ -8,6 +8,7 @@ the cache (find_cached_prefix) after every step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -298,3 +299,40 @@ class _NeverNew(set):
 
     def add(self, item) -> None:
         pass
+
+
+def test_a_sparse_tenant_finding_the_batch_full_takes_one_slot_from_the_most_served_tenant():
+    """With every slot held by backlogged tenants, w's request starts in the very next step: the newest
+    running request of the tenant with the least deficit goes back to its queue (and finishes later, its
+    KV recomputed); w never holds more than one slot that way. VTC, on the same load, waits for a slot."""
+    for policy in ("dlpm", "vtc"):
+        sched = Scheduler(dataclasses.replace(config(policy, quantum=50_000, num_blocks=96), max_num_seqs=3))
+        load = Locality(5, {"a": 1.0, "b": 1.0, "w": 1.0}, hot={"a"})
+        for i in range(400):
+            load.top_up(sched, "ab")
+            load.step(sched)
+            if i > 60 and sched.num_running == sched.config.max_num_seqs:
+                break
+        assert sched.num_running == sched.config.max_num_seqs
+        ws = [make_request(f"w{k}", 12, 30, tenant="w", arrival=1e6 + k, seed=100 + k) for k in range(2)]
+        deficits = dict(getattr(sched.policy, "_deficits", {}))
+        running = list(sched.running)
+        preempted_before = sched.num_preemptions
+        for w in ws:
+            sched.add_request(w)
+        load.top_up(sched, "ab")
+        _, _, plan = step(sched)
+        if policy == "vtc":
+            assert ws[0].first_scheduled_time is None and plan.preempted == []
+            continue
+        assert ws[0].first_scheduled_time is not None and ws[1].first_scheduled_time is None
+        assert len(plan.preempted) == 1 and sched.num_preemptions == preempted_before + 1
+        (victim,) = plan.preempted
+        most_served = min(deficits[t] for t in {r.tenant for r in running})
+        assert deficits[victim.tenant] == most_served
+        assert victim.arrival_time == max(r.arrival_time for r in running if r.tenant == victim.tenant)
+        while victim.request_id in sched.requests or ws[1].request_id in sched.requests:
+            load.top_up(sched, "ab")
+            load.step(sched)
+            assert sum(r.tenant == "w" for r in sched.running) <= 1
+        assert victim.num_output_tokens == victim.sampling_params.max_tokens
