@@ -293,6 +293,11 @@ def _build_at_first_use(level: Level, debug: bool | None = None) -> Path:
             f"cache directory {target.parent} is not writable ({exc.strerror}); "
             f"set PRESCIENT_CACHE to a writable one"
         ) from exc
+    if os.statvfs(target.parent).f_flag & os.ST_NOEXEC:  # a library built there could not be loaded
+        tmp.cleanup()
+        raise KernelsUnavailable(
+            f"cache directory {target.parent} is on a noexec mount; set PRESCIENT_CACHE elsewhere"
+        )
     timeout = float(os.environ.get("PRESCIENT_NATIVE_BUILD_TIMEOUT", BUILD_TIMEOUT_SECONDS))
     with tmp:
         built = Path(tmp.name) / target.name
