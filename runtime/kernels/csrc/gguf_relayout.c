@@ -85,25 +85,23 @@ static inline void k_scales(const uint8_t *q, uint8_t *sc, uint8_t *m) {
     }
 }
 
-/* one block's 32 codes into its place in a tile group: 4-bit or 8-bit vectors, column c */
-static inline void put4(uint8_t *block, int c, const uint8_t *code) {
-    for (int v = 0; v < 4; v++)
-        for (int j = 0; j < 4; j++)
-            block[v * 64 + c * 4 + j] = (uint8_t)(code[8 * v + j] | (code[8 * v + 4 + j] << 4));
+/* Four bytes at a time (little-endian loads and stores, as on every target the kernels build for): a tile's
+ * vector holds 4 bytes per column, and the file's bytes for them lie next to each other. */
+static inline uint32_t load4(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-static inline void put8(uint8_t *block, int c, const uint8_t *code) {
-    for (int v = 0; v < 8; v++) memcpy(block + v * 64 + c * 4, code + 4 * v, 4);
-}
+static inline void store4(uint8_t *p, uint32_t v) { memcpy(p, &v, sizeof v); }
 
-static inline void put6(uint8_t *block, int c, const uint8_t *code) {
-    for (int s = 0; s < 2; s++)
-        for (int i = 0; i < 3; i++)
-            for (int j = 0; j < 4; j++) {
-                const uint8_t last = code[16 * s + 12 + j];
-                block[(3 * s + i) * 64 + c * 4 + j] =
-                    (uint8_t)(code[16 * s + 4 * i + j] | (((last >> (2 * i)) & 3) << 6));
-            }
+#define LOW4 0x0f0f0f0fu
+
+/* 4-bit vector v of a block of 32 whose codes are nibbles of q[0..31] (q's low nibbles where `high` is 0):
+ * inputs 8v..8v+3 from q[8v..8v+3] into the low nibbles, 8v+4..8v+7 from q[8v+4..8v+7] into the high ones */
+static inline uint32_t nibble_vector(const uint8_t *q, int v, int high) {
+    const uint32_t a = load4(q + 8 * v), b = load4(q + 8 * v + 4);
+    return high ? ((a >> 4) & LOW4) | (b & ~LOW4) : (a & LOW4) | ((b & LOW4) << 4);
 }
 
 static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, uint8_t *tiles, uint16_t *scale,
@@ -112,7 +110,6 @@ static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, 
     const size_t bytes = eight ? 34 : 18, vec = eight ? 512 : 256;
     const float limit = 65504.0f / (eight ? 128 : 32), factor = eight ? -128.0f : -8.0f;
     int64_t bad = 0;
-    uint8_t code[32];
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + b * bytes;
         const uint16_t d = load_half(p);
@@ -120,15 +117,11 @@ static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, 
         bad += outside(df, limit);
         scale[b * TILE + c] = d;
         offset[b * TILE + c] = float_to_half(df * factor);
+        uint8_t *block = tiles + b * vec + c * 4;
         if (eight) {
-            for (int l = 0; l < 32; l++) code[l] = p[2 + l] ^ 0x80;
-            put8(tiles + b * vec, c, code);
-        } else {
-            for (int l = 0; l < 16; l++) {
-                code[l] = p[2 + l] & 0x0f;
-                code[l + 16] = p[2 + l] >> 4;
-            }
-            put4(tiles + b * vec, c, code);
+            for (int v = 0; v < 8; v++) store4(block + v * 64, load4(p + 2 + 4 * v) ^ 0x80808080u);
+        } else { /* inputs 0..15 are qs[0..15]'s low nibbles, 16..31 their high ones */
+            for (int v = 0; v < 4; v++) store4(block + v * 64, nibble_vector(p + 2, v & 1, v >> 1));
         }
     }
     return bad;
@@ -138,7 +131,7 @@ static int64_t group_q5_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
                           uint16_t *offset) {
     const float limit = 65504.0f / 32;
     int64_t bad = 0;
-    uint8_t code[32], sc[8], m[8];
+    uint8_t sc[8], m[8];
     for (int64_t s = 0; s < ns; s++) {
         const uint8_t *p = row + s * 176, *qh = p + 16, *qs = p + 48;
         const float d = half_to_float(load_half(p)), dmin = half_to_float(load_half(p + 2));
@@ -149,9 +142,12 @@ static int64_t group_q5_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
             bad += outside(step, limit) + outside(low, limit);
             scale[b * TILE + c] = float_to_half(step);
             offset[b * TILE + c] = float_to_half(low);
-            for (int l = 0; l < 32; l++)
-                code[l] = (uint8_t)(((qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 0x0f) | (((qh[l] >> j) & 1) << 4));
-            put8(tiles + b * 512, c, code);
+            /* element l of sub-block j: nibble (j odd: high) of qs[32 (j / 2) + l], bit j of qh[l] above it */
+            const uint8_t *q = qs + 32 * (j / 2);
+            uint8_t *block = tiles + b * 512 + c * 4;
+            for (int v = 0; v < 8; v++)
+                store4(block + v * 64,
+                       ((load4(q + 4 * v) >> (4 * (j & 1))) & LOW4) | (((load4(qh + 4 * v) >> j) & 0x01010101u) << 4));
         }
     }
     return bad;
@@ -160,7 +156,7 @@ static int64_t group_q5_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
 static int64_t group_q4_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles, uint8_t *scm, uint16_t *dd) {
     const float limit = 65504.0f / 32;
     int64_t bad = 0;
-    uint8_t code[32], sc[8], m[8];
+    uint8_t sc[8], m[8];
     for (int64_t s = 0; s < ns; s++) {
         const uint8_t *p = row + s * 144, *qs = p + 16;
         const uint16_t dh = load_half(p), dminh = load_half(p + 2);
@@ -173,8 +169,9 @@ static int64_t group_q4_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
             bad += outside(d * (float)sc[j], limit) + outside(-(dmin * (float)m[j]), limit);
             scm[(b * 2) * TILE + c] = d == 0.0f ? 0 : sc[j];
             scm[(b * 2 + 1) * TILE + c] = dmin == 0.0f ? 0 : m[j];
-            for (int l = 0; l < 32; l++) code[l] = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 0x0f;
-            put4(tiles + b * 256, c, code);
+            /* sub-block j: the low (j even) or high nibbles of qs[32 (j / 2) ..] */
+            uint8_t *block = tiles + b * 256 + c * 4;
+            for (int v = 0; v < 4; v++) store4(block + v * 64, nibble_vector(qs + 32 * (j / 2), v, j & 1));
         }
     }
     return bad;
@@ -182,6 +179,7 @@ static int64_t group_q4_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
 
 static int64_t group_q6_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles, uint16_t *td, int8_t *tsc) {
     const float limit = 65504.0f / 128;
+    const uint32_t two = 0x03030303u;
     int64_t bad = 0;
     uint8_t code[256];
     for (int64_t s = 0; s < ns; s++) {
@@ -190,20 +188,30 @@ static int64_t group_q6_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
         const uint16_t dh = load_half(p + 208);
         const float d = half_to_float(dh);
         td[s * TILE + c] = dh;
+        /* half h, run r, element l: the low (r < 2) or high nibble of ql[64 h + 32 (r & 1) + l], bits 2r, 2r+1 of
+         * qh[32 h + l] above it */
         for (int h = 0; h < 2; h++)
-            for (int l = 0; l < 32; l++) {
-                const uint8_t a = ql[64 * h + l], b = ql[64 * h + 32 + l], hi = qh[32 * h + l];
+            for (int l = 0; l < 32; l += 4) {
+                const uint32_t a = load4(ql + 64 * h + l), b = load4(ql + 64 * h + 32 + l), hi = load4(qh + 32 * h + l);
                 uint8_t *o = code + 128 * h + l;
-                o[0] = (uint8_t)((a & 0x0f) | ((hi & 3) << 4));
-                o[32] = (uint8_t)((b & 0x0f) | (((hi >> 2) & 3) << 4));
-                o[64] = (uint8_t)((a >> 4) | (((hi >> 4) & 3) << 4));
-                o[96] = (uint8_t)((b >> 4) | (((hi >> 6) & 3) << 4));
+                store4(o, (a & LOW4) | ((hi & two) << 4));
+                store4(o + 32, (b & LOW4) | (((hi >> 2) & two) << 4));
+                store4(o + 64, ((a >> 4) & LOW4) | (((hi >> 4) & two) << 4));
+                store4(o + 96, ((b >> 4) & LOW4) | (((hi >> 6) & two) << 4));
             }
         for (int i = 0; i < 16; i++) {
             bad += outside(d * (float)sc[i], limit);
             tsc[((s * 8 + i / 2) * TILE + c) * 2 + (i & 1)] = d == 0.0f ? 0 : sc[i];
         }
-        for (int j = 0; j < 8; j++) put6(tiles + (s * 8 + j) * 384, c, code + 32 * j);
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *q = code + 32 * j;
+            uint8_t *block = tiles + (s * 8 + j) * 384 + c * 4;
+            for (int h = 0; h < 2; h++) {
+                const uint32_t last = load4(q + 16 * h + 12);
+                for (int i = 0; i < 3; i++)
+                    store4(block + (3 * h + i) * 64, load4(q + 16 * h + 4 * i) | (((last >> (2 * i)) & two) << 6));
+            }
+        }
     }
     return bad;
 }
