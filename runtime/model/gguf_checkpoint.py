@@ -14,10 +14,11 @@ features. Per family, what llama.cpp's converter did to the weights is undone or
 
 Nothing is allocated before the header is checked: the architecture, the tokenizer kind, every tensor's
 type and every tensor's shape against the sizes the header declares. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
-Q4_K, Q5_K and Q6_K matrices then stay in their blocks (runtime.quant.gguf_blocks.GGUFBlocks), parsed a
-chunk of rows at a time with each chunk's pages of the mapped file released (_parse_released); the model
-decides whether to run them packed; every other type is de-quantized by gguf-py one tensor at a time,
-when the model takes it.
+Q4_K, Q5_K and Q6_K matrices then stay in their blocks: each weight carries the file's bytes
+(DeferredTensor.raw, runtime.quant.gguf_raw.GGUFRaw), which the model lays straight into its kernels' tiles
+where it can; else load() parses them (runtime.quant.gguf_blocks.GGUFBlocks) a chunk of rows at a time with
+each chunk's pages of the mapped file released (_parse_released), and the model decides whether to run them
+packed; every other type is de-quantized by gguf-py one tensor at a time, when the model takes it.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ from runtime import Engine
 path = sys.argv[1]
 rss0 = status("VmRSS")
 start = time.perf_counter()
-engine = Engine.from_pretrained(path, kv_cache_bytes=1 << 30, max_num_seqs=32, max_num_batched_tokens=512)
+engine = Engine.from_pretrained(
+    path, kv_cache_bytes=1 << 30, max_num_seqs=32, max_num_batched_tokens=512, quantization="gguf"
+)
 load = time.perf_counter() - start
 kv = engine.kv.pool.numel() * engine.kv.pool.element_size()
 out = {"load_s": load, "rss": status("VmRSS") - rss0 - kv, "peak": status("VmHWM") - rss0 - kv, "kv_bytes": kv}
