@@ -123,16 +123,12 @@ def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMa
 
 
 def pack_raw(parts: list[GGUFRaw], dtype: torch.dtype) -> Int4Linear | None:
-    """A packed weight (Int4Linear.native_only) from the parts' bytes (stacked by rows): one NativeMatmul per run
-    of parts of one kind, a StackedMatmul of them where kinds differ (pack_stacked's form); each part's pages of
+    """A packed weight (Int4Linear.native_only) from the parts' bytes (stacked by rows): one NativeMatmul where
+    they share a kind, else a StackedMatmul of one per part (pack_stacked's form); each part's pages of
     the file released once laid out. None where a scale does not fit float16 (the caller parses instead).
     relayable() first."""
-    runs: list[list[GGUFRaw]] = []
-    for p in parts:
-        if runs and runs[-1][0].kind == p.kind:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
+    # one kind: one multiplication; kinds that differ: one per part, as pack_stacked makes them
+    runs = [parts] if len({p.kind for p in parts}) == 1 else [[p] for p in parts]
     natives = []
     for run in runs:
         native = tiles_from_raw(run)

@@ -72,7 +72,7 @@ def test_float16_edges_and_scales_that_do_not_fit(kernel_level):  # noqa: F811
 
 
 def test_mixed_kinds_stack_per_kind(kernel_level):  # noqa: F811
-    """q and k in Q4_K, v in Q6_K (a Q4_K_M layer): one multiplication per kind's run of parts, the same
+    """q and k in Q4_K, v in Q6_K (a Q4_K_M layer): one multiplication per part, the same
     products as the parsed blocks' StackedMatmul."""
     parts = [
         GGUFRaw(k, random_raw(k, 32, K, seed=i), (32, K)) for i, k in enumerate(["Q4_K", "Q4_K", "Q6_K"])
