@@ -49,6 +49,7 @@ SOURCES = [
         "decode_layers.c",
         "compute_threads.c",
         "isa_level.c",
+        "gguf_relayout.c",
     )
 ]
 HEADERS = [CSRC / name for name in ("vector_exp.h", "kernels.h", "bf16.h", "check.h")]
@@ -469,6 +470,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         [_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _int, _int, _int, _int],
     ),
     "quantized_matmul_vectorized": (_int, []),
+    "gguf_relayout": (_i64, [_int, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int]),
     "add_rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int, _int]),
     "gelu_mul": (None, [_ptr, _ptr, _i64, _i64, _int, _int]),

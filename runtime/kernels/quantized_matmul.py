@@ -127,6 +127,16 @@ class NativeMatmul:
         return self
 
     @classmethod
+    def from_tiles(cls, bits: int, tiles: tuple[torch.Tensor, ...], n: int, k: int) -> NativeMatmul:
+        """A weight held only in the many-row kernel's tiles, made elsewhere (runtime.quant.gguf_raw): the
+        (tiles, scale, offset) triple with_tiles, q4_k or q6_k would make for `bits`."""
+        self = cls.__new__(cls)
+        self.bits, self.one_row, self.tiles = bits, False, tuple(tiles)
+        self.codes, self.scale, self.offset = (torch.empty(n, 0, dtype=torch.uint8),) * 3
+        self.out_features, self.in_features, self.nbytes = n, k, 0
+        return self
+
+    @classmethod
     def q6_k(cls, codes: np.ndarray, sc: np.ndarray, d: np.ndarray) -> NativeMatmul:
         """Q6_K's own fields in the many-row kernel's 6-bit tiles (csrc/quantized_matmul.c, gemm_pair6), its
         one layout (every row count goes to gemm): codes [N, K] 0..63, sc [N, K / 16] int8, d [N, K / 256]

@@ -28,6 +28,9 @@ class DeferredTensor:
 
     shape: tuple[int, ...]
     load: Callable[[], object]
+    raw: object = None
+    """Where the weight is a GGUF matrix of a packed type: its bytes in the mapped file
+    (runtime.quant.gguf_raw.GGUFRaw), which the model may lay into its kernels' tiles without load()."""
 
 
 @dataclass

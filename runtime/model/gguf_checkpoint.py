@@ -14,10 +14,11 @@ features. Per family, what llama.cpp's converter did to the weights is undone or
 
 Nothing is allocated before the header is checked: the architecture, the tokenizer kind, every tensor's
 type and every tensor's shape against the sizes the header declares. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
-Q4_K, Q5_K and Q6_K matrices then stay in their blocks (runtime.quant.gguf_blocks.GGUFBlocks), parsed a
-chunk of rows at a time with each chunk's pages of the mapped file released (_parse_released); the model
-decides whether to run them packed; every other type is de-quantized by gguf-py one tensor at a time,
-when the model takes it.
+Q4_K, Q5_K and Q6_K matrices then stay in their blocks: each weight carries the file's bytes
+(DeferredTensor.raw, runtime.quant.gguf_raw.GGUFRaw), which the model lays straight into its kernels' tiles
+where it can; else load() parses them (runtime.quant.gguf_blocks.GGUFBlocks) a chunk of rows at a time with
+each chunk's pages of the mapped file released (_parse_released), and the model decides whether to run them
+packed; every other type is de-quantized by gguf-py one tensor at a time, when the model takes it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from runtime.model.rope_scaling import longrope_attention_factor
 from runtime.model_config import ModelConfig
 from runtime.progress import Progress
 from runtime.quant.gguf_blocks import TYPES, GGUFBlocks
+from runtime.quant.gguf_raw import GGUFRaw, release_pages
 
 PACKED_TYPES = TYPES
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
@@ -135,6 +137,8 @@ def read_gguf(path: Path, name: str, *, with_tokenizer: bool = True) -> Checkpoi
     progress = Progress(f"loading {name}", total=len(weights))
     for deferred in weights.values():
         deferred.load = _counted(deferred.load, progress)
+        if deferred.raw is not None:
+            deferred.raw.taken = _counted(lambda: None, progress)
     return Checkpoint(config, {n: w for n, w in weights.items() if n in expected}, source)
 
 
@@ -319,7 +323,14 @@ def _deferred(
             w = np.array(w if rows is None else w[rows[0] : rows[1]])  # a writable copy
         return _unpermute(w, unpermute) if unpermute and len(shape) >= 1 else w
 
-    return DeferredTensor(out_shape, load)
+    raw = None
+    if tensor.tensor_type.name in PACKED_TYPES and len(shape) == 2:
+        raw = GGUFRaw(tensor.tensor_type.name, tensor.data.reshape(shape[0], -1).view(np.uint8), shape)
+        if rows is not None:
+            raw = raw.take_rows(np.arange(*rows))
+        if unpermute:
+            raw = raw.take_rows(_unpermuted_order(out_shape[0], unpermute))
+    return DeferredTensor(out_shape, load, raw)
 
 
 PARSE_CHUNK_BYTES = 16 << 20
@@ -361,30 +372,15 @@ def _parse_released(kind: str, data: np.ndarray, shape: tuple[int, int]) -> GGUF
 
 
 def _release(view: np.ndarray) -> None:
-    """madvise(MADV_DONTNEED) the whole pages of a read-only memory-mapped array's bytes (a no-op
-    elsewhere): they leave this process's resident set and are read from the page cache if touched again."""
-    import ctypes
-    import mmap
-
-    if not isinstance(view, np.memmap) and not isinstance(
-        getattr(view, "base", None), (np.memmap, mmap.mmap)
-    ):
-        base = view
-        while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
-            base = getattr(base, "base", None)
-        if base is None:
-            return
-    page = mmap.PAGESIZE
-    start = view.ctypes.data
-    end = start + view.nbytes
-    lo, hi = -(-start // page) * page, end // page * page
-    if hi > lo:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
+    release_pages(view)
 
 
 def _unpermute(w: np.ndarray | GGUFBlocks, n_head: int) -> np.ndarray | GGUFBlocks:
     """Undo llama.cpp's interleaved-RoPE row order: rows (head, pair, 2) -> (head, 2, pair)."""
-    out_dim = w.shape[0]
-    order = np.arange(out_dim).reshape(n_head, out_dim // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
+    order = _unpermuted_order(w.shape[0], n_head)
     return w.take_rows(order) if isinstance(w, GGUFBlocks) else np.ascontiguousarray(w[order])
+
+
+def _unpermuted_order(out_dim: int, n_head: int) -> np.ndarray:
+    """The file's row of each row in Hugging Face's order (_unpermute)."""
+    return np.arange(out_dim).reshape(n_head, out_dim // n_head // 2, 2).swapaxes(1, 2).reshape(-1)

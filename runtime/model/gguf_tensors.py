@@ -53,9 +53,10 @@ def read_gguf_tensors(path: str | Path) -> list[GGUFTensor]:
         alignment = DEFAULT_ALIGNMENT
         for _ in range(pairs):
             key = cursor.string()
-            value = cursor.value(cursor.unpack("<I"))
             if key == "general.alignment":
-                alignment = int(value)
+                alignment = int(cursor.value(cursor.unpack("<I")))
+            else:
+                cursor.skip(cursor.unpack("<I"))
         infos = []
         for _ in range(count):
             name = cursor.string()

@@ -30,6 +30,7 @@ from runtime.model.decode_layers import NativeDecode
 from runtime.model.rope_scaling import inverse_frequencies
 from runtime.model_config import ModelConfig
 from runtime.quant.gguf_blocks import GGUFBlocks
+from runtime.quant.gguf_raw import pack_raw, relayable
 from runtime.quant.linear import (
     BlockEmbedding,
     Int4Linear,
@@ -201,7 +202,28 @@ class LlamaModel:
 
         dense_budget = [dense_copy_bytes]  # bytes left for dense copies (None: no cap)
 
+        def from_file(names: list[str], how: str):
+            """The weights laid from the file's bytes straight into the C kernels' tiles (runtime.quant.gguf_raw),
+            where each has a path there and no dense copy is asked for; else None."""
+            raws = [getattr(weights.get(n), "raw", None) for n in names]
+            if (
+                how != "gguf"
+                or dense_budget[0] is not None
+                or device.type != "cpu"
+                or any(r is None or n in shared for n, r in zip(names, raws))
+                or not relayable(raws, dtype)
+            ):
+                return None
+            w = pack_raw(raws, dtype)
+            if w is not None:
+                for n in names:
+                    weights[n].raw.taken()
+            return w
+
         def proj(names: list[str], how: str = quantization):
+            from_raw = from_file(names, how)
+            if from_raw is not None:
+                return from_raw
             parts = [source(n) for n in names]
             # parts of different kinds (a K-quant mix), each in its own kind's tiles, where no dense copy is asked
             stacked = (
@@ -235,9 +257,19 @@ class LlamaModel:
             for i in range(config.num_layers)
         ]
 
-        embed = source("model.embed_tokens.weight")
+        tied = None
+        if quantization == "gguf" and config.tie_word_embeddings:
+            tied = from_file(["model.embed_tokens.weight"], quantization)
+        if tied is not None:
+            # one copy of the table's blocks, laid from the file: the tied LM head and the lookups
+            self.lm_head, embed = tied, None
+            self.embed = BlockEmbedding(self.lm_head.native, dtype)
+        else:
+            embed = source("model.embed_tokens.weight")
         _return_freed_memory()  # the parse's chunks: a large table's blocks are made a chunk at a time
-        if (
+        if tied is not None:
+            pass
+        elif (
             quantization == "gguf"
             and config.tie_word_embeddings
             and isinstance(embed, GGUFBlocks)

@@ -1,0 +1,252 @@
+/* GGUF blocks straight from the file's bytes into the many-row kernel's tiles (csrc/quantized_matmul.c's
+ * layouts, runtime/kernels/quantized_matmul.py says which), each group of 16 output rows by one thread, with no
+ * copy in between: the load's only pass over a matrix's bytes.
+ *
+ * kind (GGUF_* below) and its buffers, g = N / 16 tile groups, nb = K / 32 blocks, ns = K / 256 super-blocks:
+ *   Q4_0  tiles [g, nb, 4, 16, 4] 4-bit, scale and offset [g, nb, 16] float16: d and -8 d
+ *   Q8_0  tiles [g, nb, 8, 16, 4] codes q + 128, scale and offset [g, nb, 16] float16: d and -128 d
+ *   Q5_K  tiles [g, nb, 8, 16, 4] codes 0..31, scale and offset [g, nb, 16] float16: d sc and -dmin m, each
+ *         formed in float32 and rounded to float16 (to nearest even)
+ *   Q4_K  tiles [g, nb, 4, 16, 4] 4-bit, scale [g, nb, 2, 16] uint8: sc | m, offset [g, ns, 2, 16] float16:
+ *         d | dmin (sc 0 where d is 0, m 0 where dmin is 0)
+ *   Q6_K  tiles [g, nb, 6, 64] 6-bit, scale [g, ns, 16] float16: d, offset [g, nb, 16, 2] int8: sc (0 where d
+ *         is 0)
+ * 4-bit tiles: vector v of a block holds per column the codes of inputs 8v..8v+3 in its low nibbles and
+ * 8v+4..8v+7 in its high ones; 8-bit: inputs 4v..4v+3; 6-bit: vector 3s+i holds code vector 4s+i (inputs
+ * 4(4s+i)..+3) in its low 6 bits and 2 bits of code vector 4s+3 in its top 2.
+ * Output row r reads the file's row rows[r] (rows NULL: row r), row_bytes apart. Returns how many of the
+ * scales and offsets the other layouts' float16 could not hold (runtime/quant/gguf_blocks.py, fits_float16:
+ * |value| above 65504 / 128 for Q8_0 and Q6_K, 65504 / 32 for the others, or not finite); the caller then
+ * takes another path. */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define TILE 16
+#define GGUF_Q4_0 0
+#define GGUF_Q8_0 1
+#define GGUF_Q5_K 2
+#define GGUF_Q4_K 3
+#define GGUF_Q6_K 4
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {
+        const float f = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 to float16, to nearest even (as numpy's astype and torch's conversion), infinities and NaNs kept */
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00 | (uint16_t)((ax >> 13) & 0x3ff);
+    if (ax >= 0x477ff000u) return sign | 0x7c00; /* 65520 and up round to infinity */
+    if (ax < 0x38800000u) {                      /* below 2^-14: a subnormal, m 2^-24 */
+        float v;
+        memcpy(&v, &ax, sizeof v);
+        volatile float t = v * 16777216.0f + 8388608.0f; /* the addition rounds to an integer, to nearest even */
+        return sign | (uint16_t)(t - 8388608.0f);
+    }
+    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);
+    return sign | (uint16_t)((r - (112u << 23)) >> 13);
+}
+
+static inline uint16_t load_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return h;
+}
+
+static inline int outside(float v, float limit) { return !(v <= limit && v >= -limit); }
+
+/* Q4_K / Q5_K's 12 bytes of 6-bit scales: sc[j] and m[j] of sub-block j (ggml's get_scale_min_k4) */
+static inline void k_scales(const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        m[j] = q[j + 4] & 63;
+        sc[j + 4] = (q[j + 8] & 0x0f) | ((q[j] >> 6) << 4);
+        m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+    }
+}
+
+/* Four bytes at a time (little-endian loads and stores, as on every target the kernels build for): a tile's
+ * vector holds 4 bytes per column, and the file's bytes for them lie next to each other. */
+static inline uint32_t load4(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store4(uint8_t *p, uint32_t v) { memcpy(p, &v, sizeof v); }
+
+#define LOW4 0x0f0f0f0fu
+
+/* 4-bit vector v of a block of 32 whose codes are nibbles of q[0..31] (q's low nibbles where `high` is 0):
+ * inputs 8v..8v+3 from q[8v..8v+3] into the low nibbles, 8v+4..8v+7 from q[8v+4..8v+7] into the high ones */
+static inline uint32_t nibble_vector(const uint8_t *q, int v, int high) {
+    const uint32_t a = load4(q + 8 * v), b = load4(q + 8 * v + 4);
+    return high ? ((a >> 4) & LOW4) | (b & ~LOW4) : (a & LOW4) | ((b & LOW4) << 4);
+}
+
+static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, uint8_t *tiles, uint16_t *scale,
+                               uint16_t *offset) {
+    const int eight = kind == GGUF_Q8_0;
+    const size_t bytes = eight ? 34 : 18, vec = eight ? 512 : 256;
+    const float limit = 65504.0f / (eight ? 128 : 32), factor = eight ? -128.0f : -8.0f;
+    int64_t bad = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + b * bytes;
+        const uint16_t d = load_half(p);
+        const float df = half_to_float(d);
+        bad += outside(df, limit);
+        scale[b * TILE + c] = d;
+        offset[b * TILE + c] = float_to_half(df * factor);
+        uint8_t *block = tiles + b * vec + c * 4;
+        if (eight) {
+            for (int v = 0; v < 8; v++) store4(block + v * 64, load4(p + 2 + 4 * v) ^ 0x80808080u);
+        } else { /* inputs 0..15 are qs[0..15]'s low nibbles, 16..31 their high ones */
+            for (int v = 0; v < 4; v++) store4(block + v * 64, nibble_vector(p + 2, v & 1, v >> 1));
+        }
+    }
+    return bad;
+}
+
+static int64_t group_q5_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles, uint16_t *scale,
+                          uint16_t *offset) {
+    const float limit = 65504.0f / 32;
+    int64_t bad = 0;
+    uint8_t sc[8], m[8];
+    for (int64_t s = 0; s < ns; s++) {
+        const uint8_t *p = row + s * 176, *qh = p + 16, *qs = p + 48;
+        const float d = half_to_float(load_half(p)), dmin = half_to_float(load_half(p + 2));
+        k_scales(p + 4, sc, m);
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = s * 8 + j;
+            const float step = d * (float)sc[j], low = -(dmin * (float)m[j]);
+            bad += outside(step, limit) + outside(low, limit);
+            scale[b * TILE + c] = float_to_half(step);
+            offset[b * TILE + c] = float_to_half(low);
+            /* element l of sub-block j: nibble (j odd: high) of qs[32 (j / 2) + l], bit j of qh[l] above it */
+            const uint8_t *q = qs + 32 * (j / 2);
+            uint8_t *block = tiles + b * 512 + c * 4;
+            for (int v = 0; v < 8; v++)
+                store4(block + v * 64,
+                       ((load4(q + 4 * v) >> (4 * (j & 1))) & LOW4) | (((load4(qh + 4 * v) >> j) & 0x01010101u) << 4));
+        }
+    }
+    return bad;
+}
+
+static int64_t group_q4_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles, uint8_t *scm, uint16_t *dd) {
+    const float limit = 65504.0f / 32;
+    int64_t bad = 0;
+    uint8_t sc[8], m[8];
+    for (int64_t s = 0; s < ns; s++) {
+        const uint8_t *p = row + s * 144, *qs = p + 16;
+        const uint16_t dh = load_half(p), dminh = load_half(p + 2);
+        const float d = half_to_float(dh), dmin = half_to_float(dminh);
+        k_scales(p + 4, sc, m);
+        dd[(s * 2) * TILE + c] = dh;
+        dd[(s * 2 + 1) * TILE + c] = dminh;
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = s * 8 + j;
+            bad += outside(d * (float)sc[j], limit) + outside(-(dmin * (float)m[j]), limit);
+            scm[(b * 2) * TILE + c] = d == 0.0f ? 0 : sc[j];
+            scm[(b * 2 + 1) * TILE + c] = dmin == 0.0f ? 0 : m[j];
+            /* sub-block j: the low (j even) or high nibbles of qs[32 (j / 2) ..] */
+            uint8_t *block = tiles + b * 256 + c * 4;
+            for (int v = 0; v < 4; v++) store4(block + v * 64, nibble_vector(qs + 32 * (j / 2), v, j & 1));
+        }
+    }
+    return bad;
+}
+
+static int64_t group_q6_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles, uint16_t *td, int8_t *tsc) {
+    const float limit = 65504.0f / 128;
+    const uint32_t two = 0x03030303u;
+    int64_t bad = 0;
+    uint8_t code[256];
+    for (int64_t s = 0; s < ns; s++) {
+        const uint8_t *p = row + s * 210, *ql = p, *qh = p + 128;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        const uint16_t dh = load_half(p + 208);
+        const float d = half_to_float(dh);
+        td[s * TILE + c] = dh;
+        /* half h, run r, element l: the low (r < 2) or high nibble of ql[64 h + 32 (r & 1) + l], bits 2r, 2r+1 of
+         * qh[32 h + l] above it */
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l += 4) {
+                const uint32_t a = load4(ql + 64 * h + l), b = load4(ql + 64 * h + 32 + l), hi = load4(qh + 32 * h + l);
+                uint8_t *o = code + 128 * h + l;
+                store4(o, (a & LOW4) | ((hi & two) << 4));
+                store4(o + 32, (b & LOW4) | (((hi >> 2) & two) << 4));
+                store4(o + 64, ((a >> 4) & LOW4) | (((hi >> 4) & two) << 4));
+                store4(o + 96, ((b >> 4) & LOW4) | (((hi >> 6) & two) << 4));
+            }
+        for (int i = 0; i < 16; i++) {
+            bad += outside(d * (float)sc[i], limit);
+            tsc[((s * 8 + i / 2) * TILE + c) * 2 + (i & 1)] = d == 0.0f ? 0 : sc[i];
+        }
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *q = code + 32 * j;
+            uint8_t *block = tiles + (s * 8 + j) * 384 + c * 4;
+            for (int h = 0; h < 2; h++) {
+                const uint32_t last = load4(q + 16 * h + 12);
+                for (int i = 0; i < 3; i++)
+                    store4(block + (3 * h + i) * 64, load4(q + 16 * h + 4 * i) | (((last >> (2 * i)) & two) << 6));
+            }
+        }
+    }
+    return bad;
+}
+
+int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,
+                      void *tiles, void *scale, void *offset, int num_threads) {
+    const int64_t groups = N / TILE, nb = K / 32, ns = K / 256;
+    const int64_t vec = kind == GGUF_Q6_K ? 384 : (kind == GGUF_Q4_0 || kind == GGUF_Q4_K) ? 256 : 512;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : bad)
+    for (int64_t t = 0; t < groups; t++) {
+        uint8_t *tile = (uint8_t *)tiles + t * nb * vec;
+        for (int c = 0; c < TILE; c++) {
+            const int64_t r = rows ? rows[t * TILE + c] : t * TILE + c;
+            const uint8_t *row = src + r * row_bytes;
+            switch (kind) {
+            case GGUF_Q4_0:
+            case GGUF_Q8_0:
+                bad += group_q4_0_q8_0(kind, row, c, nb, tile, (uint16_t *)scale + t * nb * TILE,
+                                       (uint16_t *)offset + t * nb * TILE);
+                break;
+            case GGUF_Q5_K:
+                bad += group_q5_k(row, c, ns, tile, (uint16_t *)scale + t * nb * TILE,
+                                  (uint16_t *)offset + t * nb * TILE);
+                break;
+            case GGUF_Q4_K:
+                bad += group_q4_k(row, c, ns, tile, (uint8_t *)scale + t * nb * 2 * TILE,
+                                  (uint16_t *)offset + t * ns * 2 * TILE);
+                break;
+            case GGUF_Q6_K:
+                bad += group_q6_k(row, c, ns, tile, (uint16_t *)scale + t * ns * TILE,
+                                  (int8_t *)offset + t * nb * TILE * 2);
+                break;
+            }
+        }
+    }
+    return bad;
+}

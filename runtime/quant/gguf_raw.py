@@ -1,0 +1,164 @@
+"""A GGUF matrix as the file's bytes (GGUFRaw), laid by the C kernels (csrc/gguf_relayout.c) straight into the
+many-row kernel's tiles: one pass over the mapped file per matrix, parallel over groups of 16 rows, with no
+parsed copy (GGUFBlocks) in between, so a load's peak is the tiles plus the matrix's pages of the file.
+
+The tiles are byte for byte those pack_native makes from the parsed blocks (tests/runtime/test_gguf_relayout.py
+compares them): Q4_0 and Q8_0 with float16 scales and offsets, Q5_K in the 8-bit tiles, Q4_K in its own tiles
+(the AVX2 level's), Q6_K in its 6-bit tiles. Where a kind, shape or level has no such path, or a scale does not
+fit float16 (GGUFBlocks.fits_float16), `pack_raw` returns None and the caller parses the blocks instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runtime.kernels import quantized_matmul as native_matmul
+from runtime.kernels.library import load
+from runtime.kernels.quantized_matmul import KQ4_BITS, TILE_COLUMNS, NativeMatmul
+from runtime.kernels.stacked_matmul import StackedMatmul
+from runtime.quant.linear import Int4Linear
+
+KINDS = {"Q4_0": 0, "Q8_0": 1, "Q5_K": 2, "Q4_K": 3, "Q6_K": 4}
+"""csrc/gguf_relayout.c's kind numbers."""
+BITS = {"Q4_0": 4, "Q8_0": 8, "Q5_K": 8, "Q4_K": KQ4_BITS, "Q6_K": 6}
+"""The tiles' `bits` (NativeMatmul.bits) per kind."""
+
+
+@dataclass
+class GGUFRaw:
+    """A matrix's bytes in the mapped file: data [file rows, bytes a row] uint8; output row r is the file's
+    row rows[r] (rows None: row r); shape (N, K) of the output."""
+
+    kind: str
+    data: np.ndarray
+    shape: tuple[int, int]
+    rows: np.ndarray | None = None
+    taken: Callable[[], None] = lambda: None
+    """Called once the model has made its weight from these bytes (the load's progress)."""
+
+    def take_rows(self, order: np.ndarray) -> GGUFRaw:
+        rows = np.asarray(order, np.int64) if self.rows is None else self.rows[order]
+        return GGUFRaw(self.kind, self.data, (len(rows), self.shape[1]), np.ascontiguousarray(rows, np.int64))
+
+    def release(self) -> None:
+        """Drop the matrix's pages of the mapped file from this process (release_pages)."""
+        release_pages(self.data)
+
+
+def _path(kind: str) -> bool:
+    """This library lays `kind` out into the tiles pack_native would choose for it here."""
+    if kind == "Q6_K":
+        return True
+    if kind == "Q4_K":
+        return native_matmul.q4_k_tiles()
+    return kind in KINDS and native_matmul.vector_loops()
+
+
+def relayable(parts: list[GGUFRaw], dtype: torch.dtype) -> bool:
+    """Every part has a path here (its kind, N % 32 == 0, K a whole number of its blocks, K % 64 == 0)."""
+    if load() is None or not parts or len({p.shape[1] for p in parts}) != 1:
+        return False
+    k = parts[0].shape[1]
+    if not native_matmul.usable(k, dtype, torch.device("cpu")):
+        return False
+    return all(
+        p.kind in KINDS
+        and _path(p.kind)
+        and p.shape[0] % (2 * TILE_COLUMNS) == 0
+        and k % (256 if p.kind.endswith("_K") else 32) == 0
+        for p in parts
+    )
+
+
+def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMatmul | None:
+    """The parts (one kind, stacked by rows) as one NativeMatmul in the many-row kernel's tiles, or None where
+    a scale does not fit float16. relayable() first."""
+    kind = parts[0].kind
+    assert all(p.kind == kind for p in parts)
+    n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    g, nb, ns = n // TILE_COLUMNS, k // 32, k // 256
+    if kind == "Q4_K":
+        bufs = (
+            torch.empty(g, nb, 4, TILE_COLUMNS, 4, dtype=torch.uint8),
+            torch.empty(g, nb, 2, TILE_COLUMNS, dtype=torch.uint8),
+            torch.empty(g, ns, 2, TILE_COLUMNS, dtype=torch.float16),
+        )
+    elif kind == "Q6_K":
+        bufs = (
+            torch.empty(g, nb, 6, 4 * TILE_COLUMNS, dtype=torch.uint8),
+            torch.empty(g, ns, TILE_COLUMNS, dtype=torch.float16),
+            torch.empty(g, nb, TILE_COLUMNS, 2, dtype=torch.int8),
+        )
+    else:
+        vectors = 4 if kind == "Q4_0" else 8
+        bufs = (
+            torch.empty(g, nb, vectors, TILE_COLUMNS, 4, dtype=torch.uint8),
+            torch.empty(g, nb, TILE_COLUMNS, dtype=torch.float16),
+            torch.empty(g, nb, TILE_COLUMNS, dtype=torch.float16),
+        )
+    lib = load()
+    threads = threads or torch.get_num_threads()
+    at = 0  # tile groups written so far
+    for p in parts:
+        rows = p.rows
+        data = p.data
+        bad = lib.gguf_relayout(
+            KINDS[kind],
+            data.ctypes.data,
+            data.strides[0],
+            0 if rows is None else rows.ctypes.data,
+            p.shape[0],
+            k,
+            *(b[at:].data_ptr() for b in bufs),
+            threads,
+        )
+        if bad:
+            return None
+        at += p.shape[0] // TILE_COLUMNS
+    return NativeMatmul.from_tiles(BITS[kind], bufs, n, k)
+
+
+def pack_raw(parts: list[GGUFRaw], dtype: torch.dtype) -> Int4Linear | None:
+    """A packed weight (Int4Linear.native_only) from the parts' bytes (stacked by rows): one NativeMatmul where
+    they share a kind, else a StackedMatmul of one per part (pack_stacked's form); each part's pages of
+    the file released once laid out. None where a scale does not fit float16 (the caller parses instead).
+    relayable() first."""
+    # one kind: one multiplication; kinds that differ: one per part, as pack_stacked makes them
+    runs = [parts] if len({p.kind for p in parts}) == 1 else [[p] for p in parts]
+    natives = []
+    for run in runs:
+        native = tiles_from_raw(run)
+        if native is None:
+            return None
+        natives.append(native)
+    for p in parts:
+        p.release()
+    native = natives[0] if len(natives) == 1 else StackedMatmul(natives)
+    return Int4Linear.native_only(native, dtype)
+
+
+def release_pages(view: np.ndarray) -> None:
+    """madvise(MADV_DONTNEED) the whole pages of a read-only memory-mapped array's bytes (a no-op
+    elsewhere): they leave this process's resident set and are read from the page cache if touched again."""
+    import ctypes
+    import mmap
+
+    if not isinstance(view, np.memmap) and not isinstance(
+        getattr(view, "base", None), (np.memmap, mmap.mmap)
+    ):
+        base = view
+        while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
+            base = getattr(base, "base", None)
+        if base is None:
+            return
+    page = mmap.PAGESIZE
+    start = view.ctypes.data
+    end = start + view.nbytes
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
