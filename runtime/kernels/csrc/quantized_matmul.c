@@ -522,6 +522,11 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
 #endif
 
 #if QMM_AVX2
+/* Pins a vector in a register at this point of the loop: GCC otherwise re-associates a tile's integer sums
+ * (exact either way) into a tree that computes every product of a block first, and the tile's accumulators
+ * and those products no longer fit AVX2's 16 registers (the 4-row tiles spilled ~47 vectors a block). */
+#define PIN(v) __asm__("" : "+x"(v))
+
 /* block_scale for 8 columns (half h of group gg): the same products, in vectors. */
 static inline void block_scale_avx2(const uint16_t *tscale, const uint16_t *toffset, int bits, int64_t nb, int64_t gg,
                                     int64_t b, int h, __m256 *d, __m256 *o) {
@@ -577,6 +582,7 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                         memcpy(&x1, x4 + 4, sizeof x1);
                         ia[r] = _mm256_add_epi16(ia[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
                         ia[r] = _mm256_add_epi16(ia[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                        PIN(ia[r]);
                     }
                 }
                 for (int r = 0; r < rows; r++) ia[r] = _mm256_madd_epi16(ia[r], ones);
@@ -590,6 +596,7 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                         memcpy(&x4, xq + (m0 + r) * K + b * QBLOCK + v * step, sizeof x4);
                         const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(x4), w);
                         ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+                        PIN(ia[r]);
                     }
                 }
             }
@@ -636,6 +643,7 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
                     const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
                     ia[q] = _mm256_add_epi16(ia[q], _mm256_maddubs_epi16(lo, bx0));
                     ia[q] = _mm256_add_epi16(ia[q], _mm256_maddubs_epi16(hi, bx1));
+                    PIN(ia[q]);
                 }
             }
             for (int q = 0; q < 4; q++) ia[q] = _mm256_madd_epi16(ia[q], ones);
@@ -649,6 +657,7 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
                     const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(cq[q] + v * 64)), flip);
                     const __m256i signed_x = _mm256_sign_epi8(bx, w);
                     ia[q] = _mm256_add_epi32(ia[q], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), signed_x), ones));
+                    PIN(ia[q]);
                 }
             }
         }
