@@ -66,6 +66,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         """Every unfinished request (waiting, preempted or running) by id."""
         self.num_preemptions = 0
+        """Requests preempted because the KV pool ran out of blocks."""
+        self.num_displacements = 0
+        """Requests preempted so that the policy's choice could start (Policy.displace)."""
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0  # of those, tokens found there
         self.num_computed_tokens = 0  # tokens run through the model (prefill chunks and decodes)
@@ -248,7 +251,7 @@ class Scheduler:
             victim = self.policy.displace(running)
             if victim is not None:
                 budget += self._unplan(out, victim)
-                self._preempt(victim, running.index(victim))
+                self._preempt(victim, running.index(victim), displaced=True)
                 out.preempted.append(victim)
         # Blocks that running requests still need to finish their prompts (or whose decode
         # was left out of this step): admission must not take them.
@@ -320,7 +323,7 @@ class Scheduler:
             self.policy.charge_fork(parent, child)
         parent.forks = []
 
-    def _preempt(self, request: Request, index: int) -> None:
+    def _preempt(self, request: Request, index: int, displaced: bool = False) -> None:
         del self.running[index]
         request.spec_token_ids = []
         self._runner_view.drop(request, finished=False)
@@ -328,7 +331,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        if displaced:
+            self.num_displacements += 1
+        else:
+            self.num_preemptions += 1
         tally = self._tenants[request.tenant]
         tally.running -= 1
         tally.waiting += 1
@@ -472,6 +478,7 @@ class Scheduler:
             prefix_cache_queries=self.prefix_queries,
             prefix_cache_hits=self.prefix_hits,
             num_preemptions=self.num_preemptions,
+            num_displacements=self.num_displacements,
             computed_tokens=self.num_computed_tokens,
             generated_tokens=self.num_generated_tokens,
             policy=self.policy.name,

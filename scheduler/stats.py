@@ -85,6 +85,9 @@ class SchedulerStats(_ByName):
     """Prompt tokens looked up in the prefix cache at admission."""
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    """Requests preempted for want of KV blocks."""
+    num_displacements: int = 0
+    """Requests preempted to give a sparse tenant a slot of a full batch (dlpm)."""
     computed_tokens: int = 0
     """Tokens run through the model (prefill chunks and decodes)."""
     generated_tokens: int = 0

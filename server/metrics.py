@@ -284,6 +284,11 @@ class _EngineCollector:
             stats.get("num_preemptions", 0),
         )
         yield counter(
+            "num_displacements",
+            "Requests preempted to give a low-rate tenant a slot of a full batch (dlpm).",
+            stats.get("num_displacements", 0),
+        )
+        yield counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
             stats.get("prefix_cache_queries", 0),
