@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "f16.h"
 #include "kernels.h"
 
 #define TILE 16
@@ -29,43 +30,6 @@
 #define GGUF_Q5_K 2
 #define GGUF_Q4_K 3
 #define GGUF_Q6_K 4
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else {
-        const float f = (float)mant * 5.9604644775390625e-8f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* float32 to float16, to nearest even (as numpy's astype and torch's conversion), infinities and NaNs kept */
-static inline uint16_t float_to_half(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
-    const uint32_t ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return sign | 0x7e00 | (uint16_t)((ax >> 13) & 0x3ff);
-    if (ax >= 0x477ff000u) return sign | 0x7c00; /* 65520 and up round to infinity */
-    if (ax < 0x38800000u) {                      /* below 2^-14: a subnormal, m 2^-24 */
-        float v;
-        memcpy(&v, &ax, sizeof v);
-        volatile float t = v * 16777216.0f + 8388608.0f; /* the addition rounds to an integer, to nearest even */
-        return sign | (uint16_t)(t - 8388608.0f);
-    }
-    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);
-    return sign | (uint16_t)((r - (112u << 23)) >> 13);
-}
 
 static inline uint16_t load_half(const uint8_t *p) {
     uint16_t h;
@@ -113,10 +77,10 @@ static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + b * bytes;
         const uint16_t d = load_half(p);
-        const float df = half_to_float(d);
+        const float df = f16_to_f32(d);
         bad += outside(df, limit);
         scale[b * TILE + c] = d;
-        offset[b * TILE + c] = float_to_half(df * factor);
+        offset[b * TILE + c] = f32_to_f16(df * factor);
         uint8_t *block = tiles + b * vec + c * 4;
         if (eight) {
             for (int v = 0; v < 8; v++) store4(block + v * 64, load4(p + 2 + 4 * v) ^ 0x80808080u);
@@ -134,14 +98,14 @@ static int64_t group_q5_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
     uint8_t sc[8], m[8];
     for (int64_t s = 0; s < ns; s++) {
         const uint8_t *p = row + s * 176, *qh = p + 16, *qs = p + 48;
-        const float d = half_to_float(load_half(p)), dmin = half_to_float(load_half(p + 2));
+        const float d = f16_to_f32(load_half(p)), dmin = f16_to_f32(load_half(p + 2));
         k_scales(p + 4, sc, m);
         for (int j = 0; j < 8; j++) {
             const int64_t b = s * 8 + j;
             const float step = d * (float)sc[j], low = -(dmin * (float)m[j]);
             bad += outside(step, limit) + outside(low, limit);
-            scale[b * TILE + c] = float_to_half(step);
-            offset[b * TILE + c] = float_to_half(low);
+            scale[b * TILE + c] = f32_to_f16(step);
+            offset[b * TILE + c] = f32_to_f16(low);
             /* element l of sub-block j: nibble (j odd: high) of qs[32 (j / 2) + l], bit j of qh[l] above it */
             const uint8_t *q = qs + 32 * (j / 2);
             uint8_t *block = tiles + b * 512 + c * 4;
@@ -160,7 +124,7 @@ static int64_t group_q4_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
     for (int64_t s = 0; s < ns; s++) {
         const uint8_t *p = row + s * 144, *qs = p + 16;
         const uint16_t dh = load_half(p), dminh = load_half(p + 2);
-        const float d = half_to_float(dh), dmin = half_to_float(dminh);
+        const float d = f16_to_f32(dh), dmin = f16_to_f32(dminh);
         k_scales(p + 4, sc, m);
         dd[(s * 2) * TILE + c] = dh;
         dd[(s * 2 + 1) * TILE + c] = dminh;
@@ -186,7 +150,7 @@ static int64_t group_q6_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
         const uint8_t *p = row + s * 210, *ql = p, *qh = p + 128;
         const int8_t *sc = (const int8_t *)(p + 192);
         const uint16_t dh = load_half(p + 208);
-        const float d = half_to_float(dh);
+        const float d = f16_to_f32(dh);
         td[s * TILE + c] = dh;
         /* half h, run r, element l: the low (r < 2) or high nibble of ql[64 h + 32 (r & 1) + l], bits 2r, 2r+1 of
          * qh[32 h + l] above it */

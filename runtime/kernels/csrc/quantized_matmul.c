@@ -29,6 +29,7 @@
 
 #include "bf16.h"
 #include "check.h"
+#include "f16.h"
 #include "kernels.h"
 #include "vector_exp.h"
 
@@ -47,25 +48,6 @@
 
 #define QBLOCK 32
 #define ROW_TILE 16
-
-static inline float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else { /* subnormal: m * 2^-24 */
-        const float f = (float)mant * 5.9604644775390625e-8f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* One row of activations into int8 blocks: xq [K], dx [K/32], sx [K/32] = dx * sum(xq), xs [K/32] = sum(xq).
  * A NaN in a block makes its d NaN (and its codes 0), so that it reaches every output of the row, as in a
