@@ -122,6 +122,20 @@ RESPONSES = RequestBody(
 
 # ---- Anthropic Messages ------------------------------------------------------------------------------
 
+TEXT_OR_TEXT_BLOCKS = {
+    "oneOf": [
+        TEXT,
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "text"],
+                "properties": {"type": {"const": "text"}, "text": TEXT},
+            },
+        },
+    ]
+}
+"""A string, or a list of {"type": "text", "text": ...} blocks (Anthropic's system and tool_result content)."""
 ANTHROPIC_BLOCK = {
     "type": "object",
     "required": ["type"],
@@ -132,19 +146,7 @@ ANTHROPIC_BLOCK = {
         "name": TEXT,
         "input": {"type": "object"},
         "tool_use_id": TEXT,
-        "content": {
-            "oneOf": [
-                TEXT,
-                {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["type", "text"],
-                        "properties": {"type": {"const": "text"}, "text": TEXT},
-                    },
-                },
-            ]
-        },
+        "content": TEXT_OR_TEXT_BLOCKS,
         "is_error": {"type": "boolean"},
     },
 }
@@ -161,19 +163,7 @@ ANTHROPIC_MESSAGES = {
         },
     },
 }
-ANTHROPIC_SYSTEM = {
-    "oneOf": [
-        TEXT,
-        {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["type", "text"],
-                "properties": {"type": {"const": "text"}, "text": TEXT},
-            },
-        },
-    ]
-}
+ANTHROPIC_SYSTEM = TEXT_OR_TEXT_BLOCKS
 ANTHROPIC_TOOLS = {
     "type": "array",
     "maxItems": MAX_TOOLS,
