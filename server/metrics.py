@@ -285,7 +285,7 @@ class _EngineCollector:
         )
         yield counter(
             "num_displacements",
-            "Requests preempted to give a low-rate tenant a slot of a full batch (dlpm).",
+            "Running requests sent back to the queue so that a low-rate sender could start in a full batch (dlpm).",
             stats.get("num_displacements", 0),
         )
         yield counter(
