@@ -257,19 +257,9 @@ class LlamaModel:
             for i in range(config.num_layers)
         ]
 
-        tied = None
-        if quantization == "gguf" and config.tie_word_embeddings:
-            tied = from_file(["model.embed_tokens.weight"], quantization)
-        if tied is not None:
-            # one copy of the table's blocks, laid from the file: the tied LM head and the lookups
-            self.lm_head, embed = tied, None
-            self.embed = BlockEmbedding(self.lm_head.native, dtype)
-        else:
-            embed = source("model.embed_tokens.weight")
+        embed = source("model.embed_tokens.weight")
         _return_freed_memory()  # the parse's chunks: a large table's blocks are made a chunk at a time
-        if tied is not None:
-            pass
-        elif (
+        if (
             quantization == "gguf"
             and config.tie_word_embeddings
             and isinstance(embed, GGUFBlocks)
