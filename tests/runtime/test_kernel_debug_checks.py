@@ -67,27 +67,45 @@ BAD = [
 ]
 
 
-def run(case: str, debug: bool) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def debug_cache(tmp_path_factory) -> tuple[Path, str]:
+    """A kernel cache holding the debug library of the best level this CPU runs, built once for the module
+    where a build at first use would put it; and the compiler's warnings of that build."""
+    cache = tmp_path_factory.mktemp("debug-cache")
+    level = native_kernels.cpu_levels()[-1]
+    saved = os.environ.get("PRESCIENT_CACHE")
+    os.environ["PRESCIENT_CACHE"] = str(cache)
+    try:
+        target = native_kernels.cache_target(level, debug=True)
+    finally:
+        os.environ.pop("PRESCIENT_CACHE") if saved is None else os.environ.update(PRESCIENT_CACHE=saved)
+    target.parent.mkdir(parents=True)
+    warnings = native_kernels.build_level(level, target, timeout=600, debug=True)
+    return cache, warnings
+
+
+def run(case: str, debug: bool, cache: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PRESCIENT_KERNEL_DEBUG", "PRESCIENT_NATIVE")}
     env["PYTHONPATH"] = str(ROOT)
     env["PRESCIENT_NATIVE_BUILD_TIMEOUT"] = "600"  # a build at first use on a loaded machine
     if debug:
         env["PRESCIENT_KERNEL_DEBUG"] = "1"
+        env["PRESCIENT_CACHE"] = str(cache)
     return subprocess.run(
         [sys.executable, "-c", SCRIPT, case], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
 
 
 @pytest.fixture(scope="module")
-def debug_good() -> subprocess.CompletedProcess:
-    """The good shapes under the debug library (building it into the cache the first time)."""
-    return run("good", debug=True)
+def debug_good(debug_cache) -> subprocess.CompletedProcess:
+    """The good shapes under the debug library."""
+    return run("good", debug=True, cache=debug_cache[0])
 
 
-def test_debug_flag_loads_the_debug_library(debug_good):
+def test_debug_flag_loads_the_debug_library(debug_cache, debug_good):
     assert debug_good.returncode == 0, debug_good.stderr
     name = debug_good.stdout.splitlines()[0]
-    assert name.endswith("-debug.so"), name
+    assert name.endswith("-debug.so") and str(debug_cache[0]) in name, name  # the one built, not rebuilt
     release = run("good", debug=False)
     assert release.returncode == 0, release.stderr
     assert not release.stdout.splitlines()[0].endswith("-debug.so")
@@ -102,9 +120,9 @@ def test_good_shapes_give_the_release_results(debug_good):
 
 
 @pytest.mark.parametrize(("case", "kernel", "named"), BAD, ids=[case for case, _, _ in BAD])
-def test_a_bad_shape_aborts_naming_kernel_and_argument(debug_good, case, kernel, named):
+def test_a_bad_shape_aborts_naming_kernel_and_argument(debug_cache, debug_good, case, kernel, named):
     assert debug_good.returncode == 0, debug_good.stderr
-    bad = run(case, debug=True)
+    bad = run(case, debug=True, cache=debug_cache[0])
     assert bad.returncode == -signal.SIGABRT, (bad.returncode, bad.stderr)
     line = next(line for line in bad.stderr.splitlines() if line.startswith("prescient kernel"))
     assert line.startswith(f"prescient kernel {kernel}: argument {named}"), line
@@ -119,7 +137,5 @@ def test_release_build_has_no_checks(case, kernel, named):
     assert release.returncode == 0, release.stderr
 
 
-def test_the_debug_build_is_warning_free(tmp_path):
-    level = native_kernels.cpu_levels()[-1]
-    warnings = native_kernels.build_level(level, tmp_path / "debug.so", timeout=600, debug=True)
-    assert warnings.strip() == ""
+def test_the_debug_build_is_warning_free(debug_cache):
+    assert debug_cache[1].strip() == ""
