@@ -27,15 +27,16 @@ lets the cache decide the order *within* a fairness allowance:
   with no request waiting that sends one is *new*, and that request goes
   before the others' (longest match among new tenants) while the tenant's
   deficit is positive. A low-rate tenant then does not wait for the
-  backlogged tenants' cached prefixes to use up their round. A backlogged tenant always has a request waiting, so it is
-  never new; a tenant that keeps its queue empty gets its requests ahead only
-  while its deficit lasts, charged as any other, so it cannot take more than
-  its share. When the batch is full (max_num_seqs), such a request does not
-  wait for a slot to free: it takes one from the backlogged tenant with the
-  least deficit (Policy.displace), whose newest running request is preempted
-  and recomputed later from the prefix cache. Otherwise a low-rate tenant
-  would wait for the backlogged tenants' requests, which DLPM admits together
-  when their prefix is cached and which then end together.
+  backlogged tenants' cached prefixes to use up their round. A backlogged
+  tenant always has a request waiting, so it is never new; a tenant that
+  keeps its queue empty gets its requests ahead only while its deficit lasts,
+  charged as any other, so it cannot take more than its share. When the batch
+  is full (max_num_seqs), such a request does not wait for a slot to free: it
+  takes one from the backlogged tenant with the least deficit
+  (Policy.displace), whose newest running request is preempted and recomputed
+  later from the prefix cache. Otherwise a low-rate tenant would wait for the
+  backlogged tenants' requests, which DLPM admits together when their prefix
+  is cached and which then end together.
 
 Fairness bound. While two tenants are both backlogged they receive the same
 rounds, so the difference of their weighted service over any such interval
@@ -210,11 +211,8 @@ class DLPMPolicy(Policy):
         tenant = head.tenant
         if any(r.tenant == tenant for r in running):
             return None
-        deficits = self._deficits
         candidates = [r for r in running if not r.forks and self._index.has(r.tenant)]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda r: (deficits.get(r.tenant, 0.0), -r.arrival_time))
+        return self.victim(candidates) if candidates else None
 
     def victim(self, running: list[Request]) -> Request:
         """The newest running request of the tenant with the least deficit (served furthest ahead)."""

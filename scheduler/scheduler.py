@@ -247,19 +247,20 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         running = self.running
-        if running and len(running) + sum(len(r.forks) for r in running) >= self.config.max_num_seqs:
+        max_num_seqs = self.config.max_num_seqs
+        seqs = len(running) + sum(len(r.forks) for r in running)  # with forks due when their prompt ends
+        if running and seqs >= max_num_seqs:
             victim = self.policy.displace(running)
             if victim is not None:
                 budget += self._unplan(out, victim)
                 self._preempt(victim, running.index(victim), displaced=True)
                 out.preempted.append(victim)
+                seqs -= 1 + len(victim.forks)
         # Blocks that running requests still need to finish their prompts (or whose decode
         # was left out of this step): admission must not take them.
         reserved = 0
         for r in running:
             reserved += max(bm.blocks_needed(r.num_tokens) - len(r.block_table), 0)
-        max_num_seqs = self.config.max_num_seqs
-        seqs = len(running) + sum(len(r.forks) for r in running)  # with forks due when their prompt ends
         # Waves: a burst of prompts gets its first tokens step by step rather than all after one long step.
         wave = self.config.prefill_wave_tokens or sys.maxsize
         admitted = 0
