@@ -346,13 +346,13 @@ def _parse_released(kind: str, data: np.ndarray, shape: tuple[int, int]) -> GGUF
     step = max(1, PARSE_CHUNK_BYTES // max(1, data.shape[1]))
     if n <= step:
         out = GGUFBlocks.parse(kind, data, shape)
-        _release(data)
+        release_pages(data)
         return out
     parts = []
     for lo in range(0, n, step):
         chunk = data[lo : lo + step]
         parts.append(GGUFBlocks.parse(kind, chunk, (chunk.shape[0], k)))
-        _release(chunk)
+        release_pages(chunk)
     first = parts[0]
 
     def gather(field: str):
@@ -369,10 +369,6 @@ def _parse_released(kind: str, data: np.ndarray, shape: tuple[int, int]) -> GGUF
 
     fields = ("codes", "scale", "minimum", "super_scale", "super_minimum")
     return GGUFBlocks(kind, *(gather(f) for f in fields))
-
-
-def _release(view: np.ndarray) -> None:
-    release_pages(view)
 
 
 def _unpermute(w: np.ndarray | GGUFBlocks, n_head: int) -> np.ndarray | GGUFBlocks:

@@ -66,8 +66,7 @@ def relayable(parts: list[GGUFRaw], dtype: torch.dtype) -> bool:
     if not native_matmul.usable(k, dtype, torch.device("cpu")):
         return False
     return all(
-        p.kind in KINDS
-        and _path(p.kind)
+        _path(p.kind)
         and p.shape[0] % (2 * TILE_COLUMNS) == 0
         and k % (256 if p.kind.endswith("_K") else 32) == 0
         for p in parts
