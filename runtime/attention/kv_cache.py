@@ -8,6 +8,8 @@ live at flat slot `block_id * block_size + offset`.
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import sys
 
 import torch
@@ -39,6 +41,16 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * config.num_layers * block_size * config.kv_size * element
 
 
+def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor on fresh anonymous pages: zero by the kernel's guarantee, and a page costs nothing until a
+    block on it is first written (a large pool of which a server uses a corner starts at once, not after
+    writing every byte). Page-aligned, so the huge-page advice covers all of it but its ends."""
+    element = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * element
+    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 class KVCache:
     def __init__(
         self,
@@ -60,19 +72,13 @@ class KVCache:
         self.block_size = block_size
         self.scratch_slot = num_blocks * block_size if scratch else None
         # [layer, k/v, block, offset in block, kv head, head dim]
-        self.pool = torch.empty(
-            config.num_layers,
-            2,
-            num_blocks + scratch,
-            block_size,
-            config.num_kv_heads,
-            config.head_dim,
-            dtype=dtype,
-            device=device,
-        )
-        if self.pool.device.type == "cpu":
+        shape = (config.num_layers, 2, num_blocks + scratch, block_size, config.num_kv_heads, config.head_dim)
+        device = torch.device(device)
+        if device.type == "cpu":
+            self.pool = zeroed_cpu_tensor(shape, dtype)
             advise_huge_pages(self.pool)
-        self.pool.zero_()
+        else:
+            self.pool = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
