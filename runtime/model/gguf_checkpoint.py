@@ -333,7 +333,7 @@ def _deferred(
     return DeferredTensor(out_shape, load, raw)
 
 
-PARSE_CHUNK_BYTES = 16 << 20
+PARSE_CHUNK_BYTES = 8 << 20
 """A matrix's bytes are parsed this many at a time, each chunk's pages of the mapped file released after."""
 
 
