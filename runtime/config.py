@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 from loader.sizes import parse_size
-from runtime.quant.resolve import QUANTIZATIONS
+from runtime.quant.quantizations import QUANTIZATIONS
 from runtime.spec_decode.config import SpeculativeConfig
 from scheduler import SchedulerConfig
 

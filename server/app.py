@@ -7,10 +7,11 @@ import gc
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from runtime import AsyncEngine, Engine, EngineClient
+from runtime import EngineClient
 from server import openapi
 from server.anthropic import anthropic_api
 from server.auth import Tenant
@@ -21,6 +22,9 @@ from server.ollama import ollama_api
 from server.openai import embeddings_api, openai_api, utility_api
 from server.responses import responses_api
 from server.state import ServerState
+
+if TYPE_CHECKING:
+    from runtime import Engine
 
 log = logging.getLogger("prescient.server")
 
@@ -89,7 +93,9 @@ def build_app(
         raise ValueError(
             "--metrics-auth needs --api-key or --api-keys: /metrics then asks for one of those keys"
         )
-    if isinstance(client, Engine):
+    if not isinstance(client, EngineClient):  # an Engine: served in this process
+        from runtime import AsyncEngine
+
         client = AsyncEngine(client, max_waiting=ServerConfig.max_waiting)
     app = web.Application(middlewares=[count_responses, errors_as_envelopes], client_max_size=max_body_bytes)
     app["max_body_bytes"] = max_body_bytes

@@ -101,7 +101,7 @@ def _size(text: str) -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from runtime import AsyncEngine, Engine, EngineCoreClient
+    from runtime import EngineCoreClient
     from server.app import build_app
     from server.auth import api_keys
 
@@ -119,6 +119,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("engine core process %d: %s", client.pid, client.info.description)
         lower_priority(args.frontend_nice)  # the core, started above, keeps its own
     else:
+        from runtime import AsyncEngine, Engine
+
         engine = Engine.from_pretrained(config=engine_config(args))
         log.info("%s", engine.describe())
         client = AsyncEngine(engine, max_waiting=args.max_waiting)

@@ -41,12 +41,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
-from runtime.engine.engine import Engine
 from runtime.engine.messages import Abort, AddRequest, CoreDead, CoreFailed, Rejected, StepOutput
 from runtime.engine.outputs import OutputDelta
 from runtime.engine.request_checks import RequestChecks
 from scheduler import SchedulerStats
+
+if TYPE_CHECKING:  # the core process loads it; the server's front end, which starts the core, does not
+    from runtime.engine.engine import Engine
 
 log = logging.getLogger("prescient.engine_core")
 
@@ -81,6 +84,8 @@ def run_engine_core(
         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s",
     )
     try:
+        from runtime.engine.engine import Engine
+
         engine = Engine.from_pretrained(**settings)
     except BaseException as exc:  # report why, so the server can exit with the message instead of hanging
         outputs.send(CoreFailed(str(exc), type(exc).__name__))

@@ -23,7 +23,7 @@ import time
 
 from runtime.engine.client import EngineClient
 from runtime.engine.core import CoreInfo, run_engine_core
-from runtime.engine.cpu_share import cpu_limits
+from runtime.engine.cpu_limits import cpu_limits
 from runtime.engine.errors import EngineDeadError
 from runtime.engine.messages import CoreFailed, StepOutput, Stop
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.outputs import OutputDelta
 from runtime.model.tokenizer import Tokenizer
-from runtime.sample.logprobs import TokenLogprob
+from runtime.sample.token_logprob import TokenLogprob
 from scheduler import Request
 
 

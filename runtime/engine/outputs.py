@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from runtime.sample.logprobs import TokenLogprob
+from runtime.sample.token_logprob import TokenLogprob
 
 
 @dataclass(kw_only=True)

@@ -7,15 +7,8 @@ import torch
 
 from runtime.quant.gguf_blocks import GROUP, GGUFBlocks
 from runtime.quant.linear import Int4Linear, pack_gguf, quantize_int4, quantize_int8
+from runtime.quant.quantizations import QUANTIZATIONS
 from runtime.quant.routing import packed_measures_faster
-
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
-"""auto: keep the GGUF's blocks packed on CPU where they are fast (bfloat16 activations; or float32 chosen
-by dtype 'auto', where the C kernel with 8-bit activations measured faster than the dense matmul at one
-row, packed_measures_faster), else dequantize; none: dequantize everything; gguf: keep the GGUF's blocks
-in any dtype; int8 / int4: quantize float weights on load to 8 bits (symmetric) or 4 bits (min/max) per
-group of 32 (a GGUF's blocks are dequantized first; under int4 the LM head gets 8 bits: at 4 it alone
-costs measurable perplexity on this model, tests/bench/perplexity.py)."""
 
 
 def check_quantization(quantization: str | None, device: torch.device) -> str:

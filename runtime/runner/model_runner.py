@@ -24,10 +24,11 @@ from runtime.attention.triton_backend import row_inputs
 from runtime.model.model import LlamaModel
 from runtime.runner.cuda_graphs import StepGraphs, warm_up
 from runtime.sample.logits_processors import apply_logits_processors
-from runtime.sample.logprobs import TokenLogprob, token_logprobs
+from runtime.sample.logprobs import token_logprobs
 from runtime.sample.rejection_sampler import verify
 from runtime.sample.sampler import penalize, sample
 from runtime.sample.structured_output import GrammarBackend
+from runtime.sample.token_logprob import TokenLogprob
 from scheduler import SamplingParams, SchedulerOutput
 
 

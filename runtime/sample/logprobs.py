@@ -7,21 +7,9 @@ drawn from (after logit_bias, min_tokens, penalties and temperature).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-@dataclass
-class TokenLogprob:
-    """One position: the token that is there, its log-probability, its rank, and the top alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    """1 + how many tokens were more likely."""
-    top: list[tuple[int, float]] = field(default_factory=list)
-    """(token id, logprob) of the most likely tokens, most likely first."""
+from runtime.sample.token_logprob import TokenLogprob
 
 
 @torch.inference_mode()

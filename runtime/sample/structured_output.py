@@ -22,16 +22,27 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import cache
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 
 from runtime.model.tokenizer import Tokenizer
 from scheduler import InvalidRequestError, StructuredOutput
 
-_BANNED_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0
-"""[256, 8]: for each byte of a bitmask, which of its 8 tokens are not allowed (bit clear). The bitmask's
-int32 words are little-endian, so byte k of the flattened mask holds tokens 8k .. 8k+7."""
+if (
+    TYPE_CHECKING
+):  # the masks' module loads torch when first used: the server's front end only checks grammars
+    import torch
+
+
+@cache
+def _banned_bits() -> torch.Tensor:
+    """[256, 8]: for each byte of a bitmask, which of its 8 tokens are not allowed (bit clear). The bitmask's
+    int32 words are little-endian, so byte k of the flattened mask holds tokens 8k .. 8k+7."""
+    import torch
+
+    return ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0
 
 
 JSON_WHITESPACE = r"\x0A?[\x20\x09]{0,24}"
@@ -152,7 +163,6 @@ class GrammarBackend:
             matcher.consume_token(token)
         return matcher
 
-    @torch.inference_mode()
     def apply_masks(
         self,
         logits: torch.Tensor,
@@ -163,24 +173,27 @@ class GrammarBackend:
         """logits: float32 [N, vocab], edited in place on `rows` only: tokens the row's grammar does
         not allow become -inf. A row left with no token at all (min_tokens banning the end-of-sequence
         a complete grammar asks for, or a matcher in error) gets its end-of-sequence token back."""
-        bitmask = torch.empty(len(rows), self.words, dtype=torch.int32)
-        for j, m in enumerate(matchers):
-            if m.is_error():
-                bitmask[j] = -1  # let it run out; its output is no longer checked
-            else:
-                m.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), self.words * 4)
-        vocab = logits.shape[-1]
-        banned = _BANNED_BITS[bitmask.view(torch.uint8).long()].view(len(rows), -1)[:, :vocab]
-        banned = banned.to(logits.device, non_blocking=True)
-        whole = len(rows) == logits.shape[0]
-        sub = logits if whole else logits[rows]
-        sub.masked_fill_(banned, float("-inf"))
-        dead = (sub.amax(dim=-1) == float("-inf")).nonzero().flatten().tolist()
-        for j in dead:
-            if eos_token_ids[j] is not None:
-                sub[j, eos_token_ids[j]] = 0.0
-        if not whole:
-            logits[rows] = sub
+        import torch
+
+        with torch.inference_mode():
+            bitmask = torch.empty(len(rows), self.words, dtype=torch.int32)
+            for j, m in enumerate(matchers):
+                if m.is_error():
+                    bitmask[j] = -1  # let it run out; its output is no longer checked
+                else:
+                    m.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), self.words * 4)
+            vocab = logits.shape[-1]
+            banned = _banned_bits()[bitmask.view(torch.uint8).long()].view(len(rows), -1)[:, :vocab]
+            banned = banned.to(logits.device, non_blocking=True)
+            whole = len(rows) == logits.shape[0]
+            sub = logits if whole else logits[rows]
+            sub.masked_fill_(banned, float("-inf"))
+            dead = (sub.amax(dim=-1) == float("-inf")).nonzero().flatten().tolist()
+            for j in dead:
+                if eos_token_ids[j] is not None:
+                    sub[j, eos_token_ids[j]] = 0.0
+            if not whole:
+                logits[rows] = sub
 
     @staticmethod
     def accept(matcher: llguidance.LLMatcher, token: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from runtime.model.tokenizer import Tokenizer
-from runtime.sample.logprobs import TokenLogprob
+from runtime.sample.token_logprob import TokenLogprob
 
 LOWEST_LOGPROB = -9999.0
 """What a logprob of -inf (a token the step's processing banned) is reported as: JSON has no -Infinity

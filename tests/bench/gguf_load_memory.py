@@ -23,6 +23,7 @@ _CHILD = """
 import json, sys
 from pathlib import Path
 import torch
+import runtime.engine.engine  # every module an engine imports, loaded before the baseline as in a server
 from runtime.model.gguf_checkpoint import read_gguf
 from runtime.model.model import LlamaModel
 
