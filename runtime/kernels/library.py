@@ -50,6 +50,7 @@ SOURCES = [
         "compute_threads.c",
         "isa_level.c",
         "gguf_relayout.c",
+        "gguf_dequantize.c",
     )
 ]
 HEADERS = [CSRC / name for name in ("vector_exp.h", "kernels.h", "bf16.h", "f16.h", "check.h")]
@@ -471,6 +472,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     ),
     "quantized_matmul_vectorized": (_int, []),
     "gguf_relayout": (_i64, [_int, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int]),
+    "gguf_dequantize": (_int, [_int, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int]),
     "add_rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int, _int]),
     "gelu_mul": (None, [_ptr, _ptr, _i64, _i64, _int, _int]),

@@ -30,7 +30,7 @@ from runtime.model.decode_layers import NativeDecode
 from runtime.model.rope_scaling import inverse_frequencies
 from runtime.model_config import ModelConfig
 from runtime.quant.gguf_blocks import GGUFBlocks
-from runtime.quant.gguf_raw import pack_raw, relayable
+from runtime.quant.gguf_raw import dequantize_raw, pack_raw, relayable
 from runtime.quant.linear import (
     BlockEmbedding,
     Int4Linear,
@@ -192,9 +192,23 @@ class LlamaModel:
                 shared[name] = w.load()  # read now, one tensor at a time
             return shared.pop(name) if name not in reused else shared[name]
 
+        def file_floats(names: list[str]) -> np.ndarray | None:
+            """float32 straight from the file's bytes (runtime.quant.gguf_raw.dequantize_raw), where every part
+            has them and none is held for a second use; else None."""
+            raws = [getattr(weights.get(n), "raw", None) for n in names]
+            if any(r is None or n in shared for n, r in zip(names, raws)):
+                return None
+            w = dequantize_raw(raws)
+            if w is not None:
+                for n in names:
+                    weights[n].raw.taken()
+            return w
+
         def tensor(name: str) -> torch.Tensor:
-            w = source(name)
-            w = w.dequantize() if isinstance(w, GGUFBlocks) else w
+            w = file_floats([name])
+            if w is None:
+                w = source(name)
+                w = w.dequantize() if isinstance(w, GGUFBlocks) else w
             return torch.from_numpy(w).to(device=device, dtype=dtype)
 
         def dense(names: list[str]) -> torch.Tensor:
@@ -224,6 +238,12 @@ class LlamaModel:
             from_raw = from_file(names, how)
             if from_raw is not None:
                 return from_raw
+            floats = file_floats(names) if how != "gguf" else None
+            if floats is not None:  # a dense weight, or one quantized again from floats
+                w = make_linear(floats, how, dtype, device)
+                del floats
+                _return_freed_memory()
+                return w
             parts = [source(n) for n in names]
             # parts of different kinds (a K-quant mix), each in its own kind's tiles, where no dense copy is asked
             stacked = (
@@ -257,7 +277,8 @@ class LlamaModel:
             for i in range(config.num_layers)
         ]
 
-        embed = source("model.embed_tokens.weight")
+        # dense ("none"): the table comes from the file's bytes in tensor() below, never parsed
+        embed = None if quantization == "none" else source("model.embed_tokens.weight")
         _return_freed_memory()  # the parse's chunks: a large table's blocks are made a chunk at a time
         if (
             quantization == "gguf"

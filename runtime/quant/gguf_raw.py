@@ -6,6 +6,9 @@ The tiles are byte for byte those pack_native makes from the parsed blocks (test
 compares them): Q4_0 and Q8_0 with float16 scales and offsets, Q5_K in the 8-bit tiles, Q4_K in its own tiles
 (the AVX2 level's), Q6_K in its 6-bit tiles. Where a kind, shape or level has no such path, or a scale does not
 fit float16 (GGUFBlocks.fits_float16), `pack_raw` returns None and the caller parses the blocks instead.
+
+The dense paths (quantization none, int8, int4) take the same bytes to float32 in one pass
+(csrc/gguf_dequantize.c, `dequantize_raw`), bit for bit GGUFBlocks.dequantize, every GGUF block kind.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ KINDS = {"Q4_0": 0, "Q8_0": 1, "Q5_K": 2, "Q4_K": 3, "Q6_K": 4}
 """csrc/gguf_relayout.c's kind numbers."""
 BITS = {"Q4_0": 4, "Q8_0": 8, "Q5_K": 8, "Q4_K": KQ4_BITS, "Q6_K": 6}
 """The tiles' `bits` (NativeMatmul.bits) per kind."""
+DEQUANTIZE_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+"""csrc/gguf_dequantize.c's kind numbers."""
 
 
 @dataclass
@@ -161,3 +166,38 @@ def release_pages(view: np.ndarray) -> None:
     if hi > lo:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
+
+
+def dequantize_raw(parts: list[GGUFRaw], threads: int | None = None) -> np.ndarray | None:
+    """The parts (stacked by rows) de-quantized to float32 [N, K] straight from the file's bytes, each part's
+    pages of the file released after; None where the C kernels are not loaded or a part's kind or width has no
+    path there (the caller parses the blocks instead)."""
+    lib = load()
+    k = parts[0].shape[1] if parts else 0
+    if (
+        lib is None
+        or not parts
+        or any(p.kind not in DEQUANTIZE_KINDS or p.shape[1] != k for p in parts)
+        or any(k % (256 if p.kind.endswith("_K") else 32) for p in parts)
+    ):
+        return None
+    out = np.empty((sum(p.shape[0] for p in parts), k), np.float32)
+    threads = threads or torch.get_num_threads()
+    at = 0
+    for p in parts:
+        bad = lib.gguf_dequantize(
+            DEQUANTIZE_KINDS[p.kind],
+            p.data.ctypes.data,
+            p.data.strides[0],
+            0 if p.rows is None else p.rows.ctypes.data,
+            p.shape[0],
+            k,
+            out[at:].ctypes.data,
+            threads,
+        )
+        if bad:
+            return None
+        at += p.shape[0]
+    for p in parts:
+        p.release()
+    return out

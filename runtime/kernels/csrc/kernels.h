@@ -42,6 +42,9 @@ int quantized_matmul_vectorized(void);
 /* gguf_relayout.c: a GGUF matrix's blocks into the many-row kernel's tiles; returns the scales float16 misses */
 int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,
                       void *tiles, void *scale, void *offset, int num_threads);
+/* gguf_dequantize.c: a GGUF matrix's blocks to float32 rows; returns -1 for a kind or K it does not take */
+int gguf_dequantize(int kind, const uint8_t *src, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,
+                    float *dst, int num_threads);
 void nucleus_sample(const float *logits, int64_t R, int64_t V, int64_t stride, const float *temperature,
                     const float *top_p, const double *uniforms, float *work, int64_t *out, int num_threads);
 
