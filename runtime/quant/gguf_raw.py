@@ -3,7 +3,7 @@ many-row kernel's tiles: one pass over the mapped file per matrix, parallel over
 parsed copy (GGUFBlocks) in between, so a load's peak is the tiles plus the matrix's pages of the file.
 
 The tiles are byte for byte those pack_native makes from the parsed blocks (tests/runtime/test_gguf_relayout.py
-compares them): Q4_0 and Q8_0 with float16 scales and offsets, Q5_K in the 8-bit tiles, Q4_K in its own tiles
+compares them): Q4_0, Q4_1 and Q8_0 with float16 scales and offsets, Q5_K in the 8-bit tiles, Q4_K in its own tiles
 (the AVX2 level's), Q6_K in its 6-bit tiles. Where a kind, shape or level has no such path, or a scale does not
 fit float16 (GGUFBlocks.fits_float16), `pack_raw` returns None and the caller parses the blocks instead.
 
@@ -25,9 +25,9 @@ from runtime.kernels.quantized_matmul import KQ4_BITS, TILE_COLUMNS, NativeMatmu
 from runtime.kernels.stacked_matmul import StackedMatmul
 from runtime.quant.linear import Int4Linear
 
-KINDS = {"Q4_0": 0, "Q8_0": 1, "Q5_K": 2, "Q4_K": 3, "Q6_K": 4}
+KINDS = {"Q4_0": 0, "Q8_0": 1, "Q5_K": 2, "Q4_K": 3, "Q6_K": 4, "Q4_1": 5}
 """csrc/gguf_relayout.c's kind numbers."""
-BITS = {"Q4_0": 4, "Q8_0": 8, "Q5_K": 8, "Q4_K": KQ4_BITS, "Q6_K": 6}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_K": 8, "Q4_K": KQ4_BITS, "Q6_K": 6}
 """The tiles' `bits` (NativeMatmul.bits) per kind."""
 DEQUANTIZE_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 """csrc/gguf_dequantize.c's kind numbers."""
@@ -98,7 +98,7 @@ def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMa
             torch.empty(g, nb, TILE_COLUMNS, 2, dtype=torch.int8),
         )
     else:
-        vectors = 4 if kind == "Q4_0" else 8
+        vectors = 4 if kind in ("Q4_0", "Q4_1") else 8
         bufs = (
             torch.empty(g, nb, vectors, TILE_COLUMNS, 4, dtype=torch.uint8),
             torch.empty(g, nb, TILE_COLUMNS, dtype=torch.float16),

@@ -4,6 +4,7 @@
  *
  * kind (GGUF_* below) and its buffers, g = N / 16 tile groups, nb = K / 32 blocks, ns = K / 256 super-blocks:
  *   Q4_0  tiles [g, nb, 4, 16, 4] 4-bit, scale and offset [g, nb, 16] float16: d and -8 d
+ *   Q4_1  as Q4_0, the offset the block's minimum m
  *   Q8_0  tiles [g, nb, 8, 16, 4] codes q + 128, scale and offset [g, nb, 16] float16: d and -128 d
  *   Q5_K  tiles [g, nb, 8, 16, 4] codes 0..31, scale and offset [g, nb, 16] float16: d sc and -dmin m, each
  *         formed in float32 and rounded to float16 (to nearest even)
@@ -30,6 +31,7 @@
 #define GGUF_Q5_K 2
 #define GGUF_Q4_K 3
 #define GGUF_Q6_K 4
+#define GGUF_Q4_1 5
 
 static inline uint16_t load_half(const uint8_t *p) {
     uint16_t h;
@@ -70,8 +72,8 @@ static inline uint32_t nibble_vector(const uint8_t *q, int v, int high) {
 
 static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, uint8_t *tiles, uint16_t *scale,
                                uint16_t *offset) {
-    const int eight = kind == GGUF_Q8_0;
-    const size_t bytes = eight ? 34 : 18, vec = eight ? 512 : 256;
+    const int eight = kind == GGUF_Q8_0, with_min = kind == GGUF_Q4_1;
+    const size_t bytes = eight ? 34 : with_min ? 20 : 18, vec = eight ? 512 : 256, codes = with_min ? 4 : 2;
     const float limit = 65504.0f / (eight ? 128 : 32), factor = eight ? -128.0f : -8.0f;
     int64_t bad = 0;
     for (int64_t b = 0; b < nb; b++) {
@@ -80,12 +82,18 @@ static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, 
         const float df = f16_to_f32(d);
         bad += outside(df, limit);
         scale[b * TILE + c] = d;
-        offset[b * TILE + c] = f32_to_f16(df * factor);
+        if (with_min) {
+            const uint16_t m = load_half(p + 2);
+            bad += outside(f16_to_f32(m), limit);
+            offset[b * TILE + c] = m;
+        } else {
+            offset[b * TILE + c] = f32_to_f16(df * factor);
+        }
         uint8_t *block = tiles + b * vec + c * 4;
         if (eight) {
             for (int v = 0; v < 8; v++) store4(block + v * 64, load4(p + 2 + 4 * v) ^ 0x80808080u);
         } else { /* inputs 0..15 are qs[0..15]'s low nibbles, 16..31 their high ones */
-            for (int v = 0; v < 4; v++) store4(block + v * 64, nibble_vector(p + 2, v & 1, v >> 1));
+            for (int v = 0; v < 4; v++) store4(block + v * 64, nibble_vector(p + codes, v & 1, v >> 1));
         }
     }
     return bad;
@@ -183,7 +191,7 @@ static int64_t group_q6_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
 int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,
                       void *tiles, void *scale, void *offset, int num_threads) {
     const int64_t groups = N / TILE, nb = K / 32, ns = K / 256;
-    const int64_t vec = kind == GGUF_Q6_K ? 384 : (kind == GGUF_Q4_0 || kind == GGUF_Q4_K) ? 256 : 512;
+    const int64_t vec = kind == GGUF_Q6_K ? 384 : (kind == GGUF_Q4_0 || kind == GGUF_Q4_1 || kind == GGUF_Q4_K) ? 256 : 512;
     int64_t bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : bad)
     for (int64_t t = 0; t < groups; t++) {
@@ -193,6 +201,7 @@ int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int
             const uint8_t *row = src + r * row_bytes;
             switch (kind) {
             case GGUF_Q4_0:
+            case GGUF_Q4_1:
             case GGUF_Q8_0:
                 bad += group_q4_0_q8_0(kind, row, c, nb, tile, (uint16_t *)scale + t * nb * TILE,
                                        (uint16_t *)offset + t * nb * TILE);
