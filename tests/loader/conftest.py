@@ -79,6 +79,17 @@ class Sleeping(tud.Dataset):
 
 
 @pytest.fixture(scope="session")
+def programs():
+    """Starts `python -c CODE ARGS...` programs forked from one interpreter that imported torch and
+    the loader once (zygote.py): `programs.start(CODE, *ARGS)` -> a Popen-like Program."""
+    from tests.loader.zygote import Zygote
+
+    zygote = Zygote()
+    yield zygote
+    zygote.close()
+
+
+@pytest.fixture(scope="session")
 def files(tmp_path_factory) -> str:
     return write_files(tmp_path_factory.mktemp("files"), 45)
 
