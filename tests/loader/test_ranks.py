@@ -1,9 +1,8 @@
 """Four real ranks (processes started as torchrun starts them, see forked_ranks.py; gloo on CPU)
-sharing their caches: storage is read once per
-sample over a run when the caches together hold the dataset; a rank that is killed or
-stopped makes the others take its samples from storage within peer_timeout, log which rank
-it was, and finish with torch's batches (each rank compares with torch's DataLoader over the
-same DistributedSampler in its own process, see ranks_run.py)."""
+sharing their caches: storage is read once per sample over a run when the caches together hold
+the dataset; a rank that is killed or stopped makes the others take its samples from storage
+within peer_timeout, log which rank it was, and finish with torch's batches (each rank compares
+with torch's DataLoader over the same DistributedSampler in its own process, see ranks_run.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ RANKS = 4
 
 def launch(mode: str, root: str, out, arg, ranks: int = RANKS, then: tuple = ()):
     """`ranks` ranks of ranks_run.py in MODE; the launcher waits for all of them (a killed one too).
-    `then`: (MODE, ROOT, OUT, ARG, RANKS) of a second run, started when the first has succeeded."""
+    `then`: (MODE, ROOT, OUT, ARG, RANKS) of a second run under the same launcher, after the first."""
     command = [sys.executable, "-m", "tests.loader.forked_ranks", str(ranks), "tests.loader.ranks_run"]
     command += [mode, root, str(out), str(arg)]
     if then:
