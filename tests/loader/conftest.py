@@ -23,7 +23,9 @@ def write_files(root, count: int, classes: int = 3, size=lambda i: SAMPLE_BYTES)
     for i in range(count):
         directory = os.path.join(root, f"class{i % classes}")
         os.makedirs(directory, exist_ok=True)
-        payload = bytes((i * 7 + j) % 251 for j in range(size(i)))
+        n, start = size(i), i * 7 % 251
+        period = bytes((start + j) % 251 for j in range(min(n, 251)))  # byte j is (7 i + j) mod 251
+        payload = (period * (n // 251 + 1))[:n]
         with open(os.path.join(directory, f"{i:05d}.bin"), "wb") as handle:
             handle.write(payload)
     return str(root)
@@ -76,6 +78,17 @@ class Sleeping(tud.Dataset):
     def __getitem__(self, index):
         time.sleep(self.seconds)
         return index
+
+
+@pytest.fixture(scope="session")
+def programs():
+    """Starts `python -c CODE ARGS...` programs forked from one interpreter that imported torch and
+    the loader once (zygote.py): `programs.start(CODE, *ARGS)` -> a Popen-like Program."""
+    from tests.loader.zygote import Zygote
+
+    zygote = Zygote()
+    yield zygote
+    zygote.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""One rank of the peer-exchange test (run by torchrun from test_peer_exchange.py).
+"""One rank of the peer-exchange test (started by forked_ranks.py from test_peer_exchange.py;
+under torchrun it runs the same way: python -m tests.loader.peer_run ROOT OUT_DIR WORKERS).
 
 Each rank compares its batches with torch's DataLoader over the same DistributedSampler
 in the same process, and reports the storage reads its dataset counted per epoch.
@@ -21,7 +22,8 @@ from loader import DataLoader
 from tests.loader.conftest import CountingFiles, noisy_decode, same
 
 
-def main(root: str, out_dir: str, workers: int) -> None:
+def main(root: str, out_dir: str, workers: str) -> None:
+    workers = int(workers)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     dataset = CountingFiles(root, decode=noisy_decode)
@@ -62,4 +64,4 @@ def main(root: str, out_dir: str, workers: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(*sys.argv[1:4])

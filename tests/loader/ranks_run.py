@@ -1,4 +1,5 @@
-"""One rank of the multi-rank loader tests (run by torchrun from test_ranks.py).
+"""One rank of the multi-rank loader tests (started by forked_ranks.py from test_ranks.py and
+test_peer_checks.py; under torchrun it runs the same way).
 
     python -m tests.loader.ranks_run MODE ROOT OUT_DIR [ARG]
 

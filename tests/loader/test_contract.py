@@ -49,7 +49,9 @@ def test_worker_error_is_reraised_with_the_workers_traceback():
 
 
 def test_timeout_raises_torchs_error():
-    theirs, ours = (error_of(dl) for dl in both(lambda cls: cls(Sleeping(4, 5), num_workers=1, timeout=0.5)))
+    theirs, ours = (
+        error_of(dl) for dl in both(lambda cls: cls(Sleeping(4, 2.5), num_workers=1, timeout=0.5))
+    )
     assert type(ours) is type(theirs) is RuntimeError
     assert str(ours) == str(theirs) and "timed out after 0.5 seconds" in str(ours)
 

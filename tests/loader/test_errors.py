@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -187,16 +185,14 @@ FULL_DISK_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # a training program in a fresh interpreter
-def test_full_disk_tier_degrades_to_ram_with_a_warning(tmp_path):
+@pytest.mark.slow  # a training program, a process of its own (forked by zygote.py)
+def test_full_disk_tier_degrades_to_ram_with_a_warning(tmp_path, programs):
     root = write_files(tmp_path / "data", 40)
-    result = subprocess.run(
-        [sys.executable, "-c", FULL_DISK_SCRIPT, root, str(tmp_path / "disk")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=os.getcwd(),
-    )
-    assert result.returncode == 0, result.stderr
-    assert "SAME True DISK_ON False" in result.stdout, result.stdout + result.stderr
-    assert "cache_disk: writing a sample to" in result.stderr and "RAM cache only" in result.stderr
+    program = programs.start(FULL_DISK_SCRIPT, root, str(tmp_path / "disk"))
+    try:
+        stdout, stderr = program.communicate(timeout=120)
+    finally:
+        program.close()
+    assert program.returncode == 0, stderr
+    assert "SAME True DISK_ON False" in stdout, stdout + stderr
+    assert "cache_disk: writing a sample to" in stderr and "RAM cache only" in stderr

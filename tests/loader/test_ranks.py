@@ -1,8 +1,8 @@
-"""Four real ranks (torchrun, gloo on CPU) sharing their caches: storage is read once per
-sample over a run when the caches together hold the dataset; a rank that is killed or
-stopped makes the others take its samples from storage within peer_timeout, log which rank
-it was, and finish with torch's batches (each rank compares with torch's DataLoader over the
-same DistributedSampler in its own process, see ranks_run.py)."""
+"""Four real ranks (processes started as torchrun starts them, see forked_ranks.py; gloo on CPU)
+sharing their caches: storage is read once per sample over a run when the caches together hold
+the dataset; a rank that is killed or stopped makes the others take its samples from storage
+within peer_timeout, log which rank it was, and finish with torch's batches (each rank compares
+with torch's DataLoader over the same DistributedSampler in its own process, see ranks_run.py)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,19 @@ import pytest
 from loader.peers.model import traffic
 from tests.loader.conftest import SAMPLE_BYTES, write_files
 
-pytestmark = pytest.mark.slow  # real torchrun ranks
+pytestmark = pytest.mark.slow  # real ranks, each a process
 
 RANKS = 4
 
 
-def torchrun(mode: str, root: str, out, arg, ranks: int = RANKS, monitor: float | None = None):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    if monitor is not None:  # how long the launcher leaves the survivors of a dead rank running
-        command.append(f"--monitor-interval={monitor}")
-    command += ["-m", "tests.loader.ranks_run", mode, root, str(out), str(arg)]
+def launch(mode: str, root: str, out, arg, ranks: int = RANKS, then: tuple = ()):
+    """`ranks` ranks of ranks_run.py in MODE; the launcher waits for all of them (a killed one too).
+    `then`: (MODE, ROOT, OUT, ARG, RANKS) of a second run under the same launcher, after the first."""
+    command = [sys.executable, "-m", "tests.loader.forked_ranks", str(ranks), "tests.loader.ranks_run"]
+    command += [mode, root, str(out), str(arg)]
+    if then:
+        *words, count = then
+        command += ["--", str(count), "tests.loader.ranks_run", *map(str, words)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(
         command,
@@ -65,7 +68,7 @@ def out(tmp_path):
 def test_four_ranks_read_storage_once_per_sample(tmp_path, out):
     n = 96
     root = write_files(tmp_path / "data", n)
-    proc = torchrun("reads", root, out, 3)
+    proc = launch("reads", root, out, 3)
     log = proc.communicate(timeout=180)[0]
     assert proc.returncode == 0, log[-4000:]
     ranks = results(out, range(RANKS))
@@ -83,10 +86,9 @@ def test_four_ranks_read_storage_once_per_sample(tmp_path, out):
 def test_a_killed_rank_leaves_the_others_to_storage_then_they_regroup(tmp_path, out):
     root = write_files(tmp_path / "data", 96)
     victim = 2
-    proc = torchrun("kill", root, out, victim, monitor=60)
+    proc = launch("kill", root, out, victim)
     survivors = [r for r in range(RANKS) if r != victim]
     wait_for([out / f"rank{r}.json" for r in survivors], proc)
-    os.killpg(proc.pid, signal.SIGTERM)  # the launcher would notice the dead rank only after `monitor`
     log = proc.communicate(timeout=60)[0]
     assert not (out / f"rank{victim}.json").exists()
     ranks = results(out, survivors)
@@ -104,7 +106,7 @@ def test_a_killed_rank_leaves_the_others_to_storage_then_they_regroup(tmp_path, 
 def test_a_stopped_rank_is_waited_for_only_peer_timeout(tmp_path, out):
     root = write_files(tmp_path / "data", 192)
     stalled = 1
-    proc = torchrun("stall", root, out, stalled)
+    proc = launch("stall", root, out, stalled)
     wait_for([out / "stopped.pid"], proc)
     pid = int((out / "stopped.pid").read_text())
     others = [r for r in range(RANKS) if r != stalled]
@@ -124,13 +126,11 @@ def test_elastic_resume_from_four_ranks_to_two(out):
     """A checkpoint of 4 ranks, 2 batches into the epoch, resumed by 2 ranks: every sample of the
     epoch is yielded exactly once over both runs, and the next epoch is torch's for 2 ranks."""
     n = 65  # 4 ranks pad it to 68; the 33 samples left split 17 + 16 (3 and 2 exchange windows of 8)
-    proc = torchrun("save", str(n), out, 2)
+    # the 4 ranks save, then (in the same launcher, with a new store) 2 ranks resume
+    proc = launch("save", str(n), out, 2, then=("resume", str(n), out, out / "rank0.pt", 2))
     log = proc.communicate(timeout=180)[0]
     assert proc.returncode == 0, log[-4000:]
     saved = results(out, range(RANKS))
-    proc = torchrun("resume", str(n), out, out / "rank0.pt", ranks=2)
-    log = proc.communicate(timeout=180)[0]
-    assert proc.returncode == 0, log[-4000:]
     resumed = [json.loads((out / f"resumed{r}.json").read_text()) for r in range(2)]
     everything = [i for r in saved + resumed for i in r["seen"]]
     assert sorted(everything) == list(range(n)), "a sample was skipped or repeated"

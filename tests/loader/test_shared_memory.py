@@ -105,22 +105,22 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # training programs in fresh interpreters
+@pytest.mark.slow  # training programs, each a process (forked by zygote.py)
 @pytest.mark.parametrize("ending", ["raise", "sigkill", "hang"])
-def test_released_when_the_process_dies(files, tmp_path, ending):
+def test_released_when_the_process_dies(files, tmp_path, programs, ending):
     """SIGKILL of the main process: its workers exit within seconds (idle in torch's loop, or waiting
     on a position the dead prefetcher will never publish), the resource tracker unlinks the segment,
     and the next loader on the node removes the disk tier's directory."""
     disk = str(tmp_path / "disk")
-    process = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, files, disk, ending],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=os.getcwd(),
-    )
-    assert process.stdout.readline().strip() == "iterating", process.communicate()
+    process = programs.start(SCRIPT, files, disk, ending)
+    try:
+        released_when_the_process_dies(files, disk, ending, process)
+    finally:
+        process.close()
+
+
+def released_when_the_process_dies(files, disk, ending, process):
+    assert process.stdout.readline().strip() == "iterating", process.communicate(timeout=60)
     pid = process.pid
     assert shm_names(pid), "the loader should hold a segment while it runs"
     assert [name for name in os.listdir(disk) if name.startswith(f"prescient-{pid}-")]

@@ -7,8 +7,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,9 +15,7 @@ from loader import DataLoader, FileDataset
 from tests.loader.conftest import write_files
 from tests.processes import alive, wait_gone
 
-pytestmark = pytest.mark.slow  # training programs in fresh interpreters
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow  # training programs, each a process (forked by zygote.py)
 
 PROGRAM = """
 import sys, time
@@ -66,35 +62,24 @@ def test_dropped_iterator_stops_its_workers(tmp_path):
 
 
 @pytest.mark.parametrize("persistent", ["persistent", "not_persistent"])
-def test_program_exiting_mid_epoch_exits_and_leaves_no_worker(tmp_path, persistent):
+def test_program_exiting_mid_epoch_exits_and_leaves_no_worker(tmp_path, programs, persistent):
     root = write_files(tmp_path, 40)
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    done = subprocess.run(
-        [sys.executable, "-c", PROGRAM, root, persistent, "exit"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    pids = [int(p) for p in done.stdout.split()]
+    program = programs.start(PROGRAM, root, persistent, "exit")
+    try:
+        stdout, stderr = program.communicate(timeout=60)
+    finally:
+        program.close()
+    assert program.returncode == 0, stderr
+    pids = [int(p) for p in stdout.split()]
     assert len(pids) == 2 and wait_gone(pids, 5.0) == []
 
 
 @pytest.mark.parametrize("results", ["cached_files", "full_pipe"])
-def test_main_process_killed_leaves_no_orphan_worker(tmp_path, results):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def test_main_process_killed_leaves_no_orphan_worker(tmp_path, programs, results):
     if results == "cached_files":
-        argv = ["-c", PROGRAM, write_files(tmp_path, 40), "persistent", "wait"]
+        main = programs.start(PROGRAM, write_files(tmp_path, 40), "persistent", "wait")
     else:
-        argv = ["-c", PROGRAM_PIPE_FULL]
-    main = subprocess.Popen(
-        [sys.executable, *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,  # its resource tracker reports the segment it unlinks for the dead
-        text=True,
-    )
+        main = programs.start(PROGRAM_PIPE_FULL)
     try:
         pids = [int(p) for p in main.stdout.readline().split()]
         assert len(pids) == (2 if results == "cached_files" else 1) and all(alive(p) for p in pids)
@@ -102,7 +87,7 @@ def test_main_process_killed_leaves_no_orphan_worker(tmp_path, results):
     finally:
         main.send_signal(signal.SIGKILL)
         main.wait(timeout=10)
-        main.stdout.close()
+        main.close()
     left = wait_gone(pids, 10.0)
     for pid in left:  # not left behind on this machine when the test fails
         os.kill(pid, signal.SIGKILL)

@@ -194,16 +194,37 @@ class Noisy(tud.Dataset):
         return torch.tensor([float(index)]) + torch.rand(1)
 
 
-@pytest.mark.slow  # spawn and forkserver workers
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver", "spawn_object"])
-def test_multiprocessing_contexts_like_torch(context):
-    def run(cls):
-        ctx = multiprocessing.get_context("spawn") if context == "spawn_object" else context
-        torch.manual_seed(9)
-        dl = cls(Noisy(), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=ctx)
-        return list(dl)
+def noisy_batches(cls, context) -> list:
+    torch.manual_seed(9)
+    return list(cls(Noisy(), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=context))
 
-    assert same(run(tud.DataLoader), run(DataLoader))
+
+@pytest.fixture(scope="module")
+def torchs_noisy_batches() -> list:
+    """torch's batches, the oracle for every start method: its workers' seeds (torch, random and
+    numpy) and the batch order come from the main process, whichever method started the workers.
+    (Were that not so, ours would differ from these under some method: the test fails, never passes.)"""
+    return noisy_batches(tud.DataLoader, "fork")
+
+
+@pytest.mark.slow  # spawn and forkserver workers
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_multiprocessing_contexts_like_torch(context, torchs_noisy_batches):
+    if context == "forkserver":  # the server imports torch once, not each worker (unless it already runs)
+        multiprocessing.set_forkserver_preload(["torch", "loader.workers.loop"])
+    assert same(torchs_noisy_batches, noisy_batches(DataLoader, context))
+
+
+def test_a_context_object_is_taken_like_its_name():
+    """A context object (here the one "spawn" names) becomes the loader's context, as in torch; from
+    there on the iterator's code path is the one test_multiprocessing_contexts_like_torch runs."""
+    spawn = multiprocessing.get_context("spawn")
+    for context in ("spawn", spawn):
+        theirs, ours = (
+            cls(Noisy(), num_workers=2, multiprocessing_context=context)
+            for cls in (tud.DataLoader, DataLoader)
+        )
+        assert theirs.multiprocessing_context is ours.multiprocessing_context is spawn
 
 
 class Logged(tud.Dataset):
