@@ -228,3 +228,12 @@ def tiny_model(tmp_path_factory) -> Path:
 def tiny_server(model: Path, *args: str, **kwargs):
     """running_server on the tiny model (write_tiny_smollm2), served as MODEL."""
     return running_server("--model", str(model), "--served-model-name", MODEL, *args, dtype="auto", **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_shared_server(tiny_model):
+    """The tiny model served once per worker, for the files that test the HTTP layer with the default
+    settings (caps, every documented field, the event loop's stalls). --frontend-nice 0: test_loop_stalls
+    times the front end's loop, which at nice 10 would wait behind every other process of a busy machine."""
+    with tiny_server(tiny_model, "--frontend-nice", "0") as s:
+        yield s

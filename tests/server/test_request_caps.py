@@ -23,9 +23,8 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def caps_server(tiny_model):
-    with tiny_server(tiny_model) as server:
-        yield server
+def caps_server(tiny_shared_server):
+    return tiny_shared_server
 
 
 @pytest.fixture(scope="module")
