@@ -143,8 +143,9 @@ API_KEY = "sk-apis-test"
 @pytest.fixture(scope="session")
 def apis_server():
     """One server with an API key, shared by the files that test the APIs beside chat (embeddings,
-    Responses, Anthropic Messages, Ollama): a server start is the dearest part of those tests."""
-    with running_server("--api-key", API_KEY) as s:
+    Responses, Anthropic Messages, Ollama): a server start is the dearest part of those tests. It runs the
+    packed default weights: those files compare its routes with each other, never with a float32 oracle."""
+    with running_server("--api-key", API_KEY, dtype="auto") as s:
         yield s
 
 
