@@ -80,7 +80,8 @@ def test_named_files_exist():
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server() as s:
+    """The server as the README starts it: the default (packed) weights."""
+    with running_server(dtype="auto") as s:
         yield s
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -141,6 +143,98 @@ API_KEY = "sk-apis-test"
 @pytest.fixture(scope="session")
 def apis_server():
     """One server with an API key, shared by the files that test the APIs beside chat (embeddings,
-    Responses, Anthropic Messages, Ollama): a server start is the dearest part of those tests."""
-    with running_server("--api-key", API_KEY) as s:
+    Responses, Anthropic Messages, Ollama): a server start is the dearest part of those tests. It runs the
+    packed default weights: those files compare its routes with each other, never with a float32 oracle."""
+    with running_server("--api-key", API_KEY, dtype="auto") as s:
+        yield s
+
+
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+"""The tiny model's widths; its vocabulary, context and special tokens are SmolLM2's."""
+
+
+def write_tiny_smollm2(path: Path, seed: int = 0) -> Path:
+    """A two-layer Llama with random weights and SmolLM2-135M-Instruct's tokenizer, chat template, vocabulary
+    size and context (8,192), as a Hugging Face directory: for the tests of the HTTP layer (caps, auth,
+    queues, process handling), where what the model computes is not the point and the real one's prefill of
+    thousands of tokens would cost tens of seconds. Serve it with --served-model-name MODEL."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from runtime.model.checkpoint import default_model_path
+    from runtime.model.gguf_metadata import read_gguf_metadata
+    from runtime.model.gguf_tokenizer import tokenizer_source
+    from runtime.model.tokenizer import Tokenizer
+
+    gguf = default_model_path()
+    header = read_gguf_metadata(gguf)
+    source = tokenizer_source(header, gguf)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(Tokenizer(source).tokenizer_json())
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source.chat_template}))
+    vocab, hidden, inter = (
+        header["llama.vocab_size"],
+        TINY_SHAPE["hidden_size"],
+        TINY_SHAPE["intermediate_size"],
+    )
+    heads, kv_heads = TINY_SHAPE["num_attention_heads"], 2
+    head_dim = hidden // heads
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=vocab,
+        **TINY_SHAPE,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=header["llama.context_length"],
+        rope_theta=header["llama.rope.freq_base"],
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=source.bos_token_id,
+        eos_token_id=source.eos_token_id,
+        hidden_act="silu",
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.08).astype(np.float32)
+
+    weights = {
+        "model.embed_tokens.weight": w(vocab, hidden),
+        "model.norm.weight": np.ones(hidden, np.float32),
+    }
+    for i in range(TINY_SHAPE["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        weights |= {
+            layer + "input_layernorm.weight": np.ones(hidden, np.float32),
+            layer + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+            layer + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            layer + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            layer + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            layer + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            layer + "mlp.gate_proj.weight": w(inter, hidden),
+            layer + "mlp.up_proj.weight": w(inter, hidden),
+            layer + "mlp.down_proj.weight": w(hidden, inter),
+        }
+    save_file(weights, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """write_tiny_smollm2's directory, written once per worker."""
+    return write_tiny_smollm2(tmp_path_factory.mktemp("tiny-smollm2"))
+
+
+def tiny_server(model: Path, *args: str, **kwargs):
+    """running_server on the tiny model (write_tiny_smollm2), served as MODEL."""
+    return running_server("--model", str(model), "--served-model-name", MODEL, *args, dtype="auto", **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_shared_server(tiny_model):
+    """The tiny model served once per worker, for the files that test the HTTP layer with the default
+    settings (caps, every documented field, the event loop's stalls). --frontend-nice 0: test_loop_stalls
+    times the front end's loop, which at nice 10 would wait behind every other process of a busy machine."""
+    with tiny_server(tiny_model, "--frontend-nice", "0") as s:
         yield s

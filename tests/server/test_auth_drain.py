@@ -1,25 +1,29 @@
-"""API keys map callers to tenants (and 401 otherwise); SIGTERM drains in-flight work and exits 0."""
+"""API keys map callers to tenants (and 401 otherwise); SIGTERM drains in-flight work and exits 0.
+
+The keyed server runs the tiny model (SmolLM2's tokenizer, random weights): keys, billing and the drain are
+the point, not what it generates. Its last test stops it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import signal
+import time
 
 import aiohttp
 import pytest
 from openai import AuthenticationError
 
-from tests.server.conftest import MODEL, Server, running_server, wait_idle
+from tests.server.conftest import MODEL, tiny_server, wait_idle
 
 pytestmark = pytest.mark.slow  # real servers
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory):
+def keyed_server(tmp_path_factory, tiny_model):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps({"sk-alpha": {"tenant": "alpha", "weight": 2}, "sk-beta": {"tenant": "beta"}}))
-    with running_server("--api-keys", str(keys)) as server:
+    with tiny_server(tiny_model, "--api-keys", str(keys), "--drain-timeout", "60") as server:
         yield server
 
 
@@ -67,35 +71,36 @@ def test_tenant_labels_are_capped(server, client):
     assert len(tenants) <= 34 and {"other", "default"} <= tenants
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_zero():
-    server = Server("--drain-timeout", "60")
-    try:
+def test_sigterm_drains_in_flight_requests_then_exits_zero(keyed_server):
+    """Runs last: it stops the module's server."""
+    server, auth = keyed_server, {"Authorization": "Bearer sk-alpha"}
 
-        async def main():
-            async with aiohttp.ClientSession() as session:
+    async def main():
+        async with aiohttp.ClientSession(headers=auth) as session:
 
-                async def long_one(i):
-                    async with session.post(
-                        server.url + "/v1/completions",
-                        json={"prompt": f"Essay {i}:", "max_tokens": 40, "ignore_eos": True},
-                    ) as r:
-                        return r.status, await r.json()
+            async def long_one(i):
+                async with session.post(
+                    server.url + "/v1/completions",
+                    json={"prompt": f"Essay {i}:", "max_tokens": 400, "ignore_eos": True},
+                ) as r:
+                    return r.status, await r.json()
 
-                tasks = [asyncio.create_task(long_one(i)) for i in range(4)]
-                await asyncio.sleep(1.0)  # they are running now
-                server.proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
-                try:
-                    async with session.post(server.url + "/v1/completions", json={"prompt": "late"}) as r:
-                        late = r.status
-                except aiohttp.ClientError:
-                    late = "refused"
-                return await asyncio.gather(*tasks), late
+            tasks = [asyncio.create_task(long_one(i)) for i in range(4)]
+            deadline = time.monotonic() + 30
+            while server.metrics()["prescient:num_requests_running{}"] < 4:  # they are running now
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), server.output()
+                await asyncio.sleep(0.02)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            try:
+                async with session.post(server.url + "/v1/completions", json={"prompt": "late"}) as r:
+                    late = r.status
+            except aiohttp.ClientError:
+                late = "refused"
+            return await asyncio.gather(*tasks), late
 
-        results, late = asyncio.run(main())
-        assert all(status == 200 and body["usage"]["completion_tokens"] == 40 for status, body in results)
-        assert late in (503, "refused")
-        assert server.proc.wait(timeout=60) == 0
-        assert "draining" in server.output()
-    finally:
-        server.stop()
+    results, late = asyncio.run(main())
+    assert all(status == 200 and body["usage"]["completion_tokens"] == 400 for status, body in results)
+    assert late in (503, "refused")
+    assert server.proc.wait(timeout=60) == 0
+    assert "draining: 4 requests in flight" in server.output()

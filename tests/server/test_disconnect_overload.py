@@ -1,4 +1,7 @@
-"""Clients that vanish mid-stream free everything; more requests than the queue admits get 429."""
+"""Clients that vanish mid-stream free everything; more requests than the queue admits get 429.
+
+The servers run the tiny model (SmolLM2's tokenizer, random weights): the bookkeeping and the queue are the
+point, not what it generates."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import random
 import aiohttp
 import pytest
 
-from tests.server.conftest import MODEL, running_server, wait_idle
+from tests.server.conftest import MODEL, tiny_server, wait_idle
 
 pytestmark = pytest.mark.slow  # real servers
 
@@ -52,7 +55,8 @@ async def vanish_during_wait(url: str) -> None:
             pass
 
 
-def test_fifty_disconnecting_streams_free_every_block(server):
+def test_fifty_disconnecting_streams_free_every_block(tiny_shared_server):
+    server = tiny_shared_server
     rng = random.Random(1234)
 
     async def main():
@@ -83,13 +87,13 @@ def test_fifty_disconnecting_streams_free_every_block(server):
         assert r.status == 200
 
 
-def test_overload_gets_429_with_retry_after_and_the_rest_complete():
-    with running_server("--max-num-seqs", "2", "--max-waiting", "3") as server:
+def test_overload_gets_429_with_retry_after_and_the_rest_complete(tiny_model):
+    with tiny_server(tiny_model, "--max-num-seqs", "2", "--max-waiting", "3") as server:
 
         async def one(session, i):
             async with session.post(
                 server.url + "/v1/completions",
-                json={"prompt": f"Item {i}:", "max_tokens": 24, "ignore_eos": True},
+                json={"prompt": f"Item {i}:", "max_tokens": 200, "ignore_eos": True},
             ) as resp:
                 return resp.status, resp.headers.get("Retry-After"), await resp.json()
 
@@ -105,7 +109,7 @@ def test_overload_gets_429_with_retry_after_and_the_rest_complete():
         assert len(ok) >= 5
         assert all(r[1] is not None and int(r[1]) >= 1 for r in rejected)
         assert all(r[2]["error"]["type"] == "rate_limit_error" for r in rejected)
-        assert all(r[2]["usage"]["completion_tokens"] == 24 for r in ok)
+        assert all(r[2]["usage"]["completion_tokens"] == 200 for r in ok)
         counted = server.metrics()  # what an operator's 429 alert reads
         assert counted["prescient:http_responses_total{code=429,handler=/v1/completions}"] == len(rejected)
         assert counted["prescient:http_responses_total{code=200,handler=/v1/completions}"] == len(ok)

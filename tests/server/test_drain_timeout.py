@@ -1,5 +1,6 @@
 """After --drain-timeout, what is still running is aborted for real: streams end with an error event and
-[DONE], waiting clients get a 503 envelope, and the process exits 0 soon after (inside the k8s grace period)."""
+[DONE], waiting clients get a 503 envelope, and the process exits 0 soon after (inside the k8s grace period).
+The server runs the tiny model (SmolLM2's tokenizer, random weights): what it generates is not the point."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import time
 import aiohttp
 import pytest
 
-from tests.server.conftest import Server
+from tests.server.conftest import MODEL, Server
 
 pytestmark = pytest.mark.slow  # real servers
 
 
-def test_requests_outliving_the_drain_timeout_are_aborted_cleanly():
-    server = Server("--drain-timeout", "2")
+def test_requests_outliving_the_drain_timeout_are_aborted_cleanly(tiny_model):
+    server = Server(
+        "--model", str(tiny_model), "--served-model-name", MODEL, "--drain-timeout", "2", dtype="auto"
+    )
     try:
 
         async def stream(session):

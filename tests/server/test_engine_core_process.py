@@ -1,7 +1,8 @@
 """The engine core in its own process (the server's default): it serves n, best_of, logprobs and echo as
 the engine thread does; a dead core is an error to every client, never a hang; no orphan cores.
 
-Everything is real: `python -m server` on loopback, its core process, signals.
+Everything is real: `python -m server` on loopback, its core process, signals. The servers that are killed
+run the tiny model (SmolLM2's tokenizer, random weights): what they generate is not the point.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import urllib.request
 import pytest
 
 from tests.processes import children, wait_gone
-from tests.server.conftest import MODEL, ROOT, running_server
+from tests.server.conftest import MODEL, ROOT, running_server, tiny_server
 
 pytestmark = pytest.mark.slow  # real servers
 
@@ -129,8 +130,17 @@ def test_n_best_of_logprobs_and_echo_match_the_engine_thread(server):
             _same_logprobs(g, w)
 
 
-def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
-    with running_server("--engine-process") as server:
+def _code(payload: bytes) -> str:
+    return json.loads(payload)["error"]["code"]
+
+
+def test_a_killed_core_fails_every_client_fast(tiny_model):
+    """Item 6 with the core process: requests through the core first work (batched prompts, logit_bias,
+    min_tokens, n > 1 with logprobs and echo). Then SIGKILL of the real core with two streams running, more
+    requests waiting behind them and more arriving in the instant after: each gets engine_dead within
+    seconds, later requests fail fast, /health turns unhealthy, and nothing stays in flight (the drain at
+    SIGTERM finds 0 requests)."""
+    with tiny_server(tiny_model, "--engine-process", "--max-num-seqs", "2") as server:
         core = _core_pid(server)
         status, body = _post(server.url, {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
@@ -155,43 +165,6 @@ def test_a_killed_core_fails_requests_fast_and_sigterm_leaves_no_orphan():
         for choice in json.loads(body)["choices"]:
             assert choice["text"].startswith("Hello") and len(choice["logprobs"]["tokens"]) == 1 + 3
 
-        # a stream in flight when the core dies ends with an error event and [DONE], not a hang
-        req = urllib.request.Request(
-            server.url + "/v1/completions",
-            json.dumps(
-                {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-            ).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=60) as stream:
-            assert stream.readline().startswith(b"data: ")  # the first token arrived: the request runs
-            os.kill(core, signal.SIGKILL)
-            events = [line[6:].strip() for line in stream.read().split(b"\n") if line.startswith(b"data: ")]
-        assert events[-1] == b"[DONE]"
-        assert json.loads(events[-2])["error"]["code"] == "engine_dead"
-
-        started = time.monotonic()
-        status, body = _post(server.url, {"prompt": "Hello again", "max_tokens": 3}, timeout=30)
-        assert status == 500 and json.loads(body)["error"]["code"] == "engine_dead"
-        assert time.monotonic() - started < 10
-        _assert_unhealthy(server.url)
-
-    with running_server("--engine-process") as server:
-        core = _core_pid(server)
-        assert server.stop(signal.SIGTERM) == 0
-        assert wait_gone([core], 10) == [], "the engine core outlived the server's SIGTERM"
-
-
-def _code(payload: bytes) -> str:
-    return json.loads(payload)["error"]["code"]
-
-
-def test_a_core_killed_while_requests_stream_and_queue_answers_every_client():
-    """Item 6 with --engine-process: SIGKILL of the real core with two streams running, more requests waiting
-    behind them and more arriving in the instant after: each gets engine_dead within seconds, /health turns
-    unhealthy, and nothing stays in flight (the drain at SIGTERM finds 0 requests)."""
-    with running_server("--engine-process", "--max-num-seqs", "2") as server:
-        core = _core_pid(server)
         long = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
         started = [threading.Event(), threading.Event()]
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -204,7 +177,7 @@ def test_a_core_killed_while_requests_stream_and_queue_answers_every_client():
             killed = time.monotonic()
             os.kill(core, signal.SIGKILL)
             late = [pool.submit(_read, server.url, {**long, "stream": i % 2 == 0}) for i in range(8)]
-            for future in streams:
+            for future in streams:  # a stream in flight ends with an error event and [DONE], not a hang
                 status, events = future.result(timeout=30)
                 assert status == 200 and events[-1] == b"[DONE]" and _code(events[-2]) == "engine_dead"
             for future in waiting:
@@ -216,6 +189,11 @@ def test_a_core_killed_while_requests_stream_and_queue_answers_every_client():
                     status == 200 and lines[-1] == b"[DONE]" and _code(lines[-2]) == "engine_dead"
                 ), (status, lines)
             assert time.monotonic() - killed < 30
+
+        started = time.monotonic()
+        status, body = _post(server.url, {"prompt": "Hello again", "max_tokens": 3}, timeout=30)
+        assert status == 500 and json.loads(body)["error"]["code"] == "engine_dead"
+        assert time.monotonic() - started < 10
         _assert_unhealthy(server.url)
         assert server.stop(signal.SIGTERM) == 0
         with open(server.log_path) as f:
@@ -223,8 +201,8 @@ def test_a_core_killed_while_requests_stream_and_queue_answers_every_client():
         assert "draining: 0 requests in flight" in output, output
 
 
-def test_a_killed_server_takes_its_core_with_it():
-    with running_server("--engine-process") as server:
+def test_a_killed_server_takes_its_core_with_it(tiny_model):
+    with tiny_server(tiny_model, "--engine-process") as server:
         core = _core_pid(server)
         server.proc.kill()
         server.proc.wait()
@@ -264,11 +242,16 @@ def test_the_front_end_runs_nicer_than_its_core(server):
     assert _thread_nices(_core_pid(server)) == {started_at}
 
 
-def test_frontend_nice_zero_keeps_one_priority_and_a_bad_value_is_a_startup_error():
+def test_frontend_nice_zero_keeps_one_priority_then_sigterm_leaves_no_orphan_core(tiny_model):
+    """--frontend-nice 0: the front end and the core at the nice they were started with; a bad value is a
+    startup error. SIGTERM of the server: it exits 0, and its core with it."""
     started_at = os.getpriority(os.PRIO_PROCESS, 0)
-    with running_server("--frontend-nice", "0") as server:
+    with tiny_server(tiny_model, "--engine-process", "--frontend-nice", "0") as server:
         status, body = _post(server.url, {"model": MODEL, "prompt": "Hello", "max_tokens": 3})
         assert status == 200, body
         assert _thread_nices(server.proc.pid) == {started_at}
-        assert _thread_nices(_core_pid(server)) == {started_at}
+        core = _core_pid(server)
+        assert _thread_nices(core) == {started_at}
+        assert server.stop(signal.SIGTERM) == 0
+        assert wait_gone([core], 10) == [], "the engine core outlived the server's SIGTERM"
     assert "--frontend-nice" in _startup_error("--frontend-nice", "25", "--port", "1")

@@ -1,6 +1,7 @@
 """/openapi.json against the real server: every field it documents is accepted with a value built from its
 own schema, a value of the wrong type gets a 400 whose `param` names that field, and a field it does not
-document is ignored (and logged), as its description says."""
+document is ignored (and logged), as its description says. The server runs the tiny model (SmolLM2's
+tokenizer, random weights): the fields are the point, and there are a few hundred requests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, TINY_SHAPE
 from tests.server.test_bad_inputs import call
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ NEEDS = {
     "top_logprobs": {"logprobs": True},
     "stream_options": {"stream": True},
     "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    "dimensions": {"dimensions": 576},  # the model's hidden size: no other is served
+    "dimensions": {"dimensions": TINY_SHAPE["hidden_size"]},  # the model's hidden size: no other is served
 }
 """Fields that need another field beside them (each field's description says so)."""
 ROUTE_NEEDS = {
@@ -105,6 +106,11 @@ def wrong(schema: dict):
         if kind not in kinds:
             return candidate
     raise AssertionError(f"every JSON type fits {schema}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_shared_server):
+    return tiny_shared_server
 
 
 @pytest.fixture(scope="module")

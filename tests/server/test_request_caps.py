@@ -1,6 +1,9 @@
 """The caps a hostile client meets, each with a 400 naming the field (and /openapi.json saying so); what
 it cannot make the server do: bloat it with a long `user`, amplify a small request into a huge echo,
-forge log lines, answer a web page's simple request, read a keyed tenant's cache, or send invalid JSON."""
+forge log lines, answer a web page's simple request, read a keyed tenant's cache, or send invalid JSON.
+
+The servers run the tiny model (SmolLM2's tokenizer, random weights): the caps are the HTTP layer's, and the
+prompts at the caps are thousands of tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import openai
 import pytest
 
 from server.auth import api_keys
-from tests.server.conftest import running_server, wait_idle
+from tests.server.conftest import MODEL, tiny_server, wait_idle
 
 pytestmark = pytest.mark.slow  # starts servers
 
@@ -20,9 +23,8 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def caps_server():
-    with running_server() as server:
-        yield server
+def caps_server(tiny_shared_server):
+    return tiny_shared_server
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +83,13 @@ def test_chat_cap(client, field, body, words):
     request = {"model": "x", "messages": MSG, "max_tokens": 1, **body}
     request.pop("model")
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", **request)
+        client.chat.completions.create(model=MODEL, **request)
     refused(info, field, words)
 
 
 def test_caps_at_the_limit_are_served(client):
     reply = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct",
+        model=MODEL,
         messages=MSG,
         max_tokens=1,
         tools=tools(128),
@@ -101,7 +103,7 @@ def test_schema_over_the_size_cap(client):
     schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(6000)}}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model="SmolLM2-135M-Instruct",
+            model=MODEL,
             messages=MSG,
             max_tokens=1,
             response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
@@ -112,13 +114,9 @@ def test_schema_over_the_size_cap(client):
 def test_echo_logprobs_are_bounded(client):
     prompt = "the cat sat on the mat " * 600  # about 3,600 tokens; x 21 entries is over the cap
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(
-            model="SmolLM2-135M-Instruct", prompt=prompt, echo=True, logprobs=20, max_tokens=1
-        )
+        client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=20, max_tokens=1)
     refused(info, "logprobs", "65,536")
-    small = client.completions.create(
-        model="SmolLM2-135M-Instruct", prompt=prompt, echo=True, logprobs=1, max_tokens=1
-    )
+    small = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1)
     assert len(small.choices[0].logprobs.tokens) == small.usage.prompt_tokens + 1
 
 
@@ -180,10 +178,10 @@ def test_openapi_documents_the_caps(caps_server):
 SECRET = "Board memo, do not share: the merger closes on the 14th at forty-two a share. " * 6
 
 
-def test_plain_key_users_are_not_keyed_tenants(tmp_path):
+def test_plain_key_users_are_not_keyed_tenants(tmp_path, tiny_model):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-alice": {"tenant": "alice"}}))
-    with running_server("--api-keys", str(keys), "--api-key", "sk-plain") as server:
+    with tiny_server(tiny_model, "--api-keys", str(keys), "--api-key", "sk-plain") as server:
 
         def cached(key: str, user: str | None = None) -> int:
             body = {"prompt": SECRET, "max_tokens": 1, **({"user": user} if user else {})}

@@ -1,13 +1,13 @@
 """A bounded soak on loopback: concurrent streams, a third of the clients vanish at random points, some
 readers stall, some requests are hostile. Afterwards nothing is stuck, the KV cache is empty, nothing runs
-or waits, and the server's memory has not grown."""
+or waits, and the server's memory has not grown. The server runs the tiny model (SmolLM2's tokenizer and chat
+template, random weights): the front end and the engine's bookkeeping are the point, not the model."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
-import time
 import urllib.request
 
 import aiohttp
@@ -89,7 +89,9 @@ async def client(session: aiohttp.ClientSession, url: str, i: int, rng: random.R
     raise AssertionError(f"stream {i} ({kind}) ended without [DONE]")
 
 
-def test_soak(server):
+def test_soak(tiny_shared_server):
+    server = tiny_shared_server
+
     async def round_of(n: int, seed: int) -> list[str]:
         rng = random.Random(seed)
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -104,9 +106,8 @@ def test_soak(server):
     asyncio.run(round_of(12, seed=1))  # warm-up: allocator pools, caches
     wait_idle(server)
     before = rss_bytes(server.proc.pid)
-    started = time.monotonic()
     kinds = []
-    while time.monotonic() - started < 30:  # bounded: about half a minute of load
+    for _ in range(4):  # bounded: 96 clients
         kinds += asyncio.run(round_of(24, seed=len(kinds) + 2))
     after_metrics = wait_idle(server, timeout=60)
     after = rss_bytes(server.proc.pid)

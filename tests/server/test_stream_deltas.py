@@ -2,12 +2,26 @@
 
 Same prompt, seed and stop strings, once streamed and once not, through the official `openai` client against
 a real server: the text, the finish reason, and with logprobs the tokens and their logprobs agree. Requests
-run one at a time, so both see the same batch shapes and the same floating-point sums.
+run one at a time, so both see the same batch shapes and the same floating-point sums. The server is the
+APIs' shared one, with the packed default weights: nothing here is compared with a float32 oracle.
 """
 
 from __future__ import annotations
 
 import pytest
+
+from tests.server.conftest import API_KEY
+
+
+@pytest.fixture(scope="module")
+def server(apis_server):
+    return apis_server
+
+
+@pytest.fixture
+def client(apis_server):
+    return apis_server.openai_client(api_key=API_KEY, timeout=120)
+
 
 CASES = [
     ("Once upon a time", 3, None),

@@ -1,6 +1,7 @@
 """response_format (json_object, json_schema) and tools / tool_choice through the official openai client,
 sync and async, streaming and not, against the real server: every output parses and validates against
-its schema with jsonschema (independent of the grammar engine that enforced it)."""
+its schema with jsonschema (independent of the grammar engine that enforced it). The server is the APIs'
+shared one, with the packed default weights: nothing here is compared with a float32 oracle."""
 
 from __future__ import annotations
 
@@ -12,7 +13,18 @@ import openai
 import pytest
 
 from server.tools.tool_calls import ToolRequest, extract_tool_calls
-from tests.server.conftest import MODEL
+from tests.server.conftest import API_KEY, MODEL
+
+
+@pytest.fixture(scope="module")
+def server(apis_server):
+    return apis_server
+
+
+@pytest.fixture
+def client(apis_server):
+    return apis_server.openai_client(api_key=API_KEY, timeout=120)
+
 
 SCHEMAS = {
     "person": {
@@ -89,7 +101,7 @@ def ask(name: str) -> list[dict]:
 
 
 async def test_json_schemas_async_batched(server):
-    client = server.async_openai_client(timeout=300)
+    client = server.async_openai_client(api_key=API_KEY, timeout=300)
     resps = await asyncio.gather(
         *[
             client.chat.completions.create(

@@ -1,18 +1,22 @@
 """With API keys, tenants cannot learn about each other: not through prefix-cache hits, not from /metrics, not
-by forging chat turns; an unauthenticated client costs the server no work; a big prompt never stalls the loop."""
+by forging chat turns; an unauthenticated client costs the server no work; a big prompt never stalls the loop;
+an Authorization header that is not UTF-8 is a 401. The server runs the tiny model (SmolLM2's tokenizer and
+chat template, random weights): what it generates is not the point."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 
-from tests.server.conftest import running_server
+from tests.server.conftest import tiny_server
 
 pytestmark = pytest.mark.slow  # real servers
 
@@ -30,10 +34,10 @@ SECRET = (
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory):
+def keyed(tmp_path_factory, tiny_model):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     path.write_text(json.dumps(KEYS))
-    with running_server("--api-keys", str(path), "--metrics-auth", "--no-tenant-metrics") as server:
+    with tiny_server(tiny_model, "--api-keys", str(path), "--metrics-auth", "--no-tenant-metrics") as server:
         yield server
 
 
@@ -154,3 +158,27 @@ def test_priority_only_within_what_the_key_grants(keyed):
     assert code == 400 and payload["error"]["param"] == "priority"
     assert post(keyed.url, "/v1/completions", {**body, "priority": -5}, "sk-alpha")[0] == 200  # granted
     assert post(keyed.url, "/v1/completions", {**body, "priority": 6}, "sk-alpha")[0] == 400
+
+
+def _post_with_authorization(url: str, authorization: bytes) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=30)
+    try:
+        body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(body)))
+        conn.putheader("Authorization", authorization)  # bytes go on the wire as they are
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_non_utf8_authorization_gets_401(keyed):
+    for header in (b"Bearer \xff\xfe\xfd", b"Bearer sk-alph\xe9", b"\xc3\x28"):
+        code, payload = _post_with_authorization(keyed.url, header)
+        assert code == 401, payload
+        assert "API key" in payload["error"]["message"]
+    code, payload = _post_with_authorization(keyed.url, b"Bearer sk-alpha")
+    assert code == 200, payload

@@ -1,6 +1,7 @@
 """Each tenant has its share of the waiting queue: one caller flooding it gets the 429s, not another tenant.
 
-A real server on loopback with `--max-waiting 4 --max-num-seqs 2`, keyed tenants beside plain-key callers.
+A real server on loopback with `--max-waiting 4 --max-num-seqs 2`, keyed tenants beside plain-key callers,
+on the tiny model (SmolLM2's tokenizer, random weights): the queue is the point, and its steps are cheap.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.server.conftest import running_server
+from tests.server.conftest import tiny_server
 
 pytestmark = pytest.mark.slow  # starts a server
 
@@ -30,13 +31,13 @@ def post(url: str, body: dict, key: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_a_plain_key_batch_filling_the_queue_does_not_429_a_keyed_tenant(tmp_path):
+def test_a_plain_key_batch_filling_the_queue_does_not_429_a_keyed_tenant(tmp_path, tiny_model):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps(KEYS))
     flags = ["--api-keys", str(keys), "--api-key", "sk-plain", "--max-waiting", "4", "--max-num-seqs", "2"]
-    with running_server(*flags) as server:
+    with tiny_server(tiny_model, *flags) as server:
         batch: dict = {}
-        body = {"prompt": [f"Story {i}:" for i in range(6)], "max_tokens": 48, "ignore_eos": True}
+        body = {"prompt": [f"Story {i}:" for i in range(6)], "max_tokens": 150, "ignore_eos": True}
         flood = threading.Thread(target=lambda: batch.update(result=post(server.url, body, "sk-plain")))
         flood.start()
         deadline = time.monotonic() + 60

@@ -1,9 +1,9 @@
 """POST /tokenize honours add_special_tokens, as vLLM's does: the tokenizer's BOS in front when true
 (default for a prompt), none when false (default for messages, whose chat template writes its own).
 
-SmolLM2 adds no BOS, so the check runs on a small Llama directory whose tokenizer_config says
-add_bos_token (its weights are random: only the tokenizer matters here), and on SmolLM2 that both
-settings give the same tokens."""
+SmolLM2 adds no BOS, so the check runs on the tiny model's directory (SmolLM2's tokenizer, random weights:
+only the tokenizer matters here) with a BOS and add_bos_token in its tokenizer_config, and on SmolLM2 that
+both settings give the same tokens."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import json
 
 import pytest
 
-from tests.random_llama import llama_shape, save_llama_dir
-from tests.server.conftest import running_server
+from tests.server.conftest import running_server, write_tiny_smollm2
 from tests.server.test_bad_inputs import call
 
 pytestmark = pytest.mark.slow
@@ -23,18 +22,10 @@ MSG = [{"role": "user", "content": "Hi there"}]
 
 @pytest.fixture(scope="module")
 def bos_model_dir(tmp_path_factory):
-    import os
-
-    from transformers import AutoTokenizer
-
-    from runtime.model.checkpoint import default_model_path
-
-    gguf = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    path = tmp_path_factory.mktemp("bos-llama")
-    # vocab, hidden, intermediate, layers, heads, kv heads, context, rope theta, rms eps, tied embeddings
-    shape = llama_shape(len(tokenizer), 32, 64, 1, 2, 1, 256, 10000.0, 1e-6, False)
-    save_llama_dir(path, shape, tokenizer, bos_token_id=BOS, eos_token_id=2)
+    """The tiny model (SmolLM2's tokenizer, random weights), its BOS set to <|endoftext|> and added."""
+    path = write_tiny_smollm2(tmp_path_factory.mktemp("bos-llama"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "bos_token_id": BOS}))
     settings = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**settings, "add_bos_token": True}))
     return path
