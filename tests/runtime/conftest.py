@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import pytest
@@ -25,12 +27,34 @@ def engine_fp32() -> Engine:
     return Engine.from_pretrained(dtype="float32", device="cpu", kv_cache_bytes=256 << 20)
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Within the block, transformers' GGUF loading parses a file once and maps tensor names once per shape:
+    it opens the file anew for the tokenizer, the config and the weights (the reader parses every vocabulary
+    string in Python, ~10 CPU-s each time for the default model) and builds gguf's name table again for each
+    of the model's ~400 modules. Both are read-only results of their arguments: what transformers loads is
+    unchanged, only not computed again."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(lambda path, mode="r": reader(path, mode))
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 @pytest.fixture(scope="session")
 def reference():
     """transformers loading the same GGUF file: an implementation independent of ours."""
+    with gguf_parsed_once():
+        return _reference(default_model_path())
+
+
+def _reference(path: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_path()
     kwargs = dict(gguf_file=os.path.basename(path))
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), **kwargs)
     # transformers' GGUF reader gives every byte-level BPE GPT-2's split and ignores tokenizer.ggml.pre

@@ -13,7 +13,7 @@ import pytest
 from runtime import Engine, SamplingParams
 from tests.runtime.conftest import CHATS, chat_ids
 
-PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def variant(base: Engine, **kw) -> Engine:

@@ -127,7 +127,9 @@ def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
         from runtime.kernels import triton_layer_ops
         from tests.random_llama import TINY, engine_for, hf_llama
         from tests.runtime.test_cuda import teacher_forced_check
-        hf = hf_llama(TINY, "cpu", torch.float32, seed=5)
+        # two layers (the interpreter runs each kernel's programs one by one in Python): the second reads the
+        # first's output and its own KV cache layer
+        hf = hf_llama(dict(TINY, num_hidden_layers=2), "cpu", torch.float32, seed=5)
         # 16 tokens a step: prompts prefill in chunks while the shorter ones already decode
         tmp = pathlib.Path(tempfile.mkdtemp())
         engine = engine_for(hf, tmp, torch.float32, "cpu", max_num_batched_tokens=16)
@@ -143,7 +145,7 @@ def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
         engine.model.native_decode = True
         engine.runner.attention = TritonBackend()
         prompts = [[3 + (5 * i + 3 * j) % 500 for j in range(4 + 13 * i)] for i in range(3)]
-        outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
             teacher_forced_check(hf, prompt, out.token_ids, 1e-3)
         print("OK")

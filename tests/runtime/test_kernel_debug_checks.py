@@ -1,20 +1,23 @@
 """The debug build of the C kernels (PRESCIENT_KERNEL_DEBUG=1) checks each exported kernel's shape arguments:
 a bad one aborts the process with one line naming the kernel, the argument and its value, instead of reading
-or writing out of bounds; good ones give the release build's results. Each call runs in its own process."""
+or writing out of bounds; good ones give the release build's results. Each call runs in its own process, which
+imports the kernels' loader alone (tests/runtime/kernels_only.py). The checks are the same C at every level:
+the tests build and compare the lowest level, the fastest to compile."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from runtime.kernels import library as native_kernels
+from tests.runtime import kernels_only
 
 ROOT = Path(__file__).resolve().parents[2]
+LOWEST = native_kernels.levels()[0]
 
 # Calls each kernel through the library load() gives, with the shape named on the command line ("good" or one
 # bad case), and prints the outputs (one line of floats a kernel) and the library's file name.
@@ -69,10 +72,10 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def debug_cache(tmp_path_factory) -> tuple[Path, str]:
-    """A kernel cache holding the debug library of the best level this CPU runs, built once for the module
-    where a build at first use would put it; and the compiler's warnings of that build."""
+    """A kernel cache holding the debug library of the lowest level, built once for the module where a build
+    at first use would put it; and the compiler's warnings of that build."""
     cache = tmp_path_factory.mktemp("debug-cache")
-    level = native_kernels.cpu_levels()[-1]
+    level = LOWEST
     saved = os.environ.get("PRESCIENT_CACHE")
     os.environ["PRESCIENT_CACHE"] = str(cache)
     try:
@@ -87,12 +90,13 @@ def debug_cache(tmp_path_factory) -> tuple[Path, str]:
 def run(case: str, debug: bool, cache: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PRESCIENT_KERNEL_DEBUG", "PRESCIENT_NATIVE")}
     env["PYTHONPATH"] = str(ROOT)
+    env["PRESCIENT_ISA"] = LOWEST.name
     env["PRESCIENT_NATIVE_BUILD_TIMEOUT"] = "600"  # a build at first use on a loaded machine
     if debug:
         env["PRESCIENT_KERNEL_DEBUG"] = "1"
         env["PRESCIENT_CACHE"] = str(cache)
     return subprocess.run(
-        [sys.executable, "-c", SCRIPT, case], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        kernels_only.command(SCRIPT, case), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
 
 
@@ -102,17 +106,22 @@ def debug_good(debug_cache) -> subprocess.CompletedProcess:
     return run("good", debug=True, cache=debug_cache[0])
 
 
-def test_debug_flag_loads_the_debug_library(debug_cache, debug_good):
+@pytest.fixture(scope="module")
+def release_good() -> subprocess.CompletedProcess:
+    """The good shapes under the release library."""
+    return run("good", debug=False)
+
+
+def test_debug_flag_loads_the_debug_library(debug_cache, debug_good, release_good):
     assert debug_good.returncode == 0, debug_good.stderr
     name = debug_good.stdout.splitlines()[0]
-    assert name.endswith("-debug.so") and str(debug_cache[0]) in name, name  # the one built, not rebuilt
-    release = run("good", debug=False)
-    assert release.returncode == 0, release.stderr
-    assert not release.stdout.splitlines()[0].endswith("-debug.so")
+    assert name.endswith(f"{LOWEST.name}-debug.so") and str(debug_cache[0]) in name, name  # not rebuilt
+    assert release_good.returncode == 0, release_good.stderr
+    assert not release_good.stdout.splitlines()[0].endswith("-debug.so")
 
 
-def test_good_shapes_give_the_release_results(debug_good):
-    release = run("good", debug=False)
+def test_good_shapes_give_the_release_results(debug_good, release_good):
+    release = release_good
     assert release.returncode == 0, release.stderr
     assert debug_good.returncode == 0, debug_good.stderr
     assert debug_good.stdout.splitlines()[1:] == release.stdout.splitlines()[1:]

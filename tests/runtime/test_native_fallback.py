@@ -1,7 +1,8 @@
 """The native kernels never stop startup: every way they can fail to build or load ends on the next level down
 or the PyTorch path with exactly one warning line, and a hung compiler is killed with all its children. Real
 processes, a real compiler (a fake one only where it must hang or fail), a real noexec mount where one can be
-made. PRESCIENT_KERNELS_DIR points at an empty directory where a test needs the build at first use."""
+made. PRESCIENT_KERNELS_DIR points at an empty directory where a test needs the build at first use. The probes
+import the kernels' loader alone (tests/runtime/kernels_only.py); one test starts the engine."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 
 from runtime.kernels import library as native_kernels
 from tests.processes import alive, wait_gone
+from tests.runtime import kernels_only
 
 pytestmark = pytest.mark.slow  # builds the C kernels from scratch or loads the real model
 
@@ -32,10 +34,11 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def probe(env: dict, script: str = PROBE, timeout: float = 180) -> tuple[str, list[str], float]:
+def probe(env: dict, script: str | None = None, timeout: float = 180) -> tuple[str, list[str], float]:
+    """Runs PROBE (or `script`, with the whole runtime importable) in a fresh process under env."""
     started = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-c", script],
+        kernels_only.command(PROBE) if script is None else [sys.executable, "-c", script],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -146,17 +149,33 @@ def built_cache(tmp_path_factory, prebuilt):
     return cache
 
 
-@needs_cc
-def test_corrupt_cached_library_is_rebuilt(tmp_path, built_cache):
-    cache = tmp_path / "cache"
+@pytest.fixture(scope="module")
+def built_again(tmp_path_factory, built_cache, prebuilt):
+    """One build at first use for two reasons at once: the prebuilt directory's manifest names other sources
+    (edited since `make install`), and the cache holds a corrupt library of the level. load() must pass over
+    the stale build and replace the corrupt one; (cache, the cached library, the probe's kernel and warnings).
+    """
+    root = tmp_path_factory.mktemp("built-again")
+    stale = root / "build"
+    shutil.copytree(prebuilt, stale)
+    manifest = json.loads((stale / "manifest.json").read_text())
+    (stale / "manifest.json").write_text(json.dumps({**manifest, "sources": "0" * 16}))
+    cache = root / "cache"
     shutil.copytree(built_cache, cache)
     target = next((cache / "kernels").glob("*.so"))
     target.write_bytes(b"\x7fELF but truncated garbage")
     kernel, warnings, _ = probe(
-        {"PRESCIENT_KERNELS_DIR": str(tmp_path / "no-build"), "PRESCIENT_CACHE": str(cache), **GENERIC}
+        {"PRESCIENT_KERNELS_DIR": str(stale), "PRESCIENT_CACHE": str(cache), **GENERIC}
     )
+    return cache, target, kernel, warnings
+
+
+@needs_cc
+def test_corrupt_cached_library_is_rebuilt(built_again):
+    _, target, kernel, warnings = built_again
     assert kernel == "native" and warnings == []
     assert target.stat().st_size > 1000
+    native_kernels._open(target)  # a whole library with every kernel
 
 
 @needs_cc
@@ -193,7 +212,7 @@ def test_noexec_cache_directory(tmp_path):
     prefix = _noexec_mount(mount_point)
     if prefix is None:
         pytest.skip("cannot mount a noexec tmpfs here (needs a private mount namespace)")
-    script = PROBE.replace('"', '\\"')
+    script = (kernels_only.PRELUDE + PROBE).replace('"', '\\"')
     command = (
         f"mount -t tmpfs -o noexec,size=16m tmpfs {mount_point} && "
         f"PRESCIENT_KERNELS_DIR={mount_point} PRESCIENT_CACHE={mount_point} PRESCIENT_NATIVE=1 "
@@ -259,7 +278,7 @@ def test_the_best_prebuilt_level_is_chosen_and_prescient_isa_caps_it(prebuilt, c
 
 def _level(prebuilt, env: dict) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "runtime.kernels.build", "--which"],
+        kernels_only.module_command("runtime.kernels.build", "--which"),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -288,16 +307,13 @@ def test_a_damaged_level_falls_to_the_next_level_down_with_one_warning(prebuilt,
     assert _level(damaged, {"PRESCIENT_CACHE": str(tmp_path / "c")}) == below
 
 
-def test_sources_edited_after_the_build_are_built_again_at_first_use(prebuilt, tmp_path):
-    stale = tmp_path / "build"
-    shutil.copytree(prebuilt, stale)
-    manifest = json.loads((stale / "manifest.json").read_text())
-    (stale / "manifest.json").write_text(json.dumps({**manifest, "sources": "0" * 16}))
-    kernel, warnings, _ = probe(
-        {"PRESCIENT_KERNELS_DIR": str(stale), "PRESCIENT_CACHE": str(tmp_path), "PRESCIENT_ISA": "generic"}
-    )
+@needs_cc
+def test_sources_edited_after_the_build_are_built_again_at_first_use(built_again):
+    cache, target, kernel, warnings = built_again
     assert kernel == "native" and warnings == []
-    assert list((tmp_path / "kernels").glob("*-generic.so"))
+    # the stale prebuilt library was not loaded: the cache's one was built (it held garbage before)
+    assert list((cache / "kernels").glob("*-generic.so")) == [target]
+    assert target.read_bytes()[:4] == b"\x7fELF" and target.stat().st_size > 1000
 
 
 def test_prescient_native_0_and_an_unknown_isa(prebuilt):
@@ -310,7 +326,7 @@ def test_prescient_native_0_and_an_unknown_isa(prebuilt):
 def test_the_build_command_prints_each_level_and_the_choice(tmp_path):
     """What `make install` prints: one line per level with its build time, then the level this CPU gets."""
     out = subprocess.run(
-        [sys.executable, "-m", "runtime.kernels.build", "--out", str(tmp_path), "--level", "generic"],
+        kernels_only.module_command("runtime.kernels.build", "--out", str(tmp_path), "--level", "generic"),
         cwd=ROOT,
         capture_output=True,
         text=True,

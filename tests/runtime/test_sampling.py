@@ -10,6 +10,7 @@ from runtime.kernels import library as native_kernels
 from runtime.kernels import nucleus_sampling as native_sampling
 from runtime.kernels.library import load
 from runtime.sample.sampler import sample
+from tests.random_llama import TINY, engine_for, hf_llama
 from tests.runtime.conftest import chat_ids
 from tests.runtime.native_levels import LEVELS, kernel_level  # noqa: F401 (a fixture)
 
@@ -26,16 +27,21 @@ def sampling_path(request, monkeypatch):
         yield request.param
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(engine_fp32):
-    prompt = chat_ids(engine_fp32.tokenizer, "Tell me a short story about a robot.")
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The engine on a copy of a random Llama's weights (transformers' own initialisation): seeded draws do
+    not depend on the model."""
+    return engine_for(hf_llama(TINY, seed=4), tmp_path_factory.mktemp("tiny"), torch.float32, "cpu")
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
+    prompt = [3 + (11 * j) % 400 for j in range(30)]
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
-    alone = engine_fp32.generate([prompt], params)[0].token_ids
-    others = [chat_ids(engine_fp32.tokenizer, f"Count to {n}.") for n in range(3)]
-    mixed = engine_fp32.generate(
-        others + [prompt], [SamplingParams(max_tokens=20, temperature=1.0)] * 3 + [params]
-    )
+    alone = tiny.generate([prompt], params)[0].token_ids
+    others = [[5 + n, 40 + 3 * n, 7] * (n + 2) for n in range(3)]
+    mixed = tiny.generate(others + [prompt], [SamplingParams(max_tokens=20, temperature=1.0)] * 3 + [params])
     assert mixed[-1].token_ids == alone
-    other_seed = engine_fp32.generate(
+    other_seed = tiny.generate(
         [prompt], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True)
     )[0].token_ids
     assert other_seed != alone
@@ -180,10 +186,10 @@ def test_temperature_sampling_follows_the_distribution(sampling_path):
 
 def test_stop_string_is_removed_and_reported(engine_fp32):
     prompt = chat_ids(engine_fp32.tokenizer, "Count from 1 to 20, separated by commas.")
-    free = engine_fp32.generate([prompt], SamplingParams(max_tokens=60, temperature=0))[0]
+    free = engine_fp32.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
     assert "7" in free.text, free.text
     stop_at = free.text[free.text.index("7") : free.text.index("7") + 2]
-    out = engine_fp32.generate([prompt], SamplingParams(max_tokens=60, temperature=0, stop=[stop_at]))[0]
+    out = engine_fp32.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=[stop_at]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
     assert out.text == free.text[: free.text.index(stop_at)]
 
@@ -203,10 +209,10 @@ def test_stop_token_ids_and_max_tokens(engine_fp32):
 
 def test_ignore_eos_runs_past_end_of_turn(engine_fp32):
     prompt = chat_ids(engine_fp32.tokenizer, "Say just the word 'yes'.")
-    stopped = engine_fp32.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
+    stopped = engine_fp32.generate([prompt], SamplingParams(max_tokens=20, temperature=0))[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == engine_fp32.tokenizer.eos_token_id
-    longer = engine_fp32.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
-    assert len(longer.token_ids) == 40 and longer.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+    longer = engine_fp32.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert len(longer.token_ids) == 20 and longer.token_ids[: len(stopped.token_ids)] == stopped.token_ids
 
 
 @pytest.mark.parametrize(
@@ -227,11 +233,25 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 
 
 @pytest.fixture(scope="module")
-def rainbow(engine_fp32) -> tuple[list[int], list[int]]:
-    """The penalty tests' prompt and its greedy output without penalties (the same for each of them)."""
-    prompt = chat_ids(engine_fp32.tokenizer, "List the colors of the rainbow, then list them again.")
-    plain = engine_fp32.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
-    return prompt, plain.token_ids
+def echo(tmp_path_factory):
+    """transformers' Llama with random weights made to repeat itself, as a language model does on a list asked
+    twice: its LM head is its embedding table (x3) and its layers' outputs are damped (x0.3), so tokens it
+    has seen stand out. The engine on a copy of its weights, a prompt ending in the model's own greedy output,
+    and the greedy output of the prompt without penalties. The penalties act on the logits, whatever the model;
+    this one makes each of them, the prompt's part in the repetition penalty and the output-only counts of
+    frequency and presence decide some token (checked against altered formulas when it was chosen)."""
+    hf = hf_llama(TINY, seed=4)
+    with torch.no_grad():
+        hf.lm_head.weight.copy_(hf.model.embed_tokens.weight * 3)
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.3)
+            layer.mlp.down_proj.weight.mul_(0.3)
+    engine = engine_for(hf, tmp_path_factory.mktemp("penalties"), torch.float32, "cpu", num_blocks=64)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    start = [3 + (7 * j) % 30 for j in range(20)]
+    prompt = start + engine.generate([start], greedy)[0].token_ids
+    plain = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    return hf, engine, prompt, plain.token_ids
 
 
 @pytest.mark.parametrize(
@@ -243,16 +263,14 @@ def rainbow(engine_fp32) -> tuple[list[int], list[int]]:
         dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5),
     ],
 )
-def test_penalties_greedy_equal_transformers_with_the_published_formulas(
-    engine_fp32, reference, rainbow, penalties
-):
-    """Greedy under penalties against transformers' forward, with the repetition penalty from transformers'
-    own logits processor (prompt and output tokens) and OpenAI's documented frequency/presence formula
-    (output tokens only): logit[j] -= count[j] * frequency + (count[j] > 0) * presence."""
+def test_penalties_greedy_equal_transformers_with_the_published_formulas(echo, penalties):
+    """Greedy under penalties against transformers' forward on the same weights, with the repetition penalty
+    from transformers' own logits processor (prompt and output tokens) and OpenAI's documented
+    frequency/presence formula (output tokens only): logit[j] -= count[j] * frequency + (count[j] > 0) *
+    presence."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    _, model = reference
-    prompt, plain = rainbow
+    model, engine, prompt, plain = echo
     rep = RepetitionPenaltyLogitsProcessor(penalties.get("repetition_penalty", 1.0))
     ids, expected = torch.tensor([prompt]), []
     with torch.no_grad():
@@ -267,7 +285,7 @@ def test_penalties_greedy_equal_transformers_with_the_published_formulas(
             expected.append(token)
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
             out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    got = engine_fp32.generate(
+    got = engine.generate(
         [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **penalties)
     )[0]
     assert got.token_ids == expected
