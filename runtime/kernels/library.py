@@ -53,7 +53,9 @@ SOURCES = [
         "gguf_dequantize.c",
     )
 ]
-HEADERS = [CSRC / name for name in ("vector_exp.h", "kernels.h", "bf16.h", "f16.h", "check.h")]
+HEADERS = [
+    CSRC / name for name in ("vector_exp.h", "kernels.h", "bf16.h", "f16.h", "gguf_block.h", "check.h")
+]
 BUILD_DIR = Path(__file__).parent / "native_build"
 """Where the build puts each level's library and manifest.json (git-ignored; PRESCIENT_KERNELS_DIR overrides)."""
 

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "f16.h"
+#include "gguf_block.h"
 #include "kernels.h"
 
 /* s * q + m in two roundings: a fused multiply-add would round once and differ from ggml in the last bit. GCC
@@ -26,11 +27,7 @@
 #define GGUF_DQ_Q5_K 6
 #define GGUF_DQ_Q6_K 7
 
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return f16_to_f32(h);
-}
+static inline float half_at(const uint8_t *p) { return f16_to_f32(load_half(p)); }
 
 static inline float affine(float s, float q, float m) {
     const float p = s * q;
@@ -80,16 +77,6 @@ static void row_q8_0(const uint8_t *b, int64_t nb, float *y) {
         const float d = half_at(b);
         const int8_t *q = (const int8_t *)(b + 2);
         for (int j = 0; j < 32; j++) y[j] = d * (float)q[j];
-    }
-}
-
-/* Q4_K / Q5_K's 12 bytes of 6-bit scales: sc[j] and m[j] of sub-block j */
-static inline void k_scales(const uint8_t *q, uint8_t *sc, uint8_t *m) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = q[j] & 63;
-        m[j] = q[j + 4] & 63;
-        sc[j + 4] = (q[j + 8] & 0x0f) | ((q[j] >> 6) << 4);
-        m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
     }
 }
 

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "f16.h"
+#include "gguf_block.h"
 #include "kernels.h"
 
 #define TILE 16
@@ -33,23 +34,7 @@
 #define GGUF_Q6_K 4
 #define GGUF_Q4_1 5
 
-static inline uint16_t load_half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return h;
-}
-
 static inline int outside(float v, float limit) { return !(v <= limit && v >= -limit); }
-
-/* Q4_K / Q5_K's 12 bytes of 6-bit scales: sc[j] and m[j] of sub-block j (ggml's get_scale_min_k4) */
-static inline void k_scales(const uint8_t *q, uint8_t *sc, uint8_t *m) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = q[j] & 63;
-        m[j] = q[j + 4] & 63;
-        sc[j + 4] = (q[j + 8] & 0x0f) | ((q[j] >> 6) << 4);
-        m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-    }
-}
 
 /* Four bytes at a time (little-endian loads and stores, as on every target the kernels build for): a tile's
  * vector holds 4 bytes per column, and the file's bytes for them lie next to each other. */
