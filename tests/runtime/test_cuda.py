@@ -279,3 +279,56 @@ def test_fused_layer_ops_compute_the_pytorch_layer_on_cuda_in_bfloat16(tiny_cuda
     scale = theirs.abs().max().item()
     assert (fused - plain).abs().max().item() < 0.02 * scale
     assert (fused - theirs).norm() / theirs.norm() < 0.02
+
+
+@cuda
+def test_speculative_verification_replays_graphs_and_emits_greedy_tokens(tiny_cuda, tmp_path):
+    """Proposals verified on the GPU (the greedy continuation with every third token wrong): steps that
+    carry several rows per sequence replay the captured graphs (float32), proposals are accepted, and every
+    emitted token is transformers' greedy choice over the same sequence (teacher-forced, as above)."""
+    engine = engine_for(
+        tiny_cuda,
+        tmp_path,
+        torch.float32,
+        "cuda",
+        max_num_seqs=8,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+            "disable_by_batch_size": 1000,
+        },
+    )
+    engine.speculator.row_cost = 0.0  # proposals at every rate: the test checks verification
+    graphs, observe = engine.runner.graphs, engine.speculator.observe
+    replayed, judged = [], []
+
+    def run(ids, positions, slots, tables, lens, index):
+        replayed.append(len(ids) - len(tables))  # rows beyond one a sequence: proposals verified
+        return type(graphs).run(graphs, ids, positions, slots, tables, lens, index)
+
+    def counted(request_id, num_drafts, num_accepted):
+        judged.append((num_drafts, num_accepted))
+        observe(request_id, num_drafts, num_accepted)
+
+    graphs.run, engine.speculator.observe = run, counted
+    rng = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 400, (n,), generator=rng).tolist() for n in (5, 9, 14, 20)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    engine.speculator._propose = lambda request, state: []
+    truth = {tuple(p): out.token_ids for p, out in zip(prompts, engine.generate(prompts, params))}
+
+    def propose(request, state):  # the greedy continuation, every third token wrong
+        at = request.num_output_tokens
+        drafts = list(truth[tuple(request.prompt_token_ids)][at : at + 4])
+        return [(t + 1) % 500 if (at + i) % 3 == 2 else t for i, t in enumerate(drafts)]
+
+    engine.speculator._propose = propose
+    replayed.clear()
+    outs = engine.generate(prompts, params)
+    assert max(replayed) > 0, "no step verified proposals through a graph"
+    assert sum(a for _, a in judged) > 0, judged
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == 32
+        teacher_forced_check(tiny_cuda, prompt, out.token_ids, 1e-3)
