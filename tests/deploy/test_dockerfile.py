@@ -128,7 +128,9 @@ def test_the_kernel_build_step_works(tmp_path):
     """The build stage's kernel step, run here as written from / (output redirected to a temporary directory),
     for the lowest level only: that the command without --level builds every level, each without a warning,
     is tests/runtime/test_native_fallback.py::test_every_level_compiles_without_warnings on `make install`'s
-    build, the same command; the step's text carries no --level (the test above)."""
+    build, the same command; the step's text carries no --level (the test above). It prints what `make
+    install` prints (the same command): one line per level with its build time, then the level this CPU gets
+    (the only run of the build command in the tests: a level takes ~20 CPU-s to compile)."""
     step = next(line for line in dockerfile() if "runtime.kernels.build" in line)
     lowest = native_kernels.levels()[0]
     command = step[len("RUN ") :] + f" --level {lowest.name}"
@@ -142,4 +144,6 @@ def test_the_kernel_build_step_works(tmp_path):
     assert set(manifest["levels"]) == {lowest.name}
     assert manifest["sources"] == native_kernels.sources_hash()
     assert (tmp_path / native_kernels.library_name(lowest)).stat().st_size > 10_000
-    assert "gets the" in result.stdout
+    lines = result.stdout.splitlines()
+    assert re.match(rf"kernels {lowest.name} .* \d+\.\d s$", lines[0]), lines
+    assert lines[-1].endswith(f"gets the {lowest.name} level"), lines

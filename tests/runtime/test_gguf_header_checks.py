@@ -19,17 +19,30 @@ from tests.random_families import hf_model, write_gguf
 pytestmark = pytest.mark.slow  # reads copies of the real model
 
 
-def _default_with(tmp_path, key: str, value: int):
-    """A copy of the default GGUF with one integer header value replaced."""
+@pytest.fixture(scope="module")
+def header_values() -> dict[str, tuple[int, np.dtype]]:
+    """Where each integer header value of the default GGUF lies in the file (its byte offset) and its type, as
+    gguf-py reads them: parsing the header costs seconds, so once for the module."""
     import gguf
 
+    reader = gguf.GGUFReader(default_model_path())
+    out = {}
+    for key, field in reader.fields.items():
+        part = field.parts[field.data[0]] if field.data else None
+        if part is not None and part.size == 1 and part.dtype.kind in "iu":
+            out[key] = (part.ctypes.data - reader.data.ctypes.data, part.dtype)
+    return out
+
+
+def _default_with(tmp_path, header_values, key: str, value: int):
+    """A copy of the default GGUF with one integer header value replaced in place (where gguf-py read it, as
+    its gguf_set_metadata script writes it)."""
     path = tmp_path / "broken.gguf"
     shutil.copyfile(default_model_path(), path)
-    reader = gguf.GGUFReader(str(path), "r+")
-    field = reader.fields[key]
-    field.parts[field.data[0]][0] = value
-    reader.data.flush()
-    del reader
+    offset, dtype = header_values[key]
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.array([value], dtype=dtype).tobytes())
     return path
 
 
@@ -41,8 +54,8 @@ def _default_with(tmp_path, key: str, value: int):
         ("llama.context_length", 1 << 31, ["context length 2147483648"]),
     ],
 )
-def test_header_sizes_that_disagree_with_the_tensors_are_refused(tmp_path, key, value, named):
-    path = _default_with(tmp_path, key, value)
+def test_header_sizes_that_disagree_with_the_tensors_are_refused(tmp_path, header_values, key, value, named):
+    path = _default_with(tmp_path, header_values, key, value)
     with pytest.raises(ValueError) as err:
         Engine.from_pretrained(str(path), dtype="float32", device="cpu", kv_cache_bytes=8 << 20)
     for part in named:

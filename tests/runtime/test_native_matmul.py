@@ -61,9 +61,14 @@ def _tiled(blocks: GGUFBlocks, dtype: torch.dtype) -> native_matmul.NativeMatmul
     return w
 
 
-@cache  # parsing and the oracle's dequantize cost seconds for the embedding
+@cache  # parsing the header costs seconds
+def _reader() -> gguf.GGUFReader:
+    return gguf.GGUFReader(default_model_path())
+
+
+@cache  # the oracle's dequantize costs seconds for the embedding
 def _tensor(name: str) -> tuple[GGUFBlocks, np.ndarray]:
-    reader = gguf.GGUFReader(default_model_path())
+    reader = _reader()
     tensor = next(t for t in reader.tensors if t.name == name)
     shape = tuple(int(d) for d in reversed(tensor.shape))
     kind = tensor.tensor_type.name

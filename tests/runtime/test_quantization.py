@@ -38,12 +38,18 @@ def _check_packed(blocks: GGUFBlocks, reference: np.ndarray) -> None:
     assert (got - expected).abs().max().item() <= bound
 
 
+@pytest.fixture(scope="module")
+def default_gguf() -> gguf.GGUFReader:
+    """The default file as gguf-py reads it (parsing its header costs seconds: once for the module)."""
+    return gguf.GGUFReader(default_model_path())
+
+
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"])
-def test_gguf_blocks_are_read_exactly_and_packed_as_the_same_function(name):
+def test_gguf_blocks_are_read_exactly_and_packed_as_the_same_function(default_gguf, name):
     """Q4_1 (the layers) and Q8_0 (the tied embedding / LM head) of the default file, packed for the int4
     kernel (kept where a dense copy is asked for), multiply like the gguf library's dequantized matrix
     (float32 activations)."""
-    reader = gguf.GGUFReader(default_model_path())
+    reader = default_gguf
     tensor = next(t for t in reader.tensors if t.name == name)
     shape = tuple(int(d) for d in reversed(tensor.shape))
     kind = tensor.tensor_type.name
