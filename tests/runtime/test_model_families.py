@@ -191,9 +191,11 @@ def test_triton_layer_ops_take_every_family_in_the_interpreter(tmp_path):
         import pathlib
         ids = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
         for name in FAMILIES:
-            # two layers where the family repeats one kind (the interpreter runs each kernel's programs one by
-            # one in Python): the second's norm takes the first's output; gemma3 keeps its sliding/global six
-            layers = {{}} if name == "gemma3" else dict(num_hidden_layers=2)
+            # two layers (the interpreter runs each kernel's programs one by one in Python): the second's norm
+            # takes the first's output; gemma3's are one sliding and one global layer
+            layers = dict(num_hidden_layers=2)
+            if name == "gemma3":
+                layers["layer_types"] = ["sliding_attention", "full_attention"]
             model = hf_model(name, **packable(name), **layers)
             path = save_hf_dir(model, pathlib.Path({str(tmp_path)!r}) / name)
             with torch.no_grad():

@@ -83,7 +83,7 @@ async def client(session: aiohttp.ClientSession, url: str, i: int, rng: random.R
             if leave_after is not None and events > leave_after:
                 return kind  # drop the connection mid-stream
             if kind == "stall":
-                await asyncio.sleep(rng.uniform(0.05, 0.4))  # a slow reader
+                await asyncio.sleep(rng.uniform(0.02, 0.2))  # a slow reader
             if line.strip() == b"data: [DONE]":
                 return kind
     raise AssertionError(f"stream {i} ({kind}) ended without [DONE]")
@@ -98,7 +98,7 @@ def test_soak(tiny_shared_server):
         async with aiohttp.ClientSession(connector=connector) as session:
 
             async def staggered(i):
-                await asyncio.sleep(rng.uniform(0, 3))
+                await asyncio.sleep(rng.uniform(0, 1.5))
                 return await client(session, server.url, i, rng)
 
             return await asyncio.wait_for(asyncio.gather(*(staggered(i) for i in range(n))), timeout=240)
