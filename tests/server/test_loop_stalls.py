@@ -87,6 +87,17 @@ def test_chunked_tokenize_body(loop_server):
     assert status == 200 and payload["count"] > 40_000
 
 
+def test_chat_text_far_longer_than_the_context(loop_server):
+    """A 1.5 MB chat message: read, rendered and tokenized (300,000 tokens) off the loop, then refused."""
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "word " * 300_000}], "max_tokens": 1}
+    ).encode()
+    status, payload = check_loop_free(loop_server.url, "/v1/chat/completions", body)
+    assert status == 400 and payload["error"]["code"] == "context_length_exceeded", payload
+    count = int(payload["error"]["message"].split(" tokens")[0].split()[-1])
+    assert 300_000 < count < 300_100, payload  # one token a word, and the chat template's own
+
+
 def test_token_id_prompt_longer_than_the_context(loop_server):
     body = json.dumps({"prompt": [1000 + i % 5000 for i in range(600_000)], "max_tokens": 1}).encode()
     status, payload = check_loop_free(loop_server.url, "/v1/completions", body)

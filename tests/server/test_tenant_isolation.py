@@ -1,6 +1,6 @@
 """With API keys, tenants cannot learn about each other: not through prefix-cache hits, not from /metrics, not
-by forging chat turns; an unauthenticated client costs the server no work; a big prompt never stalls the loop;
-an Authorization header that is not UTF-8 is a 401. The server runs the tiny model (SmolLM2's tokenizer and
+by forging chat turns; an unauthenticated client costs the server no work; an
+Authorization header that is not UTF-8 is a 401. The server runs the tiny model (SmolLM2's tokenizer and
 chat template, random weights): what it generates is not the point."""
 
 from __future__ import annotations
@@ -118,37 +118,6 @@ def test_unauthenticated_big_body_is_refused_before_any_work(keyed):
     assert status == 401
     # the same body with a key costs seconds of tokenization (next test), so this bound is wide
     assert seconds < 2.0, seconds
-
-
-def test_big_prompt_is_tokenized_off_the_event_loop(keyed):
-    content = "word " * 780_000
-    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
-
-    async def main():
-        async with aiohttp.ClientSession() as session:
-
-            async def big():
-                async with session.post(
-                    keyed.url + "/v1/chat/completions",
-                    data=body,
-                    headers={"Content-Type": "application/json", "Authorization": "Bearer sk-alpha"},
-                ) as resp:
-                    return resp.status, await resp.json()
-
-            task = asyncio.create_task(big())
-            gaps = []
-            while not task.done():
-                started = time.monotonic()
-                async with session.get(keyed.url + "/health") as resp:
-                    assert resp.status == 200
-                gaps.append(time.monotonic() - started)
-                await asyncio.sleep(0.05)
-            return await task, gaps
-
-    (status, payload), gaps = asyncio.run(main())
-    assert status == 400 and "context" in payload["error"]["message"]  # 780k tokens never fit
-    assert len(gaps) >= 5  # tokenizing took a while...
-    assert max(gaps) < 1.5, max(gaps)  # ...and /health kept answering all along
 
 
 def test_priority_only_within_what_the_key_grants(keyed):
