@@ -144,7 +144,7 @@ def test_triton_layer_ops_and_attention_run_the_model_in_the_interpreter():
         assert (fused - theirs).abs().max().item() < 1e-4
         engine.model.native_decode = True
         engine.runner.attention = TritonBackend()
-        prompts = [[3 + (5 * i + 3 * j) % 500 for j in range(4 + 9 * i)] for i in range(3)]
+        prompts = [[3 + (5 * i + 3 * j) % 500 for j in range(2 + 5 * i)] for i in range(3)]
         outs = engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
             teacher_forced_check(hf, prompt, out.token_ids, 1e-3)
