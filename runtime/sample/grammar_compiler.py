@@ -1,9 +1,11 @@
 """Grammars compiled off the step: a request waits for its grammar while the others keep decoding.
 
 Building an llguidance matcher for a large schema takes seconds (thousands of
-`anyOf` branches), and the first constrained request also builds the
-llguidance tokenizer (tests/runtime/test_grammar_wait.py shows the effect). Run inside the engine step, that stalls
-every stream in the batch. So the engine hands each new constrained request's
+`anyOf` branches; tests/runtime/test_grammar_wait.py shows the effect). Run inside
+the engine step, that stalls every stream in the batch. (The first constrained
+request also builds llguidance's tokenizer, on the same thread; that build holds
+the GIL, about 0.4 s for a 49,152-token vocabulary, so the steps beside it wait
+that once.) So the engine hands each new constrained request's
 grammar to one compile thread (llguidance releases the GIL while it compiles)
 and gives the request to the scheduler only once its matcher is built, as
 vLLM's WAITING_FOR_FSM state does. The model runner then takes a copy of the
