@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-
 import pytest
 import torch
 
 from runtime import Engine
-from runtime.model.checkpoint import default_model_path
 
 CHATS = [
     "What is the capital of France?",
@@ -27,36 +22,12 @@ def engine_fp32() -> Engine:
     return Engine.from_pretrained(dtype="float32", device="cpu", kv_cache_bytes=256 << 20)
 
 
-@contextlib.contextmanager
-def gguf_parsed_once():
-    """Within the block, transformers' GGUF loading parses a file once and maps tensor names once per shape:
-    it opens the file anew for the tokenizer, the config and the weights (the reader parses every vocabulary
-    string in Python, ~10 CPU-s each time for the default model) and builds gguf's name table again for each
-    of the model's ~400 modules. Both are read-only results of their arguments: what transformers loads is
-    unchanged, only not computed again."""
-    import gguf
-
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.cache(lambda path, mode="r": reader(path, mode))
-    gguf.get_tensor_name_map = functools.cache(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
-
-
 @pytest.fixture(scope="session")
-def reference():
+def reference(transformers_dir):
     """transformers loading the same GGUF file: an implementation independent of ours."""
-    with gguf_parsed_once():
-        return _reference(default_model_path())
-
-
-def _reference(path: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = dict(gguf_file=os.path.basename(path))
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(transformers_dir)
     # transformers' GGUF reader gives every byte-level BPE GPT-2's split and ignores tokenizer.ggml.pre
     # ("smollm"): put back the digit split of SmolLM2's own tokenizer.json, which llama.cpp applies too
     from tokenizers import pre_tokenizers
@@ -64,7 +35,7 @@ def _reference(path: str):
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(transformers_dir, dtype=torch.float32)
     model.eval()
     return tokenizer, model
 

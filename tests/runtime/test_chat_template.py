@@ -3,7 +3,6 @@ template refuses chat with a typed error, and typed special-token text is handle
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -83,12 +82,11 @@ def smollm() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def transformers_tokenizer():
+def transformers_tokenizer(transformers_dir):
     """transformers' tokenizer for the same file: it renders templates with its own Jinja setup."""
     from transformers import AutoTokenizer
 
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(transformers_dir)
 
 
 def _with_template(tok: Tokenizer, template: str | None) -> Tokenizer:

@@ -4,8 +4,6 @@ min_tokens), through the official openai client, sync and async, streaming and n
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
 
 import openai
 import pytest
@@ -18,22 +16,11 @@ TEXT = "Paris is the capital and most populous city of France, on the river Sein
 
 
 @pytest.fixture(scope="module")
-def transformers_model():
-    """transformers loading the GGUF itself. Its loader parses the file twice (for the config, then the
-    weights) and builds gguf-py's tensor-name table once per tensor; both are cached for the load (29 -> 13
-    CPU-s), the conversion and dequantization stay transformers' and gguf-py's own."""
-    import gguf
+def transformers_model(transformers_dir):
+    """transformers loading the GGUF itself (saved once per run in its own format, tests/conftest.py)."""
     from transformers import AutoModelForCausalLM
 
-    from runtime.model.checkpoint import default_model_path
-
-    path = default_model_path()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
-        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-        )
+    model = AutoModelForCausalLM.from_pretrained(transformers_dir, dtype=torch.float32)
     return model.eval()
 
 
