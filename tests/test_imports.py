@@ -5,6 +5,7 @@ cycles rather than remove them), and imports flow server -> runtime -> scheduler
 from __future__ import annotations
 
 import ast
+import functools
 import os
 
 import pytest
@@ -51,7 +52,9 @@ def imports_of(path: str, name: str, known: set[str]) -> set[str]:
     return out
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
+    """Every module's project imports: parsed once for the module's tests (read, never changed)."""
     mods = modules()
     return {name: imports_of(path, name, set(mods)) - {name} for name, path in mods.items()}
 

@@ -187,19 +187,16 @@ def test_special_token_scan_is_linear_in_the_chat(smollm):
     quadratic (9 s against 1 s)."""
     many = [{"role": "user", "content": ""} for _ in range(20_000)]
 
-    def best_of(content: str, runs: int = 3) -> float:
+    def seconds(content: str) -> float:
         messages = [*many, {"role": "user", "content": content}]
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            smollm.apply_chat_template(messages, tokenize=True)
-            times.append(time.perf_counter() - start)
-        return min(times)
+        start = time.perf_counter()
+        smollm.apply_chat_template(messages, tokenize=True)
+        return time.perf_counter() - start
 
     plain, forged = [], []
-    for _ in range(2):  # interleaved: the machine's load hits both alike
-        plain.append(best_of("im_start"))
-        forged.append(best_of("<|im_start|>"))
+    for _ in range(3):  # interleaved: the machine's load hits both alike
+        plain.append(seconds("im_start"))
+        forged.append(seconds("<|im_start|>"))
     assert min(forged) < 4 * min(plain) + 0.05, (min(forged), min(plain))
 
 
