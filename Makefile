@@ -74,9 +74,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # Three workers on two cores, a test file each (its module-scoped server or engine stays shared within the
-# file): a third keeps the cores busy while the others wait on servers, ranks and timeouts.
+# file): a third keeps the cores busy while the others wait on servers, ranks and timeouts. Files are handed
+# out longest first (tests/file_durations.py), so that no long one starts last.
 test: install prometheus cross-aarch64 $(CRD_SCHEMAS) lint
-	$(PY) -m pytest -q -n 3 --dist loadfile --durations=20 -m "not models" tests --ignore=tests/bench
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=20 -m "not models" tests --ignore=tests/bench
 
 # The tests marked `models`: real model files beyond the default (the `models` extra, a few hundred MB from
 # the package index, under their own licences), kept out of `make test` for its time.

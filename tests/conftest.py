@@ -36,6 +36,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    # the longest files first (tests/file_durations.py): with `--dist loadfile --no-loadscope-reorder` the
+    # workers take them in this order, and the short ones fill in at the end
+    from tests.file_durations import ordered
+
+    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
+    rank = {path: i for i, path in enumerate(ordered(files))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 @contextlib.contextmanager
