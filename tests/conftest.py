@@ -13,18 +13,9 @@ import contextlib
 import fcntl
 import functools
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-# The suite runs two workers on the machine's cores, and each runs multi-threaded kernels (torch's and the
-# C kernels' OpenMP teams). OpenMP threads that spin while they wait for work take the cores the other
-# worker's threads need: the whole suite ran about 3x slower. Waiting threads sleep instead; the servers,
-# torchrun ranks and interpreters the tests start inherit the setting. It must be set before torch loads.
-if "OMP_WAIT_POLICY" not in os.environ:
-    assert "torch" not in sys.modules, "torch loaded before tests/conftest.py: set OMP_WAIT_POLICY=PASSIVE"
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 # The fixtures that load the real model (the engine, transformers' reference) or start a real server.
 SLOW_FIXTURES = frozenset(
