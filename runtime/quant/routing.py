@@ -132,9 +132,23 @@ def packed_measures_faster(rounds: int = 7, calls: int = 8) -> bool:
     """Whether the C kernel multiplies one row of float32 activations by a model-shaped 4-bit weight (1,536 x
     576, blocks of 32) faster than the dense float32 matmul does (fastest round's seconds, interleaved): the
     step a single stream's decode repeats, bound by reading weights (0.56 bytes a weight packed, 4 dense).
-    False without the kernel or its vector loops (the portable loops are no match for a dense matmul)."""
+    False without the kernel or its vector loops (the portable loops are no match for a dense matmul).
+
+    Timed on one thread: the answer is the same at two quiet (the packed many-row loops 3.1x / 3.8x ahead
+    at one / two threads on a Zen 3), but beside busy processes every round of a two-thread team waited
+    for a descheduled thread, the dense matmul sometimes won, and the whole engine then ran on dense copies
+    (a sixth of the decode speed, for its lifetime)."""
     if not native_matmul.vector_loops():
         return False
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _packed_measures_faster(rounds, calls)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _packed_measures_faster(rounds: int, calls: int) -> bool:
     rng = np.random.default_rng(0)
     n, k = 1536, 576
     codes = rng.integers(0, 16, (n, k), dtype=np.uint8)

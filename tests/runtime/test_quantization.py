@@ -201,6 +201,30 @@ def test_packed_measures_faster_compares_one_row_against_the_dense_matmul(
     assert routing.packed_measures_faster.__wrapped__() == expected
 
 
+@pytest.mark.slow  # starts two busy processes
+def test_packed_measures_faster_gives_its_quiet_answer_beside_two_busy_processes():
+    """Timed on two threads, one call in five beside two busy processes (on two cores) said dense, as every
+    round of the team waited for a descheduled thread, and the engine then decoded on dense copies at a sixth
+    of its speed. On one thread the answer is the quiet one in every call; the caller's threads are kept."""
+    import subprocess
+    import sys
+    import time
+
+    measure = routing.packed_measures_faster.__wrapped__
+    threads = torch.get_num_threads()
+    quiet = measure()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.3)
+        answers = [measure() for _ in range(40)]
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert answers == [quiet] * 40
+    assert torch.get_num_threads() == threads
+
+
 def test_where_dtype_auto_picks_float32_the_gguf_blocks_stay_packed_at_float32_quality(
     engine_fp32, fp32_perplexity, monkeypatch
 ):
