@@ -1,8 +1,12 @@
-"""Watching real processes through Linux's /proc, for the tests that check none is left behind."""
+"""Watching real processes through Linux's /proc, for the tests that check none is left behind; and busy
+neighbours, for the tests of shared cores."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 
@@ -39,3 +43,15 @@ def wait_gone(pids: Iterable[int], seconds: float) -> list[int]:
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
     return [p for p in pids if alive(p)]
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """n plain busy loops (nice 0) running beside the block, killed after it."""
+    procs = [subprocess.Popen([sys.executable, "-c", "x = 0\nwhile True:\n    x += 1\n"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

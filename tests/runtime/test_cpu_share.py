@@ -3,11 +3,8 @@ measures (runtime/engine/cpu_share.py), down to the real engine beside busy proc
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import torch
 
 from runtime.engine import cpu_share
 from runtime.engine.cpu_share import CpuLimits, CpuShare, cpu_limits, decide
+from tests.processes import busy_processes
 
 
 def fake_proc(tmp_path: Path, cgroup_line: str, fstype: str, options: str, mount: Path) -> Path:
@@ -173,17 +171,6 @@ def test_under_a_fractional_quota_each_step_runs_all_threads_only_while_the_quot
         assert not unpaced.paced
     finally:
         torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def busy_processes(n: int):
-    procs = [subprocess.Popen([sys.executable, "-c", "x = 0\nwhile True:\n    x += 1\n"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 @pytest.mark.slow

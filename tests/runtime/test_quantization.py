@@ -21,6 +21,7 @@ from runtime.quant.gguf_blocks import GGUFBlocks
 from runtime.quant.linear import Int4Linear, pack_gguf
 from server.cli import build_parser
 from tests.bench.perplexity import perplexity
+from tests.processes import busy_processes
 
 
 def _reference_dequant(raw, kind: str, shape) -> np.ndarray:
@@ -206,21 +207,14 @@ def test_packed_measures_faster_gives_its_quiet_answer_beside_two_busy_processes
     """Timed on two threads, one call in five beside two busy processes (on two cores) said dense, as every
     round of the team waited for a descheduled thread, and the engine then decoded on dense copies at a sixth
     of its speed. On one thread the answer is the quiet one in every call; the caller's threads are kept."""
-    import subprocess
-    import sys
     import time
 
     measure = routing.packed_measures_faster.__wrapped__
     threads = torch.get_num_threads()
     quiet = measure()
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
+    with busy_processes(2):
         time.sleep(0.3)
         answers = [measure() for _ in range(40)]
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
     assert answers == [quiet] * 40
     assert torch.get_num_threads() == threads
 
