@@ -16,17 +16,33 @@ from tests.loader.conftest import write_files
 
 
 def collect_until_error(dl):
-    """Batches before the error, and the error (its traceback dropped, so that the
-    iterator and its worker processes go away now)."""
-    batches = []
-    with pytest.raises(Exception) as caught:
+    """Batches before the error, and the first error raised (its traceback dropped, so
+    that the iterator and its worker processes go away now).
+
+    When a worker dies, torch's SIGCHLD handler raises its RuntimeError in the main
+    thread at whatever line runs then: it can arrive after the loop already failed on
+    the broken pipe, while the iterator shuts its workers down. That second raise is the
+    same failure and is kept only as a later error."""
+    batches, errors = [], []
+
+    def run():
         for batch in dl:
             batches.append(batch)
-    error = caught.value
-    error.__traceback__ = None
-    del caught
-    gc.collect()
-    return batches, error
+
+    try:
+        try:
+            run()
+        except Exception as error:
+            errors.append(error)
+        for error in errors:
+            error.__traceback__ = None
+        gc.collect()
+    except RuntimeError as late:
+        late.__traceback__ = None
+        errors.append(late)
+        gc.collect()
+    assert errors, "the loader ended without an error"
+    return batches, errors[0]
 
 
 def strict_decode(raw: bytes) -> torch.Tensor:
