@@ -5,7 +5,10 @@ prompts of their own take turns and evict each other's cached prefixes. DLPM
 lets the cache decide the order *within* a fairness allowance:
 
 * Each tenant has a deficit d, in weighted tokens. A tenant is eligible while
-  it has waiting requests and d > 0.
+  it has waiting requests and d covers what admitting its next one (its
+  longest cached match) charges now, as deficit round robin sends a packet
+  only when the deficit covers it: no admission overdraws the deficit, so one
+  tenant's cached prefix cannot take a burst of admissions beyond its round.
 * Admission takes, among the eligible tenants' waiting requests, the one whose
   prompt has the longest prefix in the cache now (ties: earliest arrival).
 * When no backlogged tenant is eligible a round begins: every backlogged
@@ -25,8 +28,8 @@ lets the cache decide the order *within* a fairness allowance:
   return from idle.
 * Sparse tenants first (after FQ-CoDel's new-flow list, RFC 8290): a tenant
   with no request waiting that sends one is *new*, and that request goes
-  before the others' (longest match among new tenants) while the tenant's
-  deficit is positive. A low-rate tenant then does not wait for the
+  before the others' (longest match among new tenants) when the tenant's
+  deficit covers it. A low-rate tenant then does not wait for the
   backlogged tenants' cached prefixes to use up their round. A backlogged
   tenant always has a request waiting, so it is never new; a tenant that
   keeps its queue empty gets its requests ahead only while its deficit lasts,
@@ -40,24 +43,26 @@ lets the cache decide the order *within* a fairness allowance:
 
 Fairness bound. While two tenants are both backlogged they receive the same
 rounds, so the difference of their weighted service over any such interval
-is the difference of their deficits' changes. A backlogged tenant's deficit
-never exceeds Q (a round tops up only when no backlogged tenant's deficit is
-positive, by the fewest quanta that make one positive), and never falls
-below -(U_p + U_q): it is admitted only with d > 0, that admission is charged
-at most U_p = w_p x longest prompt / weight, and after it the tenant's
-running requests can still be charged at most U_q = w_q x the tokens they
-can still generate / weight, which is at most max_num_seqs x the longest
-max_tokens and at most the KV pool's tokens (a preempted request needs d > 0
-to be admitted again). So two backlogged tenants' weighted service differs
-by at most
+is the difference of their deficits' changes. Let U_p = w_p x the longest
+prompt / weight (the most one admission charges) and U_q = w_q x the tokens
+a tenant's running requests can still generate / weight (at most
+max_num_seqs x the longest max_tokens, and at most the KV pool's tokens). A
+tenant's deficit stays below Q + U_p (a new tenant starts at Q, and one back
+from idle at most at max(d, Q)): a round tops up only when no backlogged
+tenant can pay for its next admission, by the fewest quanta that let one
+pay, so every other tenant ends the top-up still short of its admission's
+charge plus one quantum. It never falls below -U_q: an admission leaves d >=
+0, and the running requests' output then charges at most U_q. So two
+backlogged tenants' weighted service differs by at most
 
     2 (Q + U_p + U_q)
 
 The step's token budget B does not enter: prompts are charged whole at
 admission, however many steps their prefill takes, and decodes add at most
 w_q per running request per step, all inside U_q. Q trades locality for the
-bound: with Q below one request's charge DLPM is round robin by tokens; the
-larger Q, the more requests one tenant's cached prefix serves in a row.
+bound: with Q near one request's charge DLPM serves about one request a tenant
+a round, in the order the cache favours; the larger Q, the more requests one
+tenant's cached prefix serves in a row.
 
 Admission costs O(backlogged tenants + log waiting): one heap top per
 eligible tenant (PrefixIndex), kept current by cache events rather than by
@@ -66,6 +71,7 @@ looking up blocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from scheduler.block_manager import BlockManager
@@ -131,7 +137,7 @@ class DLPMPolicy(Policy):
                 continue
             best, best_key = None, None
             for tenant in tenants:
-                if deficits[tenant] > 0:
+                if deficits[tenant] >= self._price(index.longest(tenant)):
                     match, seq = index.longest_match(tenant)
                     if (
                         best_key is None
@@ -147,8 +153,8 @@ class DLPMPolicy(Policy):
         """Top up every backlogged tenant by the fewest quanta that make one of them eligible."""
         deficits = self._deficits
         backlogged = list(self._index.groups())
-        most = max(deficits[t] for t in backlogged)
-        rounds = int(-most // self.quantum) + 1  # most <= 0: the least k with most + k Q > 0
+        need = min(self._price(self._index.longest(t)) - deficits[t] for t in backlogged)  # > 0
+        rounds = max(1, math.ceil(need / self.quantum))  # the least k with k Q >= need
         self._rounds += rounds
         for tenant in backlogged:
             deficits[tenant] += rounds * self.quantum
@@ -168,6 +174,12 @@ class DLPMPolicy(Policy):
     def cached_match(self, request: Request) -> int:
         """Full blocks of a waiting request's prompt that the prefix cache holds now."""
         return self._index.match(request)
+
+    def _price(self, request: Request) -> float:
+        """What admitting the request charges its tenant now: its prompt, once (0 for a preempted one)."""
+        if request.request_id in self._charged:
+            return 0.0
+        return self.w_p * request.num_prompt_tokens / request.weight
 
     # ---- service accounting ---------------------------------------------------------------------
 

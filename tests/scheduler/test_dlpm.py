@@ -148,6 +148,27 @@ def test_weights_one_to_two_split_service_one_to_two():
     assert 1.8 < raw["b"] / raw["a"] < 2.2, raw
 
 
+def test_an_admission_never_overdraws_the_deficit():
+    # Q a little above one request's charge: each tenant pays for one request a round, so two backlogged
+    # tenants alternate, although a's requests always win the order (earlier arrivals). Admitting while
+    # the deficit is merely positive would let each take two in a row, overdrawn by a whole prompt.
+    from scheduler.block_manager import BlockManager
+
+    policy = DLPMPolicy(quantum=95)
+    policy.attach(BlockManager(num_blocks=256, block_size=8))
+    for i in range(12):
+        for tenant, arrival in (("a", i), ("b", 100 + i)):
+            policy.add(make_request(f"{tenant}{i}", 90, 4, tenant=tenant, arrival=float(arrival), seed=i))
+    order = []
+    while policy.num_waiting():
+        r = policy.peek()
+        policy.remove(r)
+        policy.charge_admission(r)
+        order.append(r.tenant)
+        assert min(policy.deficits().values()) >= 0, policy.deficits()
+    assert order == ["a", "b"] * 12, order
+
+
 def test_tenant_back_from_idle_is_not_credited_for_its_absence():
     cfg = config("dlpm")
     sched = Scheduler(cfg)
