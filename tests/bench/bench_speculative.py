@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram proposals): generated tokens/s with it and without, on three workloads.
 
 copy       rewrite a given ~400-token text word for word (the output copies the prompt)
-multiturn  a chat whose last turn asks to repeat an earlier answer with a line added
+multiturn  a chat whose history holds the model's own earlier answers (generated greedily at the start,
+           at most HISTORY_TOKENS each), its last turn asking to repeat one with a tip added
 free       free writing (little to copy: the proposer should cost next to nothing)
 
 Each at 1 stream and 32 streams (32 requests of the workload at once), with speculation off and on
@@ -32,6 +33,8 @@ from runtime import Engine, SamplingParams
 from runtime.runner.model_runner import ModelRunner
 
 MAX_TOKENS = 64
+HISTORY_TOKENS = 128
+"""The multi-turn workload's earlier answers: at most this many tokens each."""
 ROUNDS = 2
 STEP_ROUNDS = 12
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
@@ -52,12 +55,6 @@ PASSAGE = (
     "Nobody who lived there would have called it remarkable, yet most of them had never wanted to live "
     "anywhere else, and those who left usually came back within a few years."
 )
-ANSWER = (
-    "To make a good cup of tea, first boil fresh cold water. Warm the teapot with a little hot water and "
-    "pour it away. Add one teaspoon of loose tea per cup, plus one for the pot. Pour the water over the "
-    "leaves just as it boils, let it steep for three to five minutes, then stir and pour through a "
-    "strainer. Add milk or lemon to taste."
-)
 
 
 def _workloads(engine: Engine) -> dict[str, list[int]]:
@@ -67,21 +64,28 @@ def _workloads(engine: Engine) -> dict[str, list[int]]:
             [{"role": "user", "content": f"Rewrite the following text word for word:\n\n{PASSAGE}"}],
             tokenize=True,
         ),
-        "multiturn": chat(
-            [
-                {"role": "user", "content": "How do I make a good cup of tea?"},
-                {"role": "assistant", "content": ANSWER},
-                {"role": "user", "content": "Thanks! Tell me about coffee, too."},
-                {"role": "assistant", "content": "Brew coffee with water just off the boil, about 93 C."},
-                {"role": "user", "content": "Please repeat your tea instructions exactly, then add a tip."},
-            ],
-            tokenize=True,
-        ),
+        "multiturn": chat(_conversation(engine), tokenize=True),
         "free": chat(
             [{"role": "user", "content": "Write a short story about a dragon who learns to paint."}],
             tokenize=True,
         ),
     }
+
+
+def _conversation(engine: Engine) -> list[dict]:
+    """A chat whose history holds the model's own earlier answers (greedy, as a chat client would have
+    received them), ending with a turn that asks it to repeat one of them with a line added."""
+    messages = []
+    for ask in ("How do I make a good cup of tea?", "Thanks! Tell me about coffee, too."):
+        messages.append({"role": "user", "content": ask})
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
+        out = engine.generate([prompt], SamplingParams(max_tokens=HISTORY_TOKENS, temperature=0))[0]
+        answer = engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+    messages.append(
+        {"role": "user", "content": "Please repeat your tea instructions exactly, then add a tip."}
+    )
+    return messages
 
 
 def _tokens_per_second(engine: Engine, prompt: list[int], streams: int) -> tuple[float, float]:
