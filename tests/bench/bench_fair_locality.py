@@ -67,10 +67,10 @@ def bound(replicas: int = 1, quantum: int = QUANTUM) -> float:
     return 2 * (quantum + u_p + u_q)
 
 
-def _quantum(policy: str) -> int:
-    """dlpm's quantum for a POLICIES entry ("dlpm:Q", or QUANTUM)."""
-    _, _, q = policy.partition(":")
-    return int(q) if q else QUANTUM
+def _policy(entry: str) -> tuple[str, int]:
+    """A POLICIES entry's --policy and --dlpm-quantum ("dlpm:Q": Q; otherwise QUANTUM)."""
+    name, _, q = entry.partition(":")
+    return name, int(q) if q else QUANTUM
 
 
 def _prefixes(seed: int = 5) -> dict[str, list[int]]:
@@ -85,7 +85,7 @@ def _server(policy: str, keys_path: str):
 
     return running_server(
         "--policy",
-        policy.partition(":")[0],
+        _policy(policy)[0],
         "--api-keys",
         keys_path,
         "--max-num-seqs",
@@ -95,7 +95,7 @@ def _server(policy: str, keys_path: str):
         "--block-size",
         str(BLOCK_SIZE),
         "--dlpm-quantum",
-        str(_quantum(policy)),
+        str(_policy(policy)[1]),
         "--max-waiting",
         "4096",
         dtype="auto",
@@ -231,8 +231,9 @@ def _single(rows: list, notes: list, extra: dict) -> dict:
         f"Q; window {window[0]:.0f}-{window[1]:.0f} s of {SECONDS:.0f} s per policy, the servers in turn"
     )
     targets = {}
-    for policy in (p for p in POLICIES if p.partition(":")[0] == "dlpm"):
-        d, b = figures[policy], bound(quantum=_quantum(policy))
+    for policy in (p for p in POLICIES if _policy(p)[0] == "dlpm"):
+        quantum = _policy(policy)[1]
+        d, b = figures[policy], bound(quantum=quantum)
         tp = d["total tok/s"] / v["total tok/s"]
         hr = (d["prefix hit rate"] or 0) / (v["prefix hit rate"] or float("nan"))
         t = targets[policy] = {
@@ -244,7 +245,7 @@ def _single(rows: list, notes: list, extra: dict) -> dict:
             "w_ttft_within_10pct": d["W TTFT p50 ms"] <= 1.1 * v["W TTFT p50 ms"],
         }
         notes.append(
-            f"targets, {policy} (Q {_quantum(policy)}) against vtc: throughput {d['total tok/s']:.0f} vs "
+            f"targets, {policy} (Q {quantum}) against vtc: throughput {d['total tok/s']:.0f} vs "
             f"{v['total tok/s']:.0f} tok/s = {tp:.2f}x (>= 1.5x {verdict(t['throughput_1_5x'])}); hit rate "
             f"{d['prefix hit rate']:.2f} vs {v['prefix hit rate']:.2f} = {hr:.2f}x (>= 2x "
             f"{verdict(t['hit_rate_2x'])}); largest gap {d['max weighted gap']:.0f} ({d['gap pair']}) vs "

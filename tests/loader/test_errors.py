@@ -33,9 +33,8 @@ def collect_until_error(dl):
         try:
             run()
         except Exception as error:
-            errors.append(error)
-        for error in errors:
             error.__traceback__ = None
+            errors.append(error)
         gc.collect()
     except RuntimeError as late:
         late.__traceback__ = None

@@ -5,6 +5,7 @@ weights, and the float32 engine's perplexity on a fixed text."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import gguf
@@ -207,8 +208,6 @@ def test_packed_measures_faster_gives_its_quiet_answer_beside_two_busy_processes
     """Timed on two threads, one call in five beside two busy processes (on two cores) said dense, as every
     round of the team waited for a descheduled thread, and the engine then decoded on dense copies at a sixth
     of its speed. On one thread the answer is the quiet one in every call; the caller's threads are kept."""
-    import time
-
     measure = routing.packed_measures_faster.__wrapped__
     threads = torch.get_num_threads()
     quiet = measure()
