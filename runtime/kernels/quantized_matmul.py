@@ -325,10 +325,9 @@ def vector_loops() -> bool:
 
 
 def q4_k_tiles() -> bool:
-    """The library's vector loops multiply Q4_K in its own tiles (NativeMatmul.q4_k): the AVX2 level's. The
-    AVX-512 level takes Q4_K in the float16-scale 4-bit tiles."""
-    lib = load()
-    return lib is not None and lib.quantized_matmul_vectorized() == 1
+    """The library's vector loops multiply Q4_K in its own tiles (NativeMatmul.q4_k): the AVX2 and AVX-512
+    levels' (the portable level keeps the float16-scale 4-bit tiles)."""
+    return vector_loops()
 
 
 def usable(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -4,7 +4,7 @@ parsed copy (GGUFBlocks) in between, so a load's peak is the tiles plus the matr
 
 The tiles are byte for byte those pack_native makes from the parsed blocks (tests/runtime/test_gguf_relayout.py
 compares them): Q4_0, Q4_1 and Q8_0 with float16 scales and offsets, Q5_K in the 8-bit tiles, Q4_K in its own tiles
-(the AVX2 level's), Q6_K in its 6-bit tiles. Where a kind, shape or level has no such path, or a scale does not
+(at the vector levels), Q6_K in its 6-bit tiles. Where a kind, shape or level has no such path, or a scale does not
 fit float16 (GGUFBlocks.fits_float16), `pack_raw` returns None and the caller parses the blocks instead.
 
 The dense paths (quantization none, int8, int4) take the same bytes to float32 in one pass

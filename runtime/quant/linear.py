@@ -12,8 +12,9 @@ The GGUF block formats map onto the 4-bit form without loss:
         w = 16d * (hi - 8) + d * (lo - 8) + 8d, so y = x W_hi^T + x W_lo^T.
 The other types (runtime.quant.gguf_blocks) map onto the C kernels' layouts instead, and run there alone
 (native_only, NATIVE_ONLY_TYPES: one copy of the blocks, for every row count):
-  Q4_K  w = (d sc) q - dmin m  -> the 4-bit layout, scale d sc, offset -dmin m (both rounded to float16); at
-        the AVX2 level 4-bit tiles with its own super-block scales instead (NativeMatmul.q4_k, exact)
+  Q4_K  w = (d sc) q - dmin m  -> the 4-bit layout, scale d sc, offset -dmin m (both rounded to float16); with
+        the vector loops (AVX2, AVX-512) 4-bit tiles with its own super-block scales instead (NativeMatmul.q4_k,
+        exact)
   Q5_0 / Q5_1 / Q5_K           -> the 8-bit layout, codes 0..31, offset -16d / m / -dmin m
   Q6_K  w = d sc (q - 32)      -> a 6-bit layout of its own (NativeMatmul.q6_k): codes, sc and d as in the
         file, exact; re-quantized to Q8_0 only where that layout cannot be made (N % 32 != 0) or in a fused

@@ -400,8 +400,8 @@ _Static_assert(GEMM_ROWS_4BIT <= 4 && GEMM_ROWS_8BIT <= 6, "gemm_pair's tile swi
  *   tscale  [N/16][K/32][2][16] bytes: the block's 6-bit sc, then its m, of each column;
  *   toffset [N/16][K/256][2][16] float16: the super-block's d, then its dmin, of each column.
  * The block's step is d * sc and its offset -(dmin * m), both exact in float32, as ggml de-quantizes Q4_K; then
- * the same float operations per column as the other tiles. K % 256 == 0. The AVX2 loops and the portable ones
- * take it (the AVX-512 build multiplies it with the portable loops; the model makes it only at the AVX2 level). */
+ * the same float operations per column as the other tiles. K % 256 == 0. Every level's loops
+ * take it. */
 #define KQ4 14
 static inline int four_bit(int bits) { return bits == 4 || bits == KQ4; }
 static inline int gemm_rows(int bits) { return four_bit(bits) ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
@@ -438,13 +438,33 @@ static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t
 #define DPBUSD_BCAST(acc, w, mem) __asm__("vpdpbusd %[x]%{1to16%}, %[a], %[c]" : [c] "+v"(acc) : [a] "v"(w), [x] "m"(mem))
 #define MUL_BCAST(out, v, mem) __asm__("vmulps %[x]%{1to16%}, %[a], %[o]" : [o] "=v"(out) : [a] "v"(v), [x] "m"(mem))
 #define FMADD_BCAST(acc, v, mem) __asm__("vfmadd231ps %[x]%{1to16%}, %[a], %[c]" : [c] "+v"(acc) : [a] "v"(v), [x] "m"(mem))
+/* block_scale for the 16 columns of group gg: the same products, in one vector. */
+static inline __attribute__((always_inline)) void block_scale_vnni(const uint16_t *tscale, const uint16_t *toffset,
+                                                                   int bits, int64_t nb, int64_t gg, int64_t b,
+                                                                   __m512 *d, __m512 *o) {
+#define LOAD_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+    if (bits == KQ4) {
+        const uint8_t *scm = (const uint8_t *)tscale + (gg * nb + b) * 32;
+        const uint16_t *dd = toffset + (gg * (nb / 8) + b / 8) * 32;
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)scm)));
+        const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scm + 16))));
+        *d = _mm512_mul_ps(LOAD_HALVES(dd), sc);
+        *o = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(LOAD_HALVES(dd + 16), m)),
+                                                  _mm512_set1_epi32((int)0x80000000)));
+    } else {
+        *d = LOAD_HALVES(tscale + (gg * nb + b) * 16);
+        *o = LOAD_HALVES(toffset + (gg * nb + b) * 16);
+    }
+#undef LOAD_HALVES
+}
+
 /* Always inlined with a constant `rows`, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
                            int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, int64_t K,
                            int64_t m0, int rows, float *acc_out /* [rows][32] */, int64_t pf_g,
                            int pf_every, int pf_phase) {
     /* pf_g >= 0: also prefetch (into L2) the blocks b % pf_every == pf_phase of column pair pf_g */
-    const int vecs = bits == 4 ? 4 : 8, step = bits == 4 ? 8 : 4;
+    const int four = four_bit(bits), vecs = four ? 4 : 8, step = four ? 8 : 4;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[GEMM_ROWS_MAX][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -461,7 +481,7 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
         for (int v = 0; v < vecs; v++) {
             const __m512i raw0 = _mm512_loadu_si512((const void *)(c0 + v * 64));
             const __m512i raw1 = _mm512_loadu_si512((const void *)(c1 + v * 64));
-            if (bits == 4) {
+            if (four) {
                 const __m512i a0 = _mm512_and_si512(raw0, low4), a1 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4);
                 const __m512i b0 = _mm512_and_si512(raw1, low4), b1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4);
                 for (int r = 0; r < rows; r++) {
@@ -481,10 +501,9 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
                 }
             }
         }
-#define LOAD_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-        const __m512 d0 = LOAD_HALVES(tscale + (g * nb + b) * 16), d1 = LOAD_HALVES(tscale + ((g + 1) * nb + b) * 16);
-        const __m512 o0 = LOAD_HALVES(toffset + (g * nb + b) * 16), o1 = LOAD_HALVES(toffset + ((g + 1) * nb + b) * 16);
-#undef LOAD_HALVES
+        __m512 d0, d1, o0, o1;
+        block_scale_vnni(tscale, toffset, bits, nb, g, b, &d0, &o0);
+        block_scale_vnni(tscale, toffset, bits, nb, g + 1, b, &d1, &o1);
         for (int r = 0; r < rows; r++) {
             const float *rdx = dx + (m0 + r) * nb + b, *rsx = sx + (m0 + r) * nb + b;
             __m512 s0, s1;
@@ -758,7 +777,7 @@ static inline __attribute__((always_inline)) void gemm_pair(
 #else
 #define GEMM_TILE(B, R) gemm_tile_avx2(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, xs, K, m0, R, t, pf_g, groups, pf_phase)
 #endif
-            if (!portable && !(QMM_VNNI && bits == KQ4)) {
+            if (!portable) {
 #if QMM_AVX2
                 if (rows == 1 && groups == 1) {
 #define ROW1(B) gemm_row1_avx2(tiles, tscale, toffset, nb, B, gg, xq + m0 * K, dx + m0 * nb, sx + m0 * nb, xs + m0 * nb, t)
@@ -778,7 +797,6 @@ static inline __attribute__((always_inline)) void gemm_pair(
                     case 2: GEMM_TILE(4, 2); break;
                     default: GEMM_TILE(4, 1); break;
                     }
-#if QMM_AVX2
                 } else if (bits == KQ4) {
                     switch (rows) {
                     case 4: GEMM_TILE(KQ4, 4); break;
@@ -786,7 +804,6 @@ static inline __attribute__((always_inline)) void gemm_pair(
                     case 2: GEMM_TILE(KQ4, 2); break;
                     default: GEMM_TILE(KQ4, 1); break;
                     }
-#endif
                 } else {
                     switch (rows) {
 #if GEMM_ROWS_8BIT > 4
