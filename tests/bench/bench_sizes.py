@@ -46,8 +46,9 @@ rss0 = status("VmRSS")
 start = time.perf_counter()
 engine = Engine.from_pretrained(path, kv_cache_bytes=1 << 30, max_num_seqs=32, max_num_batched_tokens=512)
 load = time.perf_counter() - start
-out = {"load_s": load, "rss": status("VmRSS") - rss0 - engine.kv.pool.numel() * engine.kv.pool.element_size(),
-       "peak": status("VmHWM") - rss0, "kv_bytes": engine.kv.pool.numel() * engine.kv.pool.element_size(),
+pool = engine.kv.pool
+kv = resident(pool.data_ptr(), pool.numel() * pool.element_size())  # the pool's pages written so far
+out = {"load_s": load, "rss": status("VmRSS") - rss0 - kv, "peak": status("VmHWM") - rss0, "kv_bytes": kv,
        "weight_bytes": engine.model.weight_bytes, "dtype": str(engine.model.dtype).replace("torch.", "")}
 out["prefill"] = prefill_rate(engine)
 for b in (1, 8, 32):
@@ -150,6 +151,7 @@ def run() -> dict:
             f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s; threads {THREADS}; rounds {ROUNDS}",
             "roofline of one stream: bandwidth / bytes of weights a step reads (ours: the engine's count; "
             "llama.cpp: the file's size)",
-            "peak / file: the load's peak resident set less the KV pool; rss / file: after load, less the pool",
+            "peak / file: the load's peak resident set less the KV pool's resident pages; rss / file: after load, "
+            "less those",
         ],
     }

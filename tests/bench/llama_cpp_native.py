@@ -109,8 +109,19 @@ def status(field):
     for line in open("/proc/self/status"):
         if line.startswith(field):
             return int(line.split()[1]) * 1024
+
+def resident(ptr, nbytes):
+    import ctypes, mmap
+    page = mmap.PAGESIZE
+    start = ptr // page * page
+    pages = -(-(ptr + nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    if ctypes.CDLL(None).mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) != 0:
+        return nbytes
+    return min(nbytes, sum(b & 1 for b in bytes(vec)) * page)
 """
-"""A bench child's bytes of a /proc/self/status field (VmRSS, VmHWM), as source for its script."""
+"""A bench child's bytes of a /proc/self/status field (VmRSS, VmHWM), and the resident bytes of a buffer
+(mincore: a KV pool on fresh anonymous pages holds only the pages written), as source for its script."""
 
 _MEASURE = (
     MEMORY_STATUS
