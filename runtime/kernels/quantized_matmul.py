@@ -26,6 +26,9 @@ from runtime.kernels.library import load
 GROUP = 32
 KQ4_BITS = 14
 """The kernels' `bits` for 4-bit tiles with Q4_K's super-block scales (NativeMatmul.q4_k)."""
+KQ5_BITS = 15
+"""The kernels' `bits` for Q5_K's codes: KQ4's tiles of their low 4 bits and a plane of their fifth bits
+(NativeMatmul.q5_k)."""
 TILE_COLUMNS = 16
 """Output columns per vector of the many-row kernel's layout; it takes N % (2 * TILE_COLUMNS) == 0."""
 
@@ -95,6 +98,24 @@ class NativeMatmul:
         tscale = per_tile(scale)
         toffset = per_tile(offset) if isinstance(offset, np.ndarray) else tscale * offset  # exact: c = -2^j
         self.tiles = (torch.from_numpy(tiles), tscale, toffset)
+        return self
+
+    @classmethod
+    def q5_k(
+        cls, codes: np.ndarray, sc: np.ndarray, m: np.ndarray, d: np.ndarray, dmin: np.ndarray
+    ) -> NativeMatmul:
+        """Q5_K's own fields (as q4_k's, codes 0..31) in the 4-bit tiles of their low 4 bits, each block
+        followed by a 64-byte plane of their fifth bits (bits KQ5_BITS, csrc/quantized_matmul.c: byte 4j + i
+        holds in bit t the fifth bit of the block's input 4t + i of column j), with Q4_K's super-block scales.
+        5.625 bits a weight (the file: 5.5). N % 32 == 0, K % 256 == 0."""
+        self = cls.q4_k(codes & 0x0F, sc, m, d, dmin)
+        n, k = codes.shape
+        g, nb = n // TILE_COLUMNS, k // GROUP
+        fifth = ((codes >> 4) & 1).astype(np.uint8).reshape(g, TILE_COLUMNS, nb, 8, 4)  # [.., t, i]
+        plane = np.bitwise_or.reduce(fifth << np.arange(8, dtype=np.uint8)[:, None], axis=3)  # [g, j, nb, i]
+        tiles = np.concatenate([self.tiles[0].numpy(), plane.transpose(0, 2, 1, 3)[:, :, None]], axis=2)
+        self.bits = KQ5_BITS
+        self.tiles = (torch.from_numpy(tiles), *self.tiles[1:])
         return self
 
     @classmethod
@@ -181,9 +202,15 @@ class NativeMatmul:
     def _dequantize_tiled_rows(self, ids: torch.Tensor) -> torch.Tensor:
         tiles, scale, offset = self.tiles
         tile, column = ids // TILE_COLUMNS, ids % TILE_COLUMNS
-        if self.bits == KQ4_BITS:  # q4_k's tiles: w = (d sc) code - (dmin m), each product in float32
-            codes = tiles[tile, :, :, column, :]
-            codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2).reshape(ids.shape[0], -1, GROUP).float()
+        if self.bits in (KQ4_BITS, KQ5_BITS):  # w = (d sc) code - (dmin m), each product in float32
+            codes = tiles[tile, :, :4, column, :]
+            codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2).reshape(ids.shape[0], -1, GROUP)
+            if self.bits == KQ5_BITS:  # the plane's bit t of byte i: the fifth bit of input 4t + i
+                plane = tiles[tile, :, 4, column, :].to(torch.int32)  # [rows, blocks, i]
+                t = torch.arange(8, dtype=torch.int32)[:, None]
+                fifth = ((plane[:, :, None, :] >> t) & 1).reshape(ids.shape[0], -1, GROUP)
+                codes = codes.to(torch.int32) | (fifth << 4)
+            codes = codes.float()
             scm = scale[tile, :, :, column].float()  # [rows, blocks, sc | m]
             dd = (
                 offset[tile, :, :, column].float().repeat_interleave(256 // GROUP, dim=1)
@@ -325,8 +352,9 @@ def vector_loops() -> bool:
 
 
 def q4_k_tiles() -> bool:
-    """The library's vector loops multiply Q4_K in its own tiles (NativeMatmul.q4_k): the AVX2 and AVX-512
-    levels' (the portable level keeps the float16-scale 4-bit tiles)."""
+    """The library's vector loops multiply Q4_K and Q5_K in their own tiles (NativeMatmul.q4_k, q5_k): the
+    AVX2 and AVX-512 levels' (the portable level keeps Q4_K in the float16-scale 4-bit layout, Q5_K in the
+    8-bit one)."""
     return vector_loops()
 
 

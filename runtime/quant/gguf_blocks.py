@@ -212,10 +212,10 @@ class GGUFBlocks:
         return self.codes, np.rint(sc).astype(np.int8), self.super_scale.astype(np.float16)
 
     def q4_k_fields(self) -> tuple[np.ndarray, ...]:
-        """Q4_K as the file holds it: (codes 0..15 [N, K], sc and m uint8 [N, K / 32] (6 bits each), d and
-        dmin float16 [N, K / 256]), w = d sc code - dmin m, as ggml de-quantizes it. sc is scale / d and m is
-        -minimum / dmin, exact (d sc and dmin m are exact in float32)."""
-        assert self.kind == "Q4_K" and self.super_minimum is not None
+        """Q4_K or Q5_K as the file holds it: (codes 0..15 or 0..31 [N, K], sc and m uint8 [N, K / 32] (6 bits
+        each), d and dmin float16 [N, K / 256]), w = d sc code - dmin m, as ggml de-quantizes it. sc is scale / d
+        and m is -minimum / dmin, exact (d sc and dmin m are exact in float32)."""
+        assert self.kind in ("Q4_K", "Q5_K") and self.super_minimum is not None
         d = np.repeat(self.super_scale, SUPER // GROUP, axis=1)
         dmin = np.repeat(self.super_minimum, SUPER // GROUP, axis=1)
         sc = np.divide(self.scale, d, out=np.zeros_like(self.scale), where=d != 0)

@@ -3,8 +3,8 @@ many-row kernel's tiles: one pass over the mapped file per matrix, parallel over
 parsed copy (GGUFBlocks) in between, so a load's peak is the tiles plus the matrix's pages of the file.
 
 The tiles are byte for byte those pack_native makes from the parsed blocks (tests/runtime/test_gguf_relayout.py
-compares them): Q4_0, Q4_1 and Q8_0 with float16 scales and offsets, Q5_K in the 8-bit tiles, Q4_K in its own tiles
-(at the vector levels), Q6_K in its 6-bit tiles. Where a kind, shape or level has no such path, or a scale does not
+compares them): Q4_0, Q4_1 and Q8_0 with float16 scales and offsets, Q4_K and Q5_K in their own tiles, Q6_K in
+its 6-bit tiles. Where a kind, shape or level has no such path, or a scale does not
 fit float16 (GGUFBlocks.fits_float16), `pack_raw` returns None and the caller parses the blocks instead.
 
 The dense paths (quantization none, int8, int4) take the same bytes to float32 in one pass
@@ -21,13 +21,13 @@ import torch
 
 from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels.library import load
-from runtime.kernels.quantized_matmul import KQ4_BITS, TILE_COLUMNS, NativeMatmul
+from runtime.kernels.quantized_matmul import KQ4_BITS, KQ5_BITS, TILE_COLUMNS, NativeMatmul
 from runtime.kernels.stacked_matmul import StackedMatmul
 from runtime.quant.linear import Int4Linear
 
 KINDS = {"Q4_0": 0, "Q8_0": 1, "Q5_K": 2, "Q4_K": 3, "Q6_K": 4, "Q4_1": 5}
 """csrc/gguf_relayout.c's kind numbers."""
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_K": 8, "Q4_K": KQ4_BITS, "Q6_K": 6}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_K": KQ5_BITS, "Q4_K": KQ4_BITS, "Q6_K": 6}
 """The tiles' `bits` (NativeMatmul.bits) per kind."""
 DEQUANTIZE_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 """csrc/gguf_dequantize.c's kind numbers."""
@@ -58,7 +58,7 @@ def _path(kind: str) -> bool:
     """This library lays `kind` out into the tiles pack_native would choose for it here."""
     if kind == "Q6_K":
         return True
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         return native_matmul.q4_k_tiles()
     return kind in KINDS and native_matmul.vector_loops()
 
@@ -85,9 +85,9 @@ def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMa
     assert all(p.kind == kind for p in parts)
     n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
     g, nb, ns = n // TILE_COLUMNS, k // 32, k // 256
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         bufs = (
-            torch.empty(g, nb, 4, TILE_COLUMNS, 4, dtype=torch.uint8),
+            torch.empty(g, nb, 4 if kind == "Q4_K" else 5, TILE_COLUMNS, 4, dtype=torch.uint8),
             torch.empty(g, nb, 2, TILE_COLUMNS, dtype=torch.uint8),
             torch.empty(g, ns, 2, TILE_COLUMNS, dtype=torch.float16),
         )

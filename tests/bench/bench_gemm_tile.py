@@ -36,20 +36,22 @@ THREADS = int(os.environ.get("BENCH_TILE_THREADS", "2"))
 
 
 def _weights(kind: str, n: int, k: int, rng: np.random.Generator) -> NativeMatmul:
-    """Random codes and scales in the tiles the model makes for `kind` (q5_k: its 8-bit tiles)."""
+    """Random codes and scales in the tiles the model makes for `kind` (q5_8bit: Q5_K's codes in the 8-bit
+    tiles, the layout the portable level gives it)."""
     scale = (rng.random((n, k // 32)) * 0.01).astype(np.float16)
     if kind == "q4_0":
         return NativeMatmul(rng.integers(0, 16, (n, k), dtype=np.uint8), scale, -8.0, 4, one_row=False)
-    if kind == "q4_k":
+    if kind in ("q4_k", "q5_k"):
         six = rng.integers(0, 64, (2, n, k // 32))
         d = rng.random((2, n, k // 256)) * 1e-3
-        return NativeMatmul.q4_k(rng.integers(0, 16, (n, k), dtype=np.uint8), six[0], six[1], d[0], d[1])
+        make, top = (NativeMatmul.q4_k, 16) if kind == "q4_k" else (NativeMatmul.q5_k, 32)
+        return make(rng.integers(0, top, (n, k), dtype=np.uint8), six[0], six[1], d[0], d[1])
     if kind == "q6_k":
         sc = rng.integers(-128, 128, (n, k // 16))
         return NativeMatmul.q6_k(
             rng.integers(0, 64, (n, k), dtype=np.uint8), sc, rng.random((n, k // 256)) * 1e-3
         )
-    top = 32 if kind == "q5_k" else 256
+    top = 32 if kind == "q5_8bit" else 256
     offset = -rng.random((n, k // 32)).astype(np.float16) * 0.1
     return NativeMatmul(rng.integers(0, top, (n, k), dtype=np.uint8), scale, offset, 8, one_row=False)
 

@@ -14,7 +14,7 @@ import torch
 from gguf import quants
 
 from runtime import Engine
-from runtime.kernels.quantized_matmul import KQ4_BITS, q4_k_tiles, vector_loops
+from runtime.kernels.quantized_matmul import KQ4_BITS, KQ5_BITS, q4_k_tiles, vector_loops
 from runtime.kernels.stacked_matmul import StackedMatmul
 from runtime.quant.gguf_blocks import GGUFBlocks
 from runtime.quant.linear import Int4Linear, pack_native, pack_stacked
@@ -86,33 +86,38 @@ def test_parts_of_one_kind_are_not_stacked(ggml):  # noqa: F811
 TINY = Shape("tiny", 256, 2, 4, 2, 512)
 
 
-def q4_k_m_like(lib):
+def k_m_like(lib, base: str):
+    """A Q4_K_M (base Q4_K) or Q5_K_M (base Q5_K) file's mix of kinds."""
+
     def encode(name: str, w: np.ndarray):
         six = name == "token_embd.weight" or (
             name.startswith("blk.0.") and ("attn_v" in name or "down" in name)
         )
-        kind = "Q6_K" if six else "Q4_K"
+        kind = "Q6_K" if six else base
         return llama_quantize(lib, kind, w), gguf.GGMLQuantizationType[kind]
 
     return encode
 
 
-@pytest.fixture(scope="module")
-def mixed_file(ggml, tmp_path_factory):  # noqa: F811
-    return write_llama(
-        TINY, tmp_path_factory.mktemp("mixed") / "tiny-q4_k_m.gguf", seed=3, encode=q4_k_m_like(ggml)
-    )
+@pytest.fixture(scope="module", params=["Q4_K", "Q5_K"])
+def mixed_file(ggml, tmp_path_factory, request):  # noqa: F811
+    base = request.param
+    path = tmp_path_factory.mktemp("mixed") / f"tiny-{base.lower()}_m.gguf"
+    return base, write_llama(TINY, path, seed=3, encode=k_m_like(ggml, base))
 
 
 def test_a_k_quant_mix_loads_each_matrix_in_its_own_kind_and_decodes_as_dense(mixed_file, monkeypatch):
+    base, mixed_file = mixed_file
     packed = Engine.from_pretrained(
         str(mixed_file), dtype="float32", quantization="gguf", kv_cache_bytes=16 << 20
     )
     m = packed.model
     if vector_loops():
-        q4_k = KQ4_BITS if q4_k_tiles() else 4  # Q4_K's own tiles where the level has them
-        assert [p.bits for p in m.layers[0].qkv.native.parts] == [q4_k, q4_k, 6]
-        assert m.layers[0].down.native.bits == 6 and m.layers[1].down.native.bits == q4_k
+        # Q4_K's and Q5_K's own tiles where the level has them
+        own, fallback = (KQ4_BITS, 4) if base == "Q4_K" else (KQ5_BITS, 8)
+        k = own if q4_k_tiles() else fallback
+        assert [p.bits for p in m.layers[0].qkv.native.parts] == [k, k, 6]
+        assert m.layers[0].down.native.bits == 6 and m.layers[1].down.native.bits == k
         assert not isinstance(m.layers[1].qkv.native, StackedMatmul)  # one kind: one layout
         # the tied Q6_K table held once, in its 6-bit tiles: the LM head's and the lookups' bytes
         assert m.lm_head.native.bits == 6 and m.embed.blocks is m.lm_head.native

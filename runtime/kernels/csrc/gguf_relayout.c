@@ -6,10 +6,10 @@
  *   Q4_0  tiles [g, nb, 4, 16, 4] 4-bit, scale and offset [g, nb, 16] float16: d and -8 d
  *   Q4_1  as Q4_0, the offset the block's minimum m
  *   Q8_0  tiles [g, nb, 8, 16, 4] codes q + 128, scale and offset [g, nb, 16] float16: d and -128 d
- *   Q5_K  tiles [g, nb, 8, 16, 4] codes 0..31, scale and offset [g, nb, 16] float16: d sc and -dmin m, each
- *         formed in float32 and rounded to float16 (to nearest even)
  *   Q4_K  tiles [g, nb, 4, 16, 4] 4-bit, scale [g, nb, 2, 16] uint8: sc | m, offset [g, ns, 2, 16] float16:
  *         d | dmin (sc 0 where d is 0, m 0 where dmin is 0)
+ *   Q5_K  as Q4_K, tiles [g, nb, 5, 16, 4]: the low 4 bits of the codes as Q4_K's, then the plane of their
+ *         fifth bits (byte 4j + i, bit t: input 4t + i of column j)
  *   Q6_K  tiles [g, nb, 6, 64] 6-bit, scale [g, ns, 16] float16: d, offset [g, nb, 16, 2] int8: sc (0 where d
  *         is 0)
  * 4-bit tiles: vector v of a block holds per column the codes of inputs 8v..8v+3 in its low nibbles and
@@ -84,38 +84,16 @@ static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, 
     return bad;
 }
 
-static int64_t group_q5_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles, uint16_t *scale,
-                          uint16_t *offset) {
+/* Q4_K (five 0) and Q5_K (five 1): their super-blocks share d, dmin and the 12 bytes of sc and m; Q5_K's then
+ * hold qh[32] (bit j of qh[l]: the fifth bit of sub-block j's element l) before qs. */
+static int64_t group_q4_k_q5_k(int five, const uint8_t *row, int c, int64_t ns, uint8_t *tiles, uint8_t *scm,
+                               uint16_t *dd) {
     const float limit = 65504.0f / 32;
+    const int vecs = five ? 5 : 4;
     int64_t bad = 0;
     uint8_t sc[8], m[8];
     for (int64_t s = 0; s < ns; s++) {
-        const uint8_t *p = row + s * 176, *qh = p + 16, *qs = p + 48;
-        const float d = f16_to_f32(load_half(p)), dmin = f16_to_f32(load_half(p + 2));
-        k_scales(p + 4, sc, m);
-        for (int j = 0; j < 8; j++) {
-            const int64_t b = s * 8 + j;
-            const float step = d * (float)sc[j], low = -(dmin * (float)m[j]);
-            bad += outside(step, limit) + outside(low, limit);
-            scale[b * TILE + c] = f32_to_f16(step);
-            offset[b * TILE + c] = f32_to_f16(low);
-            /* element l of sub-block j: nibble (j odd: high) of qs[32 (j / 2) + l], bit j of qh[l] above it */
-            const uint8_t *q = qs + 32 * (j / 2);
-            uint8_t *block = tiles + b * 512 + c * 4;
-            for (int v = 0; v < 8; v++)
-                store4(block + v * 64,
-                       ((load4(q + 4 * v) >> (4 * (j & 1))) & LOW4) | (((load4(qh + 4 * v) >> j) & 0x01010101u) << 4));
-        }
-    }
-    return bad;
-}
-
-static int64_t group_q4_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles, uint8_t *scm, uint16_t *dd) {
-    const float limit = 65504.0f / 32;
-    int64_t bad = 0;
-    uint8_t sc[8], m[8];
-    for (int64_t s = 0; s < ns; s++) {
-        const uint8_t *p = row + s * 144, *qs = p + 16;
+        const uint8_t *p = row + s * (five ? 176 : 144), *qh = p + 16, *qs = p + (five ? 48 : 16);
         const uint16_t dh = load_half(p), dminh = load_half(p + 2);
         const float d = f16_to_f32(dh), dmin = f16_to_f32(dminh);
         k_scales(p + 4, sc, m);
@@ -127,8 +105,13 @@ static int64_t group_q4_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
             scm[(b * 2) * TILE + c] = d == 0.0f ? 0 : sc[j];
             scm[(b * 2 + 1) * TILE + c] = dmin == 0.0f ? 0 : m[j];
             /* sub-block j: the low (j even) or high nibbles of qs[32 (j / 2) ..] */
-            uint8_t *block = tiles + b * 256 + c * 4;
+            uint8_t *block = tiles + b * vecs * 64 + c * 4;
             for (int v = 0; v < 4; v++) store4(block + v * 64, nibble_vector(qs + 32 * (j / 2), v, j & 1));
+            if (five) { /* the plane's byte i, bit t: the fifth bit of element 4t + i, bit j of qh[4t + i] */
+                uint32_t plane = 0;
+                for (int t = 0; t < 8; t++) plane |= ((load4(qh + 4 * t) >> j) & 0x01010101u) << t;
+                store4(block + 4 * 64, plane);
+            }
         }
     }
     return bad;
@@ -176,7 +159,10 @@ static int64_t group_q6_k(const uint8_t *row, int c, int64_t ns, uint8_t *tiles,
 int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,
                       void *tiles, void *scale, void *offset, int num_threads) {
     const int64_t groups = N / TILE, nb = K / 32, ns = K / 256;
-    const int64_t vec = kind == GGUF_Q6_K ? 384 : (kind == GGUF_Q4_0 || kind == GGUF_Q4_1 || kind == GGUF_Q4_K) ? 256 : 512;
+    const int64_t vec = kind == GGUF_Q6_K   ? 384
+                        : kind == GGUF_Q5_K ? 320
+                        : (kind == GGUF_Q4_0 || kind == GGUF_Q4_1 || kind == GGUF_Q4_K) ? 256
+                                                                                         : 512;
     int64_t bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : bad)
     for (int64_t t = 0; t < groups; t++) {
@@ -191,13 +177,10 @@ int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int
                 bad += group_q4_0_q8_0(kind, row, c, nb, tile, (uint16_t *)scale + t * nb * TILE,
                                        (uint16_t *)offset + t * nb * TILE);
                 break;
-            case GGUF_Q5_K:
-                bad += group_q5_k(row, c, ns, tile, (uint16_t *)scale + t * nb * TILE,
-                                  (uint16_t *)offset + t * nb * TILE);
-                break;
             case GGUF_Q4_K:
-                bad += group_q4_k(row, c, ns, tile, (uint8_t *)scale + t * nb * 2 * TILE,
-                                  (uint16_t *)offset + t * ns * 2 * TILE);
+            case GGUF_Q5_K:
+                bad += group_q4_k_q5_k(kind == GGUF_Q5_K, row, c, ns, tile, (uint8_t *)scale + t * nb * 2 * TILE,
+                                       (uint16_t *)offset + t * ns * 2 * TILE);
                 break;
             case GGUF_Q6_K:
                 bad += group_q6_k(row, c, ns, tile, (uint16_t *)scale + t * ns * TILE,

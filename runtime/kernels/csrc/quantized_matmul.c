@@ -401,15 +401,24 @@ _Static_assert(GEMM_ROWS_4BIT <= 4 && GEMM_ROWS_8BIT <= 6, "gemm_pair's tile swi
  *   toffset [N/16][K/256][2][16] float16: the super-block's d, then its dmin, of each column.
  * The block's step is d * sc and its offset -(dmin * m), both exact in float32, as ggml de-quantizes Q4_K; then
  * the same float operations per column as the other tiles. K % 256 == 0. Every level's loops
- * take it. */
+ * take it.
+ * bits KQ5: Q5_K's 5-bit codes as KQ4's tiles of their low 4 bits plus a fifth 64-byte vector per block, the
+ * plane of their fifth bits: its byte 4j + i holds, in bit t, the fifth bit of the block's input 4t + i of
+ * column j (t = 2v + n: the inputs of nibble vector v's low (n 0) or high (n 1) nibbles at those bytes), so
+ * that a shift and a mask of the plane put each nibble's fifth bit beside it. Q5_K's scales as KQ4's (its
+ * super-block has the same d, dmin, sc and m); 5.625 bits a weight (the file: 5.5; the 8-bit tiles: 9). */
 #define KQ4 14
-static inline int four_bit(int bits) { return bits == 4 || bits == KQ4; }
+#define KQ5 15
+static inline int kquant(int bits) { return bits == KQ4 || bits == KQ5; }
+static inline int four_bit(int bits) { return bits == 4 || kquant(bits); }
+/* 64-byte vectors a block of one group holds */
+static inline int block_vectors(int bits) { return bits == KQ5 ? 5 : four_bit(bits) ? 4 : 8; }
 static inline int gemm_rows(int bits) { return four_bit(bits) ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
 
 /* Column col (0..15) of group gg's block b: its step d and offset o (w = d * code + o). */
 static inline void block_scale(const uint16_t *tscale, const uint16_t *toffset, int bits, int64_t nb, int64_t gg,
                                int64_t b, int col, float *d, float *o) {
-    if (bits == KQ4) {
+    if (kquant(bits)) {
         const uint8_t *scm = (const uint8_t *)tscale + (gg * nb + b) * 32;
         const uint16_t *dd = toffset + (gg * (nb / 8) + b / 8) * 32;
         *d = f16_to_f32(dd[col]) * (float)scm[col];
@@ -424,8 +433,12 @@ static inline void block_scale(const uint16_t *tscale, const uint16_t *toffset, 
 static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t n, int64_t k) {
     const int64_t g = n / 16, j = n % 16, b = k / QBLOCK, i = k % QBLOCK;
     if (four_bit(bits)) {
-        const uint8_t byte = tiles[((g * nb + b) * 4 + i / 8) * 64 + j * 4 + (i % 4)];
-        return (i % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+        const int vecs = block_vectors(bits);
+        const uint8_t byte = tiles[((g * nb + b) * vecs + i / 8) * 64 + j * 4 + (i % 4)];
+        const int low = (i % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+        if (bits != KQ5) return low;
+        const uint8_t plane = tiles[((g * nb + b) * vecs + 4) * 64 + j * 4 + (i % 4)];
+        return low | (((plane >> (i / 4)) & 1) << 4);
     }
     return tiles[((g * nb + b) * 8 + i / 4) * 64 + j * 4 + (i % 4)];
 }
@@ -443,7 +456,7 @@ static inline __attribute__((always_inline)) void block_scale_vnni(const uint16_
                                                                    int bits, int64_t nb, int64_t gg, int64_t b,
                                                                    __m512 *d, __m512 *o) {
 #define LOAD_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-    if (bits == KQ4) {
+    if (kquant(bits)) {
         const uint8_t *scm = (const uint8_t *)tscale + (gg * nb + b) * 32;
         const uint16_t *dd = toffset + (gg * (nb / 8) + b / 8) * 32;
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)scm)));
@@ -458,13 +471,22 @@ static inline __attribute__((always_inline)) void block_scale_vnni(const uint16_
 #undef LOAD_HALVES
 }
 
+/* KQ5: nibble vector v's codes (low nibbles n 0, high n 1, each in a byte's low 4 bits) with their fifth bits from
+ * the plane: (codes & 15) | ((plane shifted so that bit 2v + n lands on bit 4) & 16), one ternary op. */
+static inline __attribute__((always_inline)) __m512i five_bit_vnni(__m512i nibbles, __m512i plane, int t) {
+    const __m512i bit = t <= 4 ? _mm512_slli_epi16(plane, 4 - t) : _mm512_srli_epi16(plane, t - 4);
+    /* (A & B) | (C & 16): A the codes, B 0x0F, C the shifted plane */
+    return _mm512_or_si512(_mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F)),
+                           _mm512_and_si512(bit, _mm512_set1_epi8(0x10)));
+}
+
 /* Always inlined with a constant `rows`, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
                            int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, int64_t K,
                            int64_t m0, int rows, float *acc_out /* [rows][32] */, int64_t pf_g,
                            int pf_every, int pf_phase) {
     /* pf_g >= 0: also prefetch (into L2) the blocks b % pf_every == pf_phase of column pair pf_g */
-    const int four = four_bit(bits), vecs = four ? 4 : 8, step = four ? 8 : 4;
+    const int four = four_bit(bits), vecs = block_vectors(bits), step = four ? 8 : 4;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[GEMM_ROWS_MAX][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -478,12 +500,23 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
             }
         __m512i ia[GEMM_ROWS_MAX][2];
         for (int r = 0; r < rows; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
-        for (int v = 0; v < vecs; v++) {
+        __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
+        if (bits == KQ5) {
+            plane0 = _mm512_loadu_si512((const void *)(c0 + 4 * 64));
+            plane1 = _mm512_loadu_si512((const void *)(c1 + 4 * 64));
+        }
+        for (int v = 0; v < (four ? 4 : 8); v++) {
             const __m512i raw0 = _mm512_loadu_si512((const void *)(c0 + v * 64));
             const __m512i raw1 = _mm512_loadu_si512((const void *)(c1 + v * 64));
             if (four) {
-                const __m512i a0 = _mm512_and_si512(raw0, low4), a1 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4);
-                const __m512i b0 = _mm512_and_si512(raw1, low4), b1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4);
+                __m512i a0 = _mm512_and_si512(raw0, low4), a1 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4);
+                __m512i b0 = _mm512_and_si512(raw1, low4), b1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4);
+                if (bits == KQ5) {
+                    a0 = five_bit_vnni(raw0, plane0, 2 * v);
+                    a1 = five_bit_vnni(_mm512_srli_epi16(raw0, 4), plane0, 2 * v + 1);
+                    b0 = five_bit_vnni(raw1, plane1, 2 * v);
+                    b1 = five_bit_vnni(_mm512_srli_epi16(raw1, 4), plane1, 2 * v + 1);
+                }
                 for (int r = 0; r < rows; r++) {
                     const int32_t *x4 = (const int32_t *)(xq + (m0 + r) * K + b * QBLOCK + v * step);
                     DPBUSD_BCAST(ia[r][0], a0, x4[0]);
@@ -531,7 +564,7 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
 /* block_scale for 8 columns (half h of group gg): the same products, in vectors. */
 static inline void block_scale_avx2(const uint16_t *tscale, const uint16_t *toffset, int bits, int64_t nb, int64_t gg,
                                     int64_t b, int h, __m256 *d, __m256 *o) {
-    if (bits == KQ4) {
+    if (kquant(bits)) {
         const uint8_t *scm = (const uint8_t *)tscale + (gg * nb + b) * 32 + h * 8;
         const uint16_t *dd = toffset + (gg * (nb / 8) + b / 8) * 32 + h * 8;
         const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)scm)));
@@ -545,17 +578,25 @@ static inline void block_scale_avx2(const uint16_t *tscale, const uint16_t *toff
     }
 }
 
+/* five_bit_vnni for AVX2's half vectors */
+static inline __attribute__((always_inline)) __m256i five_bit_avx2(__m256i nibbles, __m256i plane, int t) {
+    const __m256i bit = t <= 4 ? _mm256_slli_epi16(plane, 4 - t) : _mm256_srli_epi16(plane, t - 4);
+    return _mm256_or_si256(_mm256_and_si256(nibbles, _mm256_set1_epi8(0x0F)),
+                           _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+}
+
 /* The tile with AVX2: 8 columns (half of one 64-byte vector) a pass, each pass over every block, so that a pass
  * keeps 2 accumulators per row (the block's integer sums, the float total) and the weight vectors it unpacks in
  * registers. 4-bit: vpmaddubsw's 16-bit pair sums of a block's 8 vectors (low and high nibbles) add up in 16 bits
  * (8 x 2 x 15 x 127 = 30,480 at most) before one vpmaddwd; 8-bit: each vector's products are summed to 32 bits
- * (dot_s8_avx2), on 128 x the row's block sum. The same integers as the VNNI tile, then the same float
+ * (dot_s8_avx2), on 128 x the row's block sum; 5-bit (KQ5): each vector's two products (2 x 2 x 31 x 128 at most)
+ * summed to 32 bits. The same integers as the VNNI tile, then the same float
  * operations per column (s = d * dx; acc += s * sum; acc += o * sx): the same results, bit for bit. */
 static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
                            int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, const int32_t *xs,
                            int64_t K, int64_t m0, int rows, float *acc_out /* [rows][32] */, int64_t pf_g,
                            int pf_every, int pf_phase) {
-    const int four = four_bit(bits), vecs = four ? 4 : 8, step = four ? 8 : 4;
+    const int four = four_bit(bits), vecs = block_vectors(bits), step = four ? 8 : 4;
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     for (int q = 0; q < 4; q++) {
         const int64_t gg = g + q / 2;
@@ -571,9 +612,27 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                     _mm_prefetch((const char *)(toffset + (pg * nb + b) * 16), _MM_HINT_T1);
                 }
             __m256i ia[GEMM_ROWS_MAX];
-            if (four) {
+            if (bits == KQ5) {
+                const __m256i plane = _mm256_loadu_si256((const __m256i *)(c + 4 * 64));
                 for (int r = 0; r < rows; r++) ia[r] = _mm256_setzero_si256();
-                for (int v = 0; v < vecs; v++) {
+                for (int v = 0; v < 4; v++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + v * 64));
+                    const __m256i lo = five_bit_avx2(raw, plane, 2 * v);
+                    const __m256i hi = five_bit_avx2(_mm256_srli_epi16(raw, 4), plane, 2 * v + 1);
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *x4 = xq + (m0 + r) * K + b * QBLOCK + v * step;
+                        int32_t x0, x1;
+                        memcpy(&x0, x4, sizeof x0);
+                        memcpy(&x1, x4 + 4, sizeof x1);
+                        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                                              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                        ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(pair, ones));
+                        PIN(ia[r]);
+                    }
+                }
+            } else if (four) {
+                for (int r = 0; r < rows; r++) ia[r] = _mm256_setzero_si256();
+                for (int v = 0; v < 4; v++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + v * 64));
                     const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
                     for (int r = 0; r < rows; r++) {
@@ -589,7 +648,7 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                 for (int r = 0; r < rows; r++) ia[r] = _mm256_madd_epi16(ia[r], ones);
             } else {
                 for (int r = 0; r < rows; r++) ia[r] = _mm256_set1_epi32(128 * xs[(m0 + r) * nb + b]);
-                for (int v = 0; v < vecs; v++) {
+                for (int v = 0; v < 8; v++) {
                     const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + v * 64)), flip);
                     const __m256i magnitude = _mm256_abs_epi8(w);
                     for (int r = 0; r < rows; r++) {
@@ -623,7 +682,7 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
                                                                  int64_t g, const int8_t *xq, const float *dx,
                                                                  const float *sx, const int32_t *xs,
                                                                  float *acc_out /* [32] */) {
-    const int four = four_bit(bits), vecs = four ? 4 : 8;
+    const int four = four_bit(bits), vecs = block_vectors(bits);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     const uint8_t *c0 = tiles + g * nb * vecs * 64, *c1 = c0 + nb * vecs * 64;
     __m256 acc[4];
@@ -632,7 +691,24 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
         const uint8_t *cq[4] = {c0 + b * vecs * 64, c0 + b * vecs * 64 + 32, c1 + b * vecs * 64, c1 + b * vecs * 64 + 32};
         const int8_t *xb = xq + b * QBLOCK;
         __m256i ia[4];
-        if (four) {
+        if (bits == KQ5) {
+            for (int q = 0; q < 4; q++) ia[q] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                int32_t x0, x1;
+                memcpy(&x0, xb + v * 8, sizeof x0);
+                memcpy(&x1, xb + v * 8 + 4, sizeof x1);
+                const __m256i bx0 = _mm256_set1_epi32(x0), bx1 = _mm256_set1_epi32(x1);
+                for (int q = 0; q < 4; q++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(cq[q] + v * 64));
+                    const __m256i plane = _mm256_loadu_si256((const __m256i *)(cq[q] + 4 * 64));
+                    const __m256i lo = five_bit_avx2(raw, plane, 2 * v);
+                    const __m256i hi = five_bit_avx2(_mm256_srli_epi16(raw, 4), plane, 2 * v + 1);
+                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bx0), _mm256_maddubs_epi16(hi, bx1));
+                    ia[q] = _mm256_add_epi32(ia[q], _mm256_madd_epi16(pair, ones));
+                    PIN(ia[q]);
+                }
+            }
+        } else if (four) {
             for (int q = 0; q < 4; q++) ia[q] = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {
                 int32_t x0, x1;
@@ -785,6 +861,8 @@ static inline __attribute__((always_inline)) void gemm_pair(
                         ROW1(4);
                     else if (bits == KQ4)
                         ROW1(KQ4);
+                    else if (bits == KQ5)
+                        ROW1(KQ5);
                     else
                         ROW1(8);
 #undef ROW1
@@ -803,6 +881,13 @@ static inline __attribute__((always_inline)) void gemm_pair(
                     case 3: GEMM_TILE(KQ4, 3); break;
                     case 2: GEMM_TILE(KQ4, 2); break;
                     default: GEMM_TILE(KQ4, 1); break;
+                    }
+                } else if (bits == KQ5) {
+                    switch (rows) {
+                    case 4: GEMM_TILE(KQ5, 4); break;
+                    case 3: GEMM_TILE(KQ5, 3); break;
+                    case 2: GEMM_TILE(KQ5, 2); break;
+                    default: GEMM_TILE(KQ5, 1); break;
                     }
                 } else {
                     switch (rows) {
@@ -1171,8 +1256,8 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     CHECK(M >= 0, M);
     CHECK(K > 0 && K % QBLOCK == 0, K);
     CHECK(N > 0, N);
-    CHECK(bits == 4 || bits == 6 || bits == 8 || bits == KQ4, bits);
-    CHECK((bits != 6 && bits != KQ4) || K % 256 == 0, K);
+    CHECK(bits == 4 || bits == 6 || bits == 8 || kquant(bits), bits);
+    CHECK((bits != 6 && !kquant(bits)) || K % 256 == 0, K);
     CHECK(num_threads > 0, num_threads);
     CHECK_PTR(x, M);
     CHECK_PTR(out, M);
