@@ -1240,10 +1240,10 @@ static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const in
     }
 }
 
-/* The column pairs are shared out in shrinking chunks (guided) where all rows fit one chunk (decode): a
+/* The column pairs are shared out in chunks (chunk_for) where all rows fit one chunk (decode): a
  * thread that the OS takes away mid-call (the server's event loop and its clients share the cores) then
- * leaves its pairs to the other instead of holding up the call. Bigger calls (prefill) keep a static split,
- * so that each thread finds its pairs' weights in its own L2 for every chunk of rows.
+ * leaves its pairs to the other instead of holding up the call. Bigger calls (prefill) share the pairs out
+ * the same way for each chunk of rows.
  * `python -m tests.bench serve` measures it (HTTP against the offline engine).
  * `silu`: the weight is a fused [gate; up] (N = 2 I, I % 32 == 0) and out [M, I] receives SiLU(gate) x up,
  * rounded as the layer ops' silu_mul rounds it after this kernel's plain output: the same values without
