@@ -612,40 +612,32 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                     _mm_prefetch((const char *)(toffset + (pg * nb + b) * 16), _MM_HINT_T1);
                 }
             __m256i ia[GEMM_ROWS_MAX];
-            if (bits == KQ5) {
-                const __m256i plane = _mm256_loadu_si256((const __m256i *)(c + 4 * 64));
+            if (four) {
                 for (int r = 0; r < rows; r++) ia[r] = _mm256_setzero_si256();
                 for (int v = 0; v < 4; v++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + v * 64));
-                    const __m256i lo = five_bit_avx2(raw, plane, 2 * v);
-                    const __m256i hi = five_bit_avx2(_mm256_srli_epi16(raw, 4), plane, 2 * v + 1);
+                    __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    if (bits == KQ5) {
+                        const __m256i plane = _mm256_loadu_si256((const __m256i *)(c + 4 * 64));
+                        lo = five_bit_avx2(raw, plane, 2 * v);
+                        hi = five_bit_avx2(_mm256_srli_epi16(raw, 4), plane, 2 * v + 1);
+                    }
                     for (int r = 0; r < rows; r++) {
                         const int8_t *x4 = xq + (m0 + r) * K + b * QBLOCK + v * step;
                         int32_t x0, x1;
                         memcpy(&x0, x4, sizeof x0);
                         memcpy(&x1, x4 + 4, sizeof x1);
-                        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
-                                                              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
-                        ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(pair, ones));
+                        const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
+                        const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
+                        if (bits == KQ5) /* 5-bit products: each vector's pair summed to 32 bits */
+                            ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones));
+                        else
+                            ia[r] = _mm256_add_epi16(_mm256_add_epi16(ia[r], plo), phi);
                         PIN(ia[r]);
                     }
                 }
-            } else if (four) {
-                for (int r = 0; r < rows; r++) ia[r] = _mm256_setzero_si256();
-                for (int v = 0; v < 4; v++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + v * 64));
-                    const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    for (int r = 0; r < rows; r++) {
-                        const int8_t *x4 = xq + (m0 + r) * K + b * QBLOCK + v * step;
-                        int32_t x0, x1;
-                        memcpy(&x0, x4, sizeof x0);
-                        memcpy(&x1, x4 + 4, sizeof x1);
-                        ia[r] = _mm256_add_epi16(ia[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
-                        ia[r] = _mm256_add_epi16(ia[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
-                        PIN(ia[r]);
-                    }
-                }
-                for (int r = 0; r < rows; r++) ia[r] = _mm256_madd_epi16(ia[r], ones);
+                if (bits != KQ5)
+                    for (int r = 0; r < rows; r++) ia[r] = _mm256_madd_epi16(ia[r], ones);
             } else {
                 for (int r = 0; r < rows; r++) ia[r] = _mm256_set1_epi32(128 * xs[(m0 + r) * nb + b]);
                 for (int v = 0; v < 8; v++) {
