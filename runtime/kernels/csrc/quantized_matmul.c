@@ -471,13 +471,11 @@ static inline __attribute__((always_inline)) void block_scale_vnni(const uint16_
 #undef LOAD_HALVES
 }
 
-/* KQ5: nibble vector v's codes (low nibbles n 0, high n 1, each in a byte's low 4 bits) with their fifth bits from
- * the plane: (codes & 15) | ((plane shifted so that bit 2v + n lands on bit 4) & 16), one ternary op. */
-static inline __attribute__((always_inline)) __m512i five_bit_vnni(__m512i nibbles, __m512i plane, int t) {
+/* KQ5: the fifth bits of nibble vector v's low (t = 2v) or high (t = 2v + 1) nibbles, at bit 4 of each byte (the
+ * plane shifted so that its bit t lands there, masked), to be or-ed into those nibbles. */
+static inline __attribute__((always_inline)) __m512i fifth_bits_vnni(__m512i plane, int t) {
     const __m512i bit = t <= 4 ? _mm512_slli_epi16(plane, 4 - t) : _mm512_srli_epi16(plane, t - 4);
-    /* (A & B) | (C & 16): A the codes, B 0x0F, C the shifted plane */
-    return _mm512_or_si512(_mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F)),
-                           _mm512_and_si512(bit, _mm512_set1_epi8(0x10)));
+    return _mm512_and_si512(bit, _mm512_set1_epi8(0x10));
 }
 
 /* Always inlined with a constant `rows`, so the accumulators stay in registers. */
@@ -512,10 +510,10 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
                 __m512i a0 = _mm512_and_si512(raw0, low4), a1 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4);
                 __m512i b0 = _mm512_and_si512(raw1, low4), b1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4);
                 if (bits == KQ5) {
-                    a0 = five_bit_vnni(raw0, plane0, 2 * v);
-                    a1 = five_bit_vnni(_mm512_srli_epi16(raw0, 4), plane0, 2 * v + 1);
-                    b0 = five_bit_vnni(raw1, plane1, 2 * v);
-                    b1 = five_bit_vnni(_mm512_srli_epi16(raw1, 4), plane1, 2 * v + 1);
+                    a0 = _mm512_or_si512(a0, fifth_bits_vnni(plane0, 2 * v));
+                    a1 = _mm512_or_si512(a1, fifth_bits_vnni(plane0, 2 * v + 1));
+                    b0 = _mm512_or_si512(b0, fifth_bits_vnni(plane1, 2 * v));
+                    b1 = _mm512_or_si512(b1, fifth_bits_vnni(plane1, 2 * v + 1));
                 }
                 for (int r = 0; r < rows; r++) {
                     const int32_t *x4 = (const int32_t *)(xq + (m0 + r) * K + b * QBLOCK + v * step);
@@ -578,11 +576,10 @@ static inline void block_scale_avx2(const uint16_t *tscale, const uint16_t *toff
     }
 }
 
-/* five_bit_vnni for AVX2's half vectors */
-static inline __attribute__((always_inline)) __m256i five_bit_avx2(__m256i nibbles, __m256i plane, int t) {
+/* fifth_bits_vnni for AVX2's half vectors */
+static inline __attribute__((always_inline)) __m256i fifth_bits_avx2(__m256i plane, int t) {
     const __m256i bit = t <= 4 ? _mm256_slli_epi16(plane, 4 - t) : _mm256_srli_epi16(plane, t - 4);
-    return _mm256_or_si256(_mm256_and_si256(nibbles, _mm256_set1_epi8(0x0F)),
-                           _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+    return _mm256_and_si256(bit, _mm256_set1_epi8(0x10));
 }
 
 /* The tile with AVX2: 8 columns (half of one 64-byte vector) a pass, each pass over every block, so that a pass
@@ -619,8 +616,8 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                     __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
                     if (bits == KQ5) {
                         const __m256i plane = _mm256_loadu_si256((const __m256i *)(c + 4 * 64));
-                        lo = five_bit_avx2(raw, plane, 2 * v);
-                        hi = five_bit_avx2(_mm256_srli_epi16(raw, 4), plane, 2 * v + 1);
+                        lo = _mm256_or_si256(lo, fifth_bits_avx2(plane, 2 * v));
+                        hi = _mm256_or_si256(hi, fifth_bits_avx2(plane, 2 * v + 1));
                     }
                     for (int r = 0; r < rows; r++) {
                         const int8_t *x4 = xq + (m0 + r) * K + b * QBLOCK + v * step;
@@ -683,7 +680,7 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
         const uint8_t *cq[4] = {c0 + b * vecs * 64, c0 + b * vecs * 64 + 32, c1 + b * vecs * 64, c1 + b * vecs * 64 + 32};
         const int8_t *xb = xq + b * QBLOCK;
         __m256i ia[4];
-        if (bits == KQ5) {
+        if (four) {
             for (int q = 0; q < 4; q++) ia[q] = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {
                 int32_t x0, x1;
@@ -692,30 +689,22 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
                 const __m256i bx0 = _mm256_set1_epi32(x0), bx1 = _mm256_set1_epi32(x1);
                 for (int q = 0; q < 4; q++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(cq[q] + v * 64));
-                    const __m256i plane = _mm256_loadu_si256((const __m256i *)(cq[q] + 4 * 64));
-                    const __m256i lo = five_bit_avx2(raw, plane, 2 * v);
-                    const __m256i hi = five_bit_avx2(_mm256_srli_epi16(raw, 4), plane, 2 * v + 1);
-                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bx0), _mm256_maddubs_epi16(hi, bx1));
-                    ia[q] = _mm256_add_epi32(ia[q], _mm256_madd_epi16(pair, ones));
+                    __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    if (bits == KQ5) { /* 5-bit products: each vector's pair summed to 32 bits */
+                        const __m256i plane = _mm256_loadu_si256((const __m256i *)(cq[q] + 4 * 64));
+                        lo = _mm256_or_si256(lo, fifth_bits_avx2(plane, 2 * v));
+                        hi = _mm256_or_si256(hi, fifth_bits_avx2(plane, 2 * v + 1));
+                        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bx0), _mm256_maddubs_epi16(hi, bx1));
+                        ia[q] = _mm256_add_epi32(ia[q], _mm256_madd_epi16(pair, ones));
+                    } else {
+                        ia[q] = _mm256_add_epi16(ia[q], _mm256_maddubs_epi16(lo, bx0));
+                        ia[q] = _mm256_add_epi16(ia[q], _mm256_maddubs_epi16(hi, bx1));
+                    }
                     PIN(ia[q]);
                 }
             }
-        } else if (four) {
-            for (int q = 0; q < 4; q++) ia[q] = _mm256_setzero_si256();
-            for (int v = 0; v < 4; v++) {
-                int32_t x0, x1;
-                memcpy(&x0, xb + v * 8, sizeof x0);
-                memcpy(&x1, xb + v * 8 + 4, sizeof x1);
-                const __m256i bx0 = _mm256_set1_epi32(x0), bx1 = _mm256_set1_epi32(x1);
-                for (int q = 0; q < 4; q++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(cq[q] + v * 64));
-                    const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    ia[q] = _mm256_add_epi16(ia[q], _mm256_maddubs_epi16(lo, bx0));
-                    ia[q] = _mm256_add_epi16(ia[q], _mm256_maddubs_epi16(hi, bx1));
-                    PIN(ia[q]);
-                }
-            }
-            for (int q = 0; q < 4; q++) ia[q] = _mm256_madd_epi16(ia[q], ones);
+            if (bits != KQ5)
+                for (int q = 0; q < 4; q++) ia[q] = _mm256_madd_epi16(ia[q], ones);
         } else {
             for (int q = 0; q < 4; q++) ia[q] = _mm256_set1_epi32(128 * xs[b]);
             for (int v = 0; v < 8; v++) {
