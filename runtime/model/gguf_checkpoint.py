@@ -321,6 +321,7 @@ def _deferred(
             w = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             w = w.reshape(shape)
             w = np.array(w if rows is None else w[rows[0] : rows[1]])  # a writable copy
+            release_pages(tensor.data)  # copied: the file's pages (a norm's can map 2 MiB) may go
         return _unpermute(w, unpermute) if unpermute and len(shape) >= 1 else w
 
     raw = None

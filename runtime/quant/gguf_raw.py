@@ -29,6 +29,10 @@ KINDS = {"Q4_0": 0, "Q8_0": 1, "Q5_K": 2, "Q4_K": 3, "Q6_K": 4, "Q4_1": 5}
 """csrc/gguf_relayout.c's kind numbers."""
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_K": KQ5_BITS, "Q4_K": KQ4_BITS, "Q6_K": 6}
 """The tiles' `bits` (NativeMatmul.bits) per kind."""
+FOLIO_BYTES = 2 << 20
+"""The largest folio the page cache maps at once (release_pages widens to it)."""
+CHUNK_BYTES = 16 << 20
+"""Bytes of the file tiles_from_raw lays out between releases of their pages."""
 DEQUANTIZE_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 """csrc/gguf_dequantize.c's kind numbers."""
 
@@ -108,20 +112,31 @@ def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMa
     threads = threads or torch.get_num_threads()
     at = 0  # tile groups written so far
     for p in parts:
-        rows = p.rows
-        data = p.data
-        bad = lib.gguf_relayout(
-            KINDS[kind],
-            data.ctypes.data,
-            data.strides[0],
-            0 if rows is None else rows.ctypes.data,
-            p.shape[0],
-            k,
-            *(b[at:].data_ptr() for b in bufs),
-            threads,
+        # a chunk of rows at a time (~16 MiB of the file), its pages of the file released once laid out where
+        # the rows are the file's in order, so a large matrix's tiles and file pages are not resident together
+        step = max(
+            2 * TILE_COLUMNS, (CHUNK_BYTES // p.data.strides[0]) // (2 * TILE_COLUMNS) * (2 * TILE_COLUMNS)
         )
-        if bad:
-            return None
+        for r0 in range(0, p.shape[0], step):
+            r1 = min(p.shape[0], r0 + step)
+            if p.rows is None:
+                data, rows = p.data[r0:r1], None
+            else:
+                data, rows = p.data, p.rows[r0:r1]
+            bad = lib.gguf_relayout(
+                KINDS[kind],
+                data.ctypes.data,
+                data.strides[0],
+                0 if rows is None else rows.ctypes.data,
+                r1 - r0,
+                k,
+                *(b[at + r0 // TILE_COLUMNS :].data_ptr() for b in bufs),
+                threads,
+            )
+            if bad:
+                return None
+            if rows is None:
+                release_pages(data)
         at += p.shape[0] // TILE_COLUMNS
     return NativeMatmul.from_tiles(BITS[kind], bufs, n, k)
 
@@ -146,23 +161,29 @@ def pack_raw(parts: list[GGUFRaw], dtype: torch.dtype) -> Int4Linear | None:
 
 
 def release_pages(view: np.ndarray) -> None:
-    """madvise(MADV_DONTNEED) the whole pages of a read-only memory-mapped array's bytes (a no-op
-    elsewhere): they leave this process's resident set and are read from the page cache if touched again."""
+    """madvise(MADV_DONTNEED) the pages of a read-only memory-mapped array's bytes (a no-op elsewhere): they
+    leave this process's resident set and are read from the page cache if touched again. The range is widened
+    to whole 2 MiB folios (within the mapping): the page cache maps a file's large folios whole on a fault, so a
+    norm of a few KiB can bring 2 MiB; dropping a neighbour's pages costs it only a fault from the cache."""
     import ctypes
     import mmap
 
-    if not isinstance(view, np.memmap) and not isinstance(
-        getattr(view, "base", None), (np.memmap, mmap.mmap)
-    ):
-        base = view
-        while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
-            base = getattr(base, "base", None)
-        if base is None:
-            return
-    page = mmap.PAGESIZE
+    base = view
+    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
+        base = getattr(base, "base", None)
+    if base is None:
+        return
+    while isinstance(getattr(base, "base", None), np.memmap):  # the whole mapping, not a slice of it
+        base = base.base
+    if isinstance(base, np.memmap):
+        first, last = base.ctypes.data, base.ctypes.data + base.nbytes
+    else:
+        first, last = view.ctypes.data, view.ctypes.data + view.nbytes
+    page, folio = mmap.PAGESIZE, FOLIO_BYTES
     start = view.ctypes.data
     end = start + view.nbytes
-    lo, hi = -(-start // page) * page, end // page * page
+    lo = max(start // folio * folio, -(-first // page) * page)
+    hi = min(-(-end // folio) * folio, last // page * page)
     if hi > lo:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
