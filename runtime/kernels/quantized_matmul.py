@@ -29,6 +29,9 @@ KQ4_BITS = 14
 KQ5_BITS = 15
 """The kernels' `bits` for Q5_K's codes: KQ4's tiles of their low 4 bits and a plane of their fifth bits
 (NativeMatmul.q5_k)."""
+SYMMETRIC_OFFSET = {4: -8.0, 8: -128.0}
+"""bits -> the offset c (w = d * code + c d) of the symmetric types' tiles (Q4_0's codes, Q8_0's + 128): their
+tiles hold no offsets, the kernels form c d (csrc/quantized_matmul.c, symmetric_offset)."""
 TILE_COLUMNS = 16
 """Output columns per vector of the many-row kernel's layout; it takes N % (2 * TILE_COLUMNS) == 0."""
 
@@ -96,7 +99,12 @@ class NativeMatmul:
             return torch.from_numpy(out)
 
         tscale = per_tile(scale)
-        toffset = per_tile(offset) if isinstance(offset, np.ndarray) else tscale * offset  # exact: c = -2^j
+        if isinstance(offset, np.ndarray):
+            toffset = per_tile(offset)
+        elif offset == SYMMETRIC_OFFSET.get(self.bits):  # none held: the kernels form c * d
+            toffset = torch.empty(0, dtype=torch.float16)
+        else:
+            toffset = tscale * offset  # exact: c = -2^j
         self.tiles = (torch.from_numpy(tiles), tscale, toffset)
         return self
 
@@ -230,7 +238,8 @@ class NativeMatmul:
         if self.bits == 4:  # low nibbles: inputs 8v..8v+3 of the block, high nibbles 8v+4..8v+7
             codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2)
         codes = codes.reshape(ids.shape[0], -1, GROUP).float()
-        s, o = scale[tile, :, column].float(), offset[tile, :, column].float()  # [rows, blocks]
+        s = scale[tile, :, column].float()  # [rows, blocks]
+        o = offset[tile, :, column].float() if offset.numel() else s * SYMMETRIC_OFFSET[self.bits]
         return (codes * s.unsqueeze(-1) + o.unsqueeze(-1)).view(ids.shape[0], self.in_features)
 
     @property

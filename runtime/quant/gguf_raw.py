@@ -101,12 +101,12 @@ def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMa
             torch.empty(g, ns, TILE_COLUMNS, dtype=torch.float16),
             torch.empty(g, nb, TILE_COLUMNS, 2, dtype=torch.int8),
         )
-    else:
+    else:  # Q4_0 and Q8_0 with no offsets (the kernels form -8 d and -128 d), Q4_1 with its minimum
         vectors = 4 if kind in ("Q4_0", "Q4_1") else 8
         bufs = (
             torch.empty(g, nb, vectors, TILE_COLUMNS, 4, dtype=torch.uint8),
             torch.empty(g, nb, TILE_COLUMNS, dtype=torch.float16),
-            torch.empty(g, nb, TILE_COLUMNS, dtype=torch.float16),
+            torch.empty(*((g, nb, TILE_COLUMNS) if kind == "Q4_1" else (0,)), dtype=torch.float16),
         )
     lib = load()
     threads = threads or torch.get_num_threads()

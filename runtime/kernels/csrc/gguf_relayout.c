@@ -3,9 +3,10 @@
  * copy in between: the load's only pass over a matrix's bytes.
  *
  * kind (GGUF_* below) and its buffers, g = N / 16 tile groups, nb = K / 32 blocks, ns = K / 256 super-blocks:
- *   Q4_0  tiles [g, nb, 4, 16, 4] 4-bit, scale and offset [g, nb, 16] float16: d and -8 d
- *   Q4_1  as Q4_0, the offset the block's minimum m
- *   Q8_0  tiles [g, nb, 8, 16, 4] codes q + 128, scale and offset [g, nb, 16] float16: d and -128 d
+ *   Q4_0  tiles [g, nb, 4, 16, 4] 4-bit, scale [g, nb, 16] float16: d; offset NULL (the kernels form -8 d;
+ *         given, it gets -8 d as float16)
+ *   Q4_1  as Q4_0, offset [g, nb, 16] float16: the block's minimum m
+ *   Q8_0  tiles [g, nb, 8, 16, 4] codes q + 128, scale as Q4_0's, offset NULL (-128 d) or as Q4_0's
  *   Q4_K  tiles [g, nb, 4, 16, 4] 4-bit, scale [g, nb, 2, 16] uint8: sc | m, offset [g, ns, 2, 16] float16:
  *         d | dmin (sc 0 where d is 0, m 0 where dmin is 0)
  *   Q5_K  as Q4_K, tiles [g, nb, 5, 16, 4]: the low 4 bits of the codes as Q4_K's, then the plane of their
@@ -71,7 +72,7 @@ static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, 
             const uint16_t m = load_half(p + 2);
             bad += outside(f16_to_f32(m), limit);
             offset[b * TILE + c] = m;
-        } else {
+        } else if (offset) { /* NULL: the kernels form the symmetric offset themselves */
             offset[b * TILE + c] = f32_to_f16(df * factor);
         }
         uint8_t *block = tiles + b * vec + c * 4;
@@ -175,7 +176,7 @@ int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int
             case GGUF_Q4_1:
             case GGUF_Q8_0:
                 bad += group_q4_0_q8_0(kind, row, c, nb, tile, (uint16_t *)scale + t * nb * TILE,
-                                       (uint16_t *)offset + t * nb * TILE);
+                                       offset ? (uint16_t *)offset + t * nb * TILE : NULL);
                 break;
             case GGUF_Q4_K:
             case GGUF_Q5_K:

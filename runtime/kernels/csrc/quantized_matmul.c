@@ -376,7 +376,8 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
  *         16 output columns (column 16g + j in bytes 4j..4j+3). 4-bit: vector v's low nibbles are inputs
  *         32b + 8v + 0..3 and its high nibbles 32b + 8v + 4..7; 8-bit: vector v is inputs 32b + 4v + 0..3.
  *   tscale, toffset [N/16][K/32][16] float16: d and o of each column's block (as the codes' own; decode
- *         reads every weight's bytes once a step, so bytes count).
+ *         reads every weight's bytes once a step, so bytes count); toffset NULL for a symmetric type's tiles
+ *         (symmetric_offset below).
  * One VNNI instruction multiplies 4 inputs of one activation row (broadcast) into 16 columns, so a tile of
  * gemm_rows(bits) rows x 32 columns keeps 2 integer accumulators per row and block and reuses each loaded weight
  * vector across the rows; the block scales are applied once per block and tile row. Requires N % 32 == 0.
@@ -415,6 +416,11 @@ static inline int four_bit(int bits) { return bits == 4 || kquant(bits); }
 static inline int block_vectors(int bits) { return bits == KQ5 ? 5 : four_bit(bits) ? 4 : 8; }
 static inline int gemm_rows(int bits) { return four_bit(bits) ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
 
+/* bits 4 and 8 without an offset array (toffset NULL): a symmetric type's tiles (Q4_0's codes, Q8_0's + 128),
+ * w = d * code + c d with c = -8 or -128, c d formed in float32 (exact: c is a power of 2) instead of read as a
+ * float16 (the same value wherever that held it), so the tiles hold the file's bits a weight. */
+static inline float symmetric_offset(int bits) { return bits == 4 ? -8.0f : -128.0f; }
+
 /* Column col (0..15) of group gg's block b: its step d and offset o (w = d * code + o). */
 static inline void block_scale(const uint16_t *tscale, const uint16_t *toffset, int bits, int64_t nb, int64_t gg,
                                int64_t b, int col, float *d, float *o) {
@@ -425,7 +431,7 @@ static inline void block_scale(const uint16_t *tscale, const uint16_t *toffset, 
         *o = -(f16_to_f32(dd[16 + col]) * (float)scm[16 + col]);
     } else {
         *d = f16_to_f32(tscale[(gg * nb + b) * 16 + col]);
-        *o = f16_to_f32(toffset[(gg * nb + b) * 16 + col]);
+        *o = toffset ? f16_to_f32(toffset[(gg * nb + b) * 16 + col]) : *d * symmetric_offset(bits);
     }
 }
 #define GEMM_CHUNK 64
@@ -466,7 +472,7 @@ static inline __attribute__((always_inline)) void block_scale_vnni(const uint16_
                                                   _mm512_set1_epi32((int)0x80000000)));
     } else {
         *d = LOAD_HALVES(tscale + (gg * nb + b) * 16);
-        *o = LOAD_HALVES(toffset + (gg * nb + b) * 16);
+        *o = toffset ? LOAD_HALVES(toffset + (gg * nb + b) * 16) : _mm512_mul_ps(*d, _mm512_set1_ps(symmetric_offset(bits)));
     }
 #undef LOAD_HALVES
 }
@@ -494,7 +500,7 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
             for (int64_t gg = pf_g; gg < pf_g + 2; gg++) {
                 for (int v = 0; v < vecs; v++) _mm_prefetch((const char *)(tiles + (gg * nb + b) * vecs * 64 + v * 64), _MM_HINT_T1);
                 _mm_prefetch((const char *)(tscale + (gg * nb + b) * 16), _MM_HINT_T1);
-                _mm_prefetch((const char *)(toffset + (gg * nb + b) * 16), _MM_HINT_T1);
+                if (toffset) _mm_prefetch((const char *)(toffset + (gg * nb + b) * 16), _MM_HINT_T1);
             }
         __m512i ia[GEMM_ROWS_MAX][2];
         for (int r = 0; r < rows; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
@@ -572,7 +578,8 @@ static inline void block_scale_avx2(const uint16_t *tscale, const uint16_t *toff
                            _mm256_set1_ps(-0.0f));
     } else {
         *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tscale + (gg * nb + b) * 16 + h * 8)));
-        *o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(toffset + (gg * nb + b) * 16 + h * 8)));
+        *o = toffset ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(toffset + (gg * nb + b) * 16 + h * 8)))
+                     : _mm256_mul_ps(*d, _mm256_set1_ps(symmetric_offset(bits)));
     }
 }
 
@@ -606,7 +613,7 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                 for (int64_t pg = pf_g; pg < pf_g + 2; pg++) {
                     for (int v = 0; v < vecs; v++) _mm_prefetch((const char *)(tiles + (pg * nb + b) * vecs * 64 + v * 64), _MM_HINT_T1);
                     _mm_prefetch((const char *)(tscale + (pg * nb + b) * 16), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(toffset + (pg * nb + b) * 16), _MM_HINT_T1);
+                    if (toffset) _mm_prefetch((const char *)(toffset + (pg * nb + b) * 16), _MM_HINT_T1);
                 }
             __m256i ia[GEMM_ROWS_MAX];
             if (four) {
@@ -1247,7 +1254,7 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     CHECK(ldo >= (silu ? N / 2 : N), ldo);
     CHECK_PTR(tiles, 1);
     CHECK_PTR(tscale, 1);
-    CHECK_PTR(toffset, 1);
+    if (bits != 4 && bits != 8) CHECK_PTR(toffset, 1); /* 4 and 8: NULL for a symmetric type (symmetric_offset) */
     const int64_t nb = K / QBLOCK;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
