@@ -45,11 +45,12 @@ class SchedulerConfig:
     """VTC's w_p: service charged per prompt token."""
     output_token_weight: float = 2.0
     """VTC's w_q: service charged per generated token."""
-    dlpm_quantum: int = 4096
-    """DLPM's quantum Q: weighted tokens each backlogged tenant may be served per round. Larger keeps a
-    tenant's cached prefix in use for more requests in a row; two backlogged tenants' weighted service
-    then differs by at most 2 (Q + U_p + U_q), U_p and U_q one prompt's and the running requests' outputs'
-    charges (scheduler/dlpm.py)."""
+    dlpm_quantum: int | None = None
+    """DLPM's quantum Q: weighted tokens each backlogged tenant may be served per round (default: one
+    request's charge: the most any of the last requests can be charged). Larger keeps a tenant's cached prefix in use
+    for more requests in a row; two backlogged tenants' weighted service then differs by at most
+    2 (Q + U_p + U_q), U_p and U_q one prompt's and the running requests' outputs' charges
+    (scheduler/dlpm.py)."""
     max_idle_tenants: int = 1024
     """Tenants without requests that are still remembered (counters, service); beyond this the longest
     idle are forgotten, so memory and stats() cost do not grow with every `user` name ever seen."""
@@ -71,7 +72,12 @@ class SchedulerConfig:
             "dlpm_quantum",
         ):
             value = getattr(self, name)
-            if value is None and name in ("num_blocks", "max_model_len", "prefill_wave_tokens"):
+            if value is None and name in (
+                "num_blocks",
+                "max_model_len",
+                "prefill_wave_tokens",
+                "dlpm_quantum",
+            ):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")

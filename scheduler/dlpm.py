@@ -64,6 +64,17 @@ bound: with Q near one request's charge DLPM serves about one request a tenant
 a round, in the order the cache favours; the larger Q, the more requests one
 tenant's cached prefix serves in a row.
 
+The quantum by default (quantum None) is one request's charge, as deficit
+round robin takes at least the largest packet for its quantum: the most any of
+the last AUTO_WINDOW requests can be charged, w_p x prompt + w_q x max_tokens,
+known when it arrives (a request without max_tokens counts its prompt then
+and its output once finished). A round then serves about one request per
+unit of weight whatever the requests' size, and two tenants' gap stays near
+two requests' charge. Q is set before a new tenant's deficit is: a tenant that
+starts under one quantum and then runs under another keeps the difference as
+an offset against the others. The bound holds with Q the largest quantum used
+(max_quantum).
+
 Admission costs O(backlogged tenants + log waiting): one heap top per
 eligible tenant (PrefixIndex), kept current by cache events rather than by
 looking up blocks.
@@ -72,6 +83,7 @@ looking up blocks.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator
 
 from scheduler.block_manager import BlockManager
@@ -79,14 +91,26 @@ from scheduler.policy import Policy
 from scheduler.prefix_index import PrefixIndex
 from scheduler.request import Request, RequestStatus
 
+AUTO_WINDOW = 64
+"""Requests whose largest charge is the default quantum."""
+
 
 class DLPMPolicy(Policy):
     name = "dlpm"
 
-    def __init__(self, quantum: float, prompt_token_weight: float = 1.0, output_token_weight: float = 2.0):
-        if not quantum > 0:
+    def __init__(
+        self, quantum: float | None = None, prompt_token_weight: float = 1.0, output_token_weight: float = 2.0
+    ):
+        """quantum None: one typical request's charge, followed as requests finish (module docstring)."""
+        if quantum is not None and not quantum > 0:
             raise ValueError(f"dlpm_quantum: must be positive, got {quantum!r}")
-        self.quantum = float(quantum)
+        self.auto = quantum is None
+        self.quantum = 0.0 if quantum is None else float(quantum)
+        """Q now, in weighted tokens (auto: 0 until the first request is seen)."""
+        self.max_quantum = self.quantum
+        """The largest Q used so far: the bound's."""
+        self._recent: deque[float] = deque(maxlen=AUTO_WINDOW)
+        """The last requests' largest charges (the default quantum's window)."""
         self.w_p = prompt_token_weight
         self.w_q = output_token_weight
         self._index = PrefixIndex()
@@ -110,6 +134,9 @@ class DLPMPolicy(Policy):
     # ---- waiting queue --------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        if self.auto and request.status != RequestStatus.PREEMPTED:
+            most = request.sampling_params.max_tokens or 0
+            self._observe(self.w_p * request.num_prompt_tokens + self.w_q * most)
         tenant = request.tenant
         self._service.setdefault(tenant, 0.0)
         self._live.setdefault(tenant, set()).add(request.request_id)
@@ -199,7 +226,15 @@ class DLPMPolicy(Policy):
         self._deficits[tenant] -= amount
         self._service[tenant] += amount
 
+    def _observe(self, charge: float) -> None:
+        """The default quantum: the largest charge of the window's requests."""
+        self._recent.append(charge)
+        self.quantum = max(max(self._recent), 1.0)
+        self.max_quantum = max(self.max_quantum, self.quantum)
+
     def on_finish(self, request: Request) -> None:
+        if self.auto and request.request_id in self._charged and request.sampling_params.max_tokens is None:
+            self._observe(self.w_p * request.num_prompt_tokens + self.w_q * request.num_output_tokens)
         self._charged.discard(request.request_id)
         live = self._live.get(request.tenant)
         if live is not None:

@@ -6,8 +6,9 @@
 One server: tenants T1..T4 (weights 1/1/1/2 in the key file), each with a 1,024-token prefix of its own
 and 64-token random suffixes, 64 output tokens, kept backlogged by 2 x --max-num-seqs closed-loop clients
 each; a KV pool of two prefixes plus the running requests' own blocks; and a well-behaved tenant W
-sending short prompts at a low Poisson rate. The servers (dlpm at the default quantum and at one request's
-charge, vtc, fcfs, lpm; BENCH_FAIR_POLICIES=dlpm,dlpm:2048,vtc picks others) stay up and take the same
+sending short prompts at a low Poisson rate. The servers (dlpm at its default quantum, one
+request's charge, and at a fixed 4,096, vtc, fcfs, lpm; BENCH_FAIR_POLICIES=dlpm,dlpm:2048,vtc picks
+others) stay up and take the same
 workload in turn. Judged per policy: total and output tokens/s, the prefix-cache hit rate (the
 server's counters), the largest weighted-service gap between two backlogged tenants over any interval
 while both waited (service counted from the client as VTC charges it, divided by the weight), W's TTFT.
@@ -46,20 +47,18 @@ CLIENTS = 2 * MAX_NUM_SEQS  # per tenant: always some waiting, whatever runs
 BLOCK_SIZE = 8
 NUM_BLOCKS = 2 * PREFIX // BLOCK_SIZE + MAX_NUM_SEQS * (SUFFIX + OUTPUT) // BLOCK_SIZE + 16
 """Two tenants' prefixes, each running request's own blocks, a little slack."""
-QUANTUM = 4096
-"""dlpm's quantum in the rows without one of their own (the server's default)."""
 ONE_REQUEST = PREFIX + SUFFIX + 2 * OUTPUT
-"""One backlogged request's charge in weighted tokens (w_p = 1, w_q = 2): dlpm at this quantum serves a
-weight-1 tenant about one request a round."""
+"""One backlogged request's charge in weighted tokens (w_p = 1, w_q = 2): the quantum dlpm's default
+follows on this workload (a weight-1 tenant served about one request a round), the bound's Q for it."""
 W_PROMPT, W_OUTPUT, W_RATE = 128, 16, 0.1  # the well-behaved tenant
 SECONDS, WINDOW_START = 150.0, 30.0
-POLICIES = tuple(os.environ.get("BENCH_FAIR_POLICIES", f"dlpm,dlpm:{ONE_REQUEST},vtc,fcfs,lpm").split(","))
-"""Servers in turn; `dlpm:Q` runs dlpm at quantum Q."""
+POLICIES = tuple(os.environ.get("BENCH_FAIR_POLICIES", "dlpm,dlpm:4096,vtc,fcfs,lpm").split(","))
+"""Servers in turn; `dlpm:Q` runs dlpm at quantum Q, `dlpm` at its default."""
 KEYS = {f"sk-{t.lower()}": t for t in [*WEIGHTS, "W", "warm"]}
 KEY_OF = {t: k for k, t in KEYS.items()}
 
 
-def bound(replicas: int = 1, quantum: int = QUANTUM) -> float:
+def bound(replicas: int = 1, quantum: int = ONE_REQUEST) -> float:
     """DLPM's 2 (Q + U_p + U_q) for a weight-1 tenant (scheduler/dlpm.py): U_q = w_q x what the running
     requests (max_num_seqs per replica) can still generate."""
     u_p = W_P * (PREFIX + SUFFIX)
@@ -67,10 +66,10 @@ def bound(replicas: int = 1, quantum: int = QUANTUM) -> float:
     return 2 * (quantum + u_p + u_q)
 
 
-def _policy(entry: str) -> tuple[str, int]:
-    """A POLICIES entry's --policy and --dlpm-quantum ("dlpm:Q": Q; otherwise QUANTUM)."""
+def _policy(entry: str) -> tuple[str, int | None]:
+    """A POLICIES entry's --policy and --dlpm-quantum ("dlpm:Q": Q; otherwise None, the default)."""
     name, _, q = entry.partition(":")
-    return name, int(q) if q else QUANTUM
+    return name, int(q) if q else None
 
 
 def _prefixes(seed: int = 5) -> dict[str, list[int]]:
@@ -94,8 +93,7 @@ def _server(policy: str, keys_path: str):
         str(NUM_BLOCKS),
         "--block-size",
         str(BLOCK_SIZE),
-        "--dlpm-quantum",
-        str(_policy(policy)[1]),
+        *(("--dlpm-quantum", str(_policy(policy)[1])) if _policy(policy)[1] else ()),
         "--max-waiting",
         "4096",
         dtype="auto",
@@ -227,12 +225,13 @@ def _single(rows: list, notes: list, extra: dict) -> dict:
         f"{CLIENTS} closed-loop clients each, prompts {PREFIX}-token tenant prefix + {SUFFIX} random, "
         f"{OUTPUT} output tokens (ignore_eos); W: {W_PROMPT}-token prompts, {W_OUTPUT} out, Poisson "
         f"{W_RATE} req/s; --max-num-seqs {MAX_NUM_SEQS}, --num-blocks {NUM_BLOCKS} x {BLOCK_SIZE} tokens "
-        f"(two prefixes + the running requests); dlpm at --dlpm-quantum {QUANTUM} (the default), dlpm:Q at "
-        f"Q; window {window[0]:.0f}-{window[1]:.0f} s of {SECONDS:.0f} s per policy, the servers in turn"
+        f"(two prefixes + the running requests); dlpm at its default quantum (one request's most "
+        f"charge, {ONE_REQUEST} here), dlpm:Q at --dlpm-quantum Q; window {window[0]:.0f}-{window[1]:.0f} s "
+        f"of {SECONDS:.0f} s per policy, the servers in turn"
     )
     targets = {}
     for policy in (p for p in POLICIES if _policy(p)[0] == "dlpm"):
-        quantum = _policy(policy)[1]
+        quantum = _policy(policy)[1] or ONE_REQUEST
         d, b = figures[policy], bound(quantum=quantum)
         tp = d["total tok/s"] / v["total tok/s"]
         hr = (d["prefix hit rate"] or 0) / (v["prefix hit rate"] or float("nan"))
@@ -332,7 +331,7 @@ def _replicas(n: int, measure: bool, rows: list, notes: list, extra: dict) -> di
             config=cfg,
             cost=cost,
             duration=duration,
-            quantum=QUANTUM,
+            quantum=ONE_REQUEST,
             baseline_policy=local,
             seed=3,
         )

@@ -21,7 +21,7 @@ W_P, W_Q = 1.0, 2.0
 PREFIX, MAX_SUFFIX, MAX_OUTPUT = 80, 16, 24
 
 
-def config(policy: str, quantum: int = 512, num_blocks: int = 48) -> SchedulerConfig:
+def config(policy: str, quantum: int | None = 512, num_blocks: int = 48) -> SchedulerConfig:
     return SchedulerConfig(
         num_blocks=num_blocks,
         block_size=8,
@@ -359,3 +359,27 @@ def test_a_sparse_tenant_finding_the_batch_full_takes_one_slot_from_the_most_ser
             load.step(sched)
             assert sum(r.tenant == "w" for r in sched.running) <= 1
         assert victim.num_output_tokens == victim.sampling_params.max_tokens
+
+
+def test_the_default_quantum_follows_the_requests_charge_and_keeps_its_bound():
+    """Quantum None: Q is the largest w_p prompt + w_q output of the last finished requests (between the
+    mean and the largest charge the workload can make), so a round serves about one request a tenant;
+    with a's prefix always winning
+    the match (the worst case) the gap stays within the bound of the largest Q used, and far under the
+    gap a fixed quantum of many requests allows."""
+    for seed in range(2):
+        sched = Scheduler(config("dlpm", None))
+        load = Locality(seed, {"a": 1.0, "b": 1.0}, hot={"a"})
+        worst = 0.0
+        for _ in range(1200):
+            load.top_up(sched, "ab")
+            load.step(sched)
+            worst = max(worst, abs(load.service["a"] - load.service["b"]))
+        policy = sched.policy
+        typical = W_P * (PREFIX + (1 + MAX_SUFFIX) / 2) + W_Q * (1 + MAX_OUTPUT) / 2
+        largest = W_P * (PREFIX + MAX_SUFFIX) + W_Q * MAX_OUTPUT
+        assert typical < policy.quantum <= largest, (policy.quantum, typical, largest)
+        cfg = dataclasses.replace(sched.config, dlpm_quantum=int(policy.max_quantum) + 1)
+        assert worst <= bound(cfg), (worst, bound(cfg))
+        fixed, _ = run("dlpm", {"a": 1.0, "b": 1.0}, hot={"a"}, seed=seed, quantum=8 * int(typical))
+        assert worst < fixed / 2, (worst, fixed)
