@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram proposals): generated tokens/s with it and without, on three workloads.
+"""Speculative decoding (n-gram proposals by default): generated tokens/s with it and without, on three
+workloads.
 
 copy       rewrite a given ~300-token text word for word (the output copies the prompt): max_tokens the
            text's length in tokens, the length of the rewrite asked for
@@ -17,7 +18,9 @@ The step-cost rows time one stream's engine step with 0, 1, 3 and 5 proposals in
 the verifying sequence run as decode rows (the runner's default) and as a prefill chunk (the way before),
 alternated, medians of STEP_ROUNDS.
 
-Options: --quantization=gguf|none|auto (default auto), --crossover=2,4,8, --parts=steps,workloads,crossover.
+Options: --quantization=gguf|none|auto (default auto), --crossover=2,4,8, --parts=steps,workloads,crossover,
+--model=PATH (default: the default model), --method=ngram|suffix|draft_model (draft_model: --draft=PATH, default
+the model itself, which checks the mechanics: every proposal accepted, no speed to gain), --streams=1,32.
 """
 
 from __future__ import annotations
@@ -58,17 +61,23 @@ PASSAGE = (
 )
 
 
+def _chat(engine: Engine, messages: list[dict]) -> list[int]:
+    """The messages as the model's prompt: its chat template, or for a base model (none) the turns as
+    plain "User:" / "Assistant:" lines ending with the assistant's cue."""
+    if engine.tokenizer.chat_template:
+        return engine.tokenizer.apply_chat_template(messages, tokenize=True)
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return engine.tokenizer.encode("\n\n".join(lines) + "\n\nAssistant:")
+
+
 def _workloads(engine: Engine) -> dict[str, list[int]]:
-    chat = engine.tokenizer.apply_chat_template
     return {
-        "copy": chat(
-            [{"role": "user", "content": f"Rewrite the following text word for word:\n\n{PASSAGE}"}],
-            tokenize=True,
+        "copy": _chat(
+            engine, [{"role": "user", "content": f"Rewrite the following text word for word:\n\n{PASSAGE}"}]
         ),
-        "multiturn": chat(_conversation(engine), tokenize=True),
-        "free": chat(
-            [{"role": "user", "content": "Write a short story about a dragon who learns to paint."}],
-            tokenize=True,
+        "multiturn": _chat(engine, _conversation(engine)),
+        "free": _chat(
+            engine, [{"role": "user", "content": "Write a short story about a dragon who learns to paint."}]
         ),
     }
 
@@ -79,7 +88,7 @@ def _conversation(engine: Engine) -> list[dict]:
     messages = []
     for ask in ("How do I make a good cup of tea?", "Thanks! Tell me about coffee, too."):
         messages.append({"role": "user", "content": ask})
-        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
+        prompt = _chat(engine, messages)
         out = engine.generate([prompt], SamplingParams(max_tokens=HISTORY_TOKENS, temperature=0))[0]
         answer = engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
@@ -159,21 +168,44 @@ def _step_costs(engine: Engine, prompt: list[int]) -> list[dict]:
     return out
 
 
+def _config(method: str, draft: str | None, model: str | None) -> dict:
+    if method == "ngram":
+        return NGRAM
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": NGRAM["num_speculative_tokens"]}
+    if method == "draft_model":
+        from runtime.model.checkpoint import default_model_path
+
+        return {
+            "method": "draft_model",
+            "model": draft or model or default_model_path(),
+            "num_speculative_tokens": 4,
+        }
+    raise ValueError(f"--method: one of ngram, suffix, draft_model, got {method!r}")
+
+
 def run(
-    quantization: str = "auto", crossover: str = "2,4,8", parts: str = "steps,workloads,crossover"
+    quantization: str = "auto",
+    crossover: str = "2,4,8",
+    parts: str = "steps,workloads,crossover",
+    model: str | None = None,
+    method: str = "ngram",
+    draft: str | None = None,
+    streams: str = "1,32",
 ) -> dict:
     wanted = set(parts.split(","))
-    base = Engine.from_pretrained(quantization=quantization, kv_cache_bytes=512 << 20, max_num_seqs=32)
+    spec = _config(method, draft, model)
+    base = Engine.from_pretrained(model, quantization=quantization, kv_cache_bytes=512 << 20, max_num_seqs=32)
     off = Engine(base.model, base.tokenizer, kv_cache_bytes=512 << 20, max_num_seqs=32)
     on = Engine(
-        base.model, base.tokenizer, kv_cache_bytes=512 << 20, max_num_seqs=32, speculative_config=NGRAM
+        base.model, base.tokenizer, kv_cache_bytes=512 << 20, max_num_seqs=32, speculative_config=spec
     )
     forced = Engine(
         base.model,
         base.tokenizer,
         kv_cache_bytes=512 << 20,
         max_num_seqs=32,
-        speculative_config=NGRAM | {"disable_by_batch_size": 1000},
+        speculative_config=spec | {"disable_by_batch_size": 1000},
     )
     for engine in (off, on, forced):  # touch every KV page now: first-use page faults would land in one side
         engine.runner.kv.pool.zero_()
@@ -186,7 +218,7 @@ def run(
             print(row, file=sys.stderr, flush=True)
     cases = []
     if "workloads" in wanted:
-        cases += [(w, s, on) for w in workloads for s in (1, 32)]
+        cases += [(w, int(s), on) for w in workloads for s in streams.split(",")]
     if "crossover" in wanted:
         cases += [(w, int(s), forced) for w in ("copy", "multiturn") for s in crossover.split(",")]
     _tokens_per_second(off, workloads["free"], 1)  # warm up
@@ -218,7 +250,7 @@ def run(
         )
         print(row, file=sys.stderr, flush=True)  # a long run's rows survive an interruption
     return {
-        "title": f"Speculative decoding (n-gram), {base.model_name}, {base.model.dtype}, {_weights(base)}",
+        "title": f"Speculative decoding ({method}), {base.model_name}, {base.model.dtype}, {_weights(base)}",
         "rows": rows,
         "notes": [
             f"CPU: {_cpu()}; {ROUNDS} rounds alternated, medians; max_tokens {MAX_TOKENS} (copy: "
