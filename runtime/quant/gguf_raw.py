@@ -13,6 +13,7 @@ The dense paths (quantization none, int8, int4) take the same bytes to float32 i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -185,8 +186,14 @@ def release_pages(view: np.ndarray) -> None:
     lo = max(start // folio * folio, -(-first // page) * page)
     hi = min(-(-end // folio) * folio, last // page * page)
     if hi > lo:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
+        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def dequantize_raw(parts: list[GGUFRaw], threads: int | None = None) -> np.ndarray | None:
