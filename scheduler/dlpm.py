@@ -101,7 +101,8 @@ class DLPMPolicy(Policy):
     def __init__(
         self, quantum: float | None = None, prompt_token_weight: float = 1.0, output_token_weight: float = 2.0
     ):
-        """quantum None: one typical request's charge, followed as requests finish (module docstring)."""
+        """quantum None: one request's charge, the most any of the last requests can be charged (module
+        docstring)."""
         if quantum is not None and not quantum > 0:
             raise ValueError(f"dlpm_quantum: must be positive, got {quantum!r}")
         self.auto = quantum is None

@@ -212,9 +212,7 @@ class LlamaModel:
             return torch.from_numpy(w).to(device=device, dtype=dtype)
 
         def dense(names: list[str]) -> torch.Tensor:
-            w = torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
-            release(names)
-            return w
+            return torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
 
         dense_budget = [dense_copy_bytes]  # bytes left for dense copies (None: no cap)
 
@@ -236,20 +234,7 @@ class LlamaModel:
                     weights[n].raw.taken()
             return w
 
-        def release(names) -> None:
-            """Drop the weights' pages of the mapped file once made (they would stay resident after a parse;
-            a weight still reading them faults them in again from the page cache)."""
-            for n in names:
-                raw = getattr(weights.get(n), "raw", None)
-                if raw is not None and n not in shared:
-                    raw.release()
-
         def proj(names: list[str], how: str = quantization):
-            w = make_proj(names, how)
-            release(names)
-            return w
-
-        def make_proj(names: list[str], how: str):
             from_raw = from_file(names, how)
             if from_raw is not None:
                 return from_raw
@@ -295,7 +280,6 @@ class LlamaModel:
         # a tied table laid from the file's bytes into the LM head's tiles (no parsed copy: a load's peak),
         # its lookups dequantizing rows of those tiles; else parsed below
         tied = None
-        _return_freed_memory()  # the layers' parses: their freed chunks before the table's tiles
         if config.tie_word_embeddings and native_matmul.usable(config.hidden_size, dtype, device):
             tied = from_file(["model.embed_tokens.weight"], quantization)
         # dense ("none"): the table comes from the file's bytes in tensor() below, never parsed
@@ -331,7 +315,6 @@ class LlamaModel:
             self.lm_head = self.embed if config.tie_word_embeddings else proj(["lm_head.weight"])
         self.norm = tensor("model.norm.weight")
         shared.clear()
-        release(weights)
         _return_freed_memory()
         self._choose_dense_rows()
         self._choose_native_rows()

@@ -85,7 +85,8 @@ def relayable(parts: list[GGUFRaw], dtype: torch.dtype) -> bool:
 
 def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMatmul | None:
     """The parts (one kind, stacked by rows) as one NativeMatmul in the many-row kernel's tiles, or None where
-    a scale does not fit float16. relayable() first."""
+    a scale does not fit float16; each part's pages of the mapped file released as it is laid out.
+    relayable() first."""
     kind = parts[0].kind
     assert all(p.kind == kind for p in parts)
     n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
@@ -138,6 +139,8 @@ def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMa
                 return None
             if rows is None:
                 release_pages(data)
+        if p.rows is not None:  # rows in another order: the part's pages once it is all laid out
+            p.release()
         at += p.shape[0] // TILE_COLUMNS
     return NativeMatmul.from_tiles(BITS[kind], bufs, n, k)
 
@@ -155,8 +158,6 @@ def pack_raw(parts: list[GGUFRaw], dtype: torch.dtype) -> Int4Linear | None:
         if native is None:
             return None
         natives.append(native)
-    for p in parts:
-        p.release()
     native = natives[0] if len(natives) == 1 else StackedMatmul(natives)
     return Int4Linear.native_only(native, dtype)
 

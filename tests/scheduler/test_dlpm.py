@@ -362,11 +362,10 @@ def test_a_sparse_tenant_finding_the_batch_full_takes_one_slot_from_the_most_ser
 
 
 def test_the_default_quantum_follows_the_requests_charge_and_keeps_its_bound():
-    """Quantum None: Q is the largest w_p prompt + w_q output of the last finished requests (between the
-    mean and the largest charge the workload can make), so a round serves about one request a tenant;
-    with a's prefix always winning
-    the match (the worst case) the gap stays within the bound of the largest Q used, and far under the
-    gap a fixed quantum of many requests allows."""
+    """Quantum None: Q is the most any of the last requests can be charged, w_p prompt + w_q max_tokens
+    (between the workload's mean and largest charge), so a round serves about one request a tenant; with
+    a's prefix always winning the match (the worst case) the gap stays within the bound of the largest Q
+    used, and far under the gap a fixed quantum of many requests allows."""
     for seed in range(2):
         sched = Scheduler(config("dlpm", None))
         load = Locality(seed, {"a": 1.0, "b": 1.0}, hot={"a"})
