@@ -110,6 +110,9 @@ class SchedulerStats(_ByName):
     """Accepted proposals by their position in the proposal (0: the first proposed token)."""
     cpu_threads: int = 0
     """Compute threads the engine runs this step (set by the engine, not the scheduler; 0: not set)."""
+    cpu_split: bool = False
+    """The engine runs each decode step's rows split between its compute threads, each alone on its rows (set
+    by the engine where others share the cores)."""
     cpu_contention: float = 0.0
     """Share of the compute threads' runnable time spent waiting for a core in the engine's last window of
     measurement (set by the engine)."""

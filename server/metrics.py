@@ -325,6 +325,12 @@ class _EngineCollector:
             stats.get("cpu_threads", 0),
         )
         yield gauge(
+            "cpu_split",
+            "1 while each decode step's rows are split between the compute threads, each thread alone on its rows "
+            "(other processes share the cores).",
+            int(stats.get("cpu_split", False)),
+        )
+        yield gauge(
             "cpu_contention",
             "Share of the compute threads' runnable time spent waiting for a core (steal included), last window.",
             stats.get("cpu_contention", 0.0),

@@ -25,6 +25,14 @@ Every WINDOW_SECONDS of stepping it decides, with hysteresis:
   least IDLE_CORE_UP of the window; after a thread count that proved too many (it waited or was throttled
   again within a window or two of rising), not before a back-off that doubles up to BACKOFF_MAX_SECONDS.
 
+Where one thread gets less than a core (others, runnable beside it, outnumber the cores it leaves: at least
+SPLIT_OTHERS_IN of them) it runs its threads again but with the rows of each decode step split between them
+(runtime/model/decode_layers.py, set_split): each thread takes its rows through every layer and the LM head
+alone, each kernel on one thread, so none waits on a descheduled peer; the threads cost each other only a
+second read of the weights (decode rows of 16 streams split in two take as long as on two shared threads,
+when quiet). Back to one thread once fewer than SPLIT_OTHERS_OUT others are measured, or under a quota that
+throttles. A step of one row runs on the stepping thread alone, as with one thread.
+
 Under a quota of fewer cores than threads (1.5 cores, 2 threads) it paces each step (CpuShare.paced), and
 the core process starts with a short OpenMP spin (runtime/engine/core_client.py).
 
@@ -46,6 +54,7 @@ import torch
 
 from runtime.engine.cpu_limits import CpuLimits, cpu_limits
 from runtime.kernels.library import load
+from runtime.model.decode_layers import set_split
 
 log = logging.getLogger("prescient.engine")
 
@@ -63,6 +72,12 @@ IDLE_CORE_UP = 0.6
 PACE_SHARE = 0.85
 """Under a fractional CPU quota, the CPU time the engine aims to use over each quota period, as a share of
 the quota (the rest is the front end's and the margin against throttling)."""
+SPLIT_OTHERS_IN = 1.5
+"""Split the decode rows over the threads (from one thread or several shared) once this many others are
+measured runnable beside them: one thread then gets at most cores / (others + 1) of a core, each of the split
+threads cores / (others + threads)."""
+SPLIT_OTHERS_OUT = 0.75
+"""Leave the split for one thread once fewer others than this are measured."""
 BACKOFF_SECONDS = 2.0
 BACKOFF_MAX_SECONDS = 60.0
 """After a rise proved too many, the next rise waits BACKOFF_SECONDS, doubling each time up to this."""
@@ -116,6 +131,12 @@ def _schedstat(tid: int) -> tuple[int, int] | None:
         return None
 
 
+def others(cores: int, threads: int, wait_share: float) -> float:
+    """Runnable tasks not the engine's on its cores, from its threads' waiting share: T threads runnable on C
+    cores waiting a share w of their runnable time see about C / (1 - w) runnable tasks."""
+    return cores / (1.0 - min(wait_share, 0.95)) - threads
+
+
 def decide(
     threads: int,
     most: int,
@@ -132,8 +153,7 @@ def decide(
     if throttled:
         return max(1, threads - 1)
     if wait_share >= WAIT_SHARE_DOWN and threads > 1:
-        others = cores / (1.0 - min(wait_share, 0.95)) - threads
-        return max(1, min(threads - 1, round(cores - others)))
+        return max(1, min(threads - 1, round(cores - others(cores, threads, wait_share))))
     if wait_share < WAIT_SHARE_UP and idle_cores >= IDLE_CORE_UP and threads < most:
         return threads + 1
     return threads
@@ -159,9 +179,12 @@ class CpuShare:
         self._floor = max(1, int(quota)) if self.paced else self.most
         self._budget = PACE_SHARE * quota if self.paced else 0.0
         self._history: deque[tuple[float, float]] = deque()
+        self.split = False
+        """The decode rows run split over `threads` threads of one kernel thread each (set_split)."""
         self.step_threads = self.threads
         torch.set_num_threads(self.threads)
         self._tids: list[int] | None = None
+        self._part_tids: list[int] = []
         self._cpus: set[int] = set()
         self._next = 0.0
         self._last: tuple | None = None
@@ -173,6 +196,8 @@ class CpuShare:
     def describe(self) -> str:
         quota = f"{self.limits.quota:g} cores" if self.limits.quota else "none"
         mode = "adaptive" if self.adaptive else "fixed"
+        if self.split:
+            mode += ", decode rows split between them"
         if self.paced:
             quota += f", paced to {PACE_SHARE:.0%} of it"
         return (
@@ -232,18 +257,21 @@ class CpuShare:
 
     def _sample(self, now: float) -> tuple:
         run = wait = 0
-        for tid in self._tids[: self.threads]:
+        tids = self._tids[:1] + self._part_tids if self.split else self._tids[: self.threads]
+        for tid in tids:
             got = _schedstat(tid)
             if got is not None:
                 run += got[0]
                 wait += got[1]
-        return now, run, wait, _cpu_times(self._cpus), _throttled(self.limits.cpu_stat), self.threads
+        mode = (self.threads, self.split)
+        return now, run, wait, _cpu_times(self._cpus), _throttled(self.limits.cpu_stat), mode
 
     def _decide(self, now: float, last: tuple, sample: tuple) -> None:
-        t0, run0, wait0, (idle0, steal0, total0), thr0, threads0 = last
-        t1, run1, wait1, (idle1, steal1, total1), thr1, threads1 = sample
-        if threads0 != threads1:  # the window straddled a change: measure the new count afresh
+        t0, run0, wait0, (idle0, steal0, total0), thr0, mode0 = last
+        t1, run1, wait1, (idle1, steal1, total1), thr1, mode1 = sample
+        if mode0 != mode1:  # the window straddled a change: measure the new count afresh
             return
+        threads1 = mode1[0]
         seconds = t1 - t0
         run, wait = run1 - run0, wait1 - wait0
         busy = (run + wait) / 1e9 / seconds / threads1 if seconds > 0 else 0.0
@@ -254,6 +282,17 @@ class CpuShare:
         idle_cores = (idle1 - idle0) / jiffies * len(self._cpus) if jiffies > 0 else 0.0
         self.contention = min(1.0, wait / (run + wait) + steal) if run + wait else steal
         throttled = thr1 > thr0
+        crowd = others(self.limits.cores, threads1, self.contention)
+        if self.split:
+            if throttled or crowd < SPLIT_OTHERS_OUT:
+                self._set(1, False, "leave the split", idle_cores)
+            return
+        if self.most > 1 and not self.paced and not throttled and crowd >= SPLIT_OTHERS_IN:
+            if threads1 > 1:  # the rows split over the same threads: not a rise, no back-off
+                self._risen_at = None
+            self._streak = 0
+            self._set(self.most, True, "split the decode rows", idle_cores)
+            return
         want = decide(threads1, self.most, self.limits.cores, self.contention, idle_cores, throttled)
         if want < threads1 and self._risen_at is not None and now - self._risen_at < 3 * WINDOW_SECONDS:
             self._hold_until = now + self._backoff  # the rise proved too many: wait longer before the next
@@ -271,12 +310,20 @@ class CpuShare:
             return
         self._streak = 0
         self._risen_at = now if want > threads1 else None
+        self._set(want, False, "", idle_cores)
+
+    def _set(self, threads: int, split: bool, why: str, idle_cores: float) -> None:
         log.debug(
-            "compute threads %d -> %d (waiting %.2f, idle cores %.2f)",
-            threads1,
-            want,
+            "compute threads %d -> %d%s (waiting %.2f, idle cores %.2f%s)",
+            self.threads,
+            threads,
+            " split" if split else "",
             self.contention,
             idle_cores,
+            f": {why}" if why else "",
         )
-        self.threads = self.step_threads = want
-        torch.set_num_threads(want)
+        self._part_tids = set_split(threads if split else 1)
+        self.split = split
+        self.threads = threads
+        self.step_threads = 1 if split else threads
+        torch.set_num_threads(self.step_threads)

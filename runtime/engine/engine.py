@@ -429,5 +429,8 @@ class Engine:
 
     def stats(self) -> SchedulerStats:
         return replace(
-            self.scheduler.stats(), cpu_threads=self.cpu.threads, cpu_contention=self.cpu.contention
+            self.scheduler.stats(),
+            cpu_threads=self.cpu.threads,
+            cpu_split=self.cpu.split,
+            cpu_contention=self.cpu.contention,
         )

@@ -13,6 +13,8 @@ loop.
 from __future__ import annotations
 
 import ctypes
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -21,6 +23,45 @@ from runtime.kernels.stacked_matmul import StackedMatmul
 from runtime.quant.linear import ALL_ROWS, Int4Linear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+_split = 1
+_pool: ThreadPoolExecutor | None = None
+_pool_ids: list[int] = []
+
+
+def set_split(parts: int) -> list[int]:
+    """Run the decode steps that follow in `parts` groups of rows, each group's layers (and LM head rows, in_parts)
+    on a thread of its own, the calling thread and parts - 1 helpers, each kernel on one thread and no barrier
+    between the groups but the step's end (csrc/decode_layers.c, decode_layers_part); 1: all the rows together,
+    each kernel over the compute threads. The engine's CpuShare sets it where other processes share the cores.
+    Returns the helper threads' Linux thread ids (their scheduler statistics are the engine's to read)."""
+    global _split, _pool, _pool_ids
+    parts = max(1, int(parts))
+    if parts > 1 and (_pool is None or len(_pool_ids) != parts - 1):
+        if _pool is not None:
+            _pool.shutdown()
+        _pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="prescient-part")
+        meet = threading.Barrier(parts - 1)
+
+        def thread_id() -> int:
+            meet.wait()  # every helper holds one task at once: each reports a different thread
+            return threading.get_native_id()
+
+        _pool_ids = [f.result() for f in [_pool.submit(thread_id) for _ in range(parts - 1)]]
+    _split = parts
+    return list(_pool_ids) if parts > 1 else []
+
+
+def in_parts(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for a row-wise fn (x's rows in, the same rows out), where the steps are split (set_split) the rows
+    in as many parts, each on its thread."""
+    parts, rows = _split, x.shape[0]
+    if parts < 2 or rows < parts:
+        return fn(x)
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    others = [_pool.submit(fn, x[bounds[i] : bounds[i + 1]]) for i in range(1, parts)]
+    first = fn(x[: bounds[1]])
+    return torch.cat([first, *(f.result() for f in others)])
 
 
 class _Projection(ctypes.Structure):
@@ -244,11 +285,14 @@ class NativeDecode:
             q.data_ptr(),
             attn.data_ptr(),
         )
-        load().decode_layers(
-            ctypes.byref(self.spec),
-            self.layers,
-            len(self.layers),
-            ctypes.byref(step),
-            torch.get_num_threads(),
-        )
+        parts = _split
+        args = (ctypes.byref(self.spec), self.layers, len(self.layers), ctypes.byref(step))
+        if parts > 1 and m >= parts and self.usable(m // parts) and self.usable(-(-m // parts)):
+            lib = load()
+            others = [_pool.submit(lib.decode_layers_part, *args, i, parts) for i in range(1, parts)]
+            lib.decode_layers_part(*args, 0, parts)
+            for f in others:
+                f.result()
+        else:
+            load().decode_layers(*args, torch.get_num_threads())
         return x

@@ -26,7 +26,7 @@ from runtime.kernels import layer_ops as native_layer_ops
 from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels import triton_layer_ops
 from runtime.model.checkpoint_types import DeferredTensor
-from runtime.model.decode_layers import NativeDecode
+from runtime.model.decode_layers import NativeDecode, in_parts
 from runtime.model.rope_scaling import inverse_frequencies
 from runtime.model_config import ModelConfig
 from runtime.quant.gguf_blocks import GGUFBlocks
@@ -548,6 +548,6 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (soft-capped where the model caps them)."""
-        logits = linear(hidden, self.lm_head).float()
+        logits = in_parts(lambda rows: linear(rows, self.lm_head).float(), hidden)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap).mul_(cap)

@@ -13,6 +13,7 @@ import torch
 
 from runtime.engine import cpu_share
 from runtime.engine.cpu_share import CpuLimits, CpuShare, cpu_limits, decide
+from runtime.model import decode_layers
 from tests.processes import busy_processes
 
 
@@ -107,7 +108,8 @@ def window(share: CpuShare, at: float, wait_share: float, idle_cores: float, thr
     ns = int(seconds * 1e9) * share.threads
     run, wait = int(ns * (1 - wait_share)), int(ns * wait_share)
     jiffies = 100
-    last = share._last or (at - seconds, 0, 0, (0, 0, 0), 0, share.threads)
+    mode = (share.threads, share.split)
+    last = share._last or (at - seconds, 0, 0, (0, 0, 0), 0, mode)
     _, run0, wait0, (idle0, steal0, total0), thr0, _ = last
     idle = int(jiffies * idle_cores / len(share._cpus))
     sample = (
@@ -116,9 +118,9 @@ def window(share: CpuShare, at: float, wait_share: float, idle_cores: float, thr
         wait0 + wait,
         (idle0 + idle, steal0, total0 + jiffies),
         thr0 + throttled,
-        share.threads,
+        mode,
     )
-    share._decide(at, (at - seconds, run0, wait0, (idle0, steal0, total0), thr0, share.threads), sample)
+    share._decide(at, (at - seconds, run0, wait0, (idle0, steal0, total0), thr0, mode), sample)
     share._last = sample
     return at + seconds
 
@@ -129,13 +131,13 @@ def test_hysteresis_falls_at_once_rises_after_two_windows_and_backs_off_a_rise_t
         share = CpuShare(2, limits=CpuLimits(2, None, None, None))
         share._cpus = {0, 1}
         t = 100.0
-        t = window(share, t, 0.5, 0.0)
-        assert share.threads == 1 and share.contention == pytest.approx(0.5, abs=0.01)
+        t = window(share, t, 1 / 3, 0.0)  # one busy process: 3 runnable on 2 cores
+        assert share.threads == 1 and share.contention == pytest.approx(1 / 3, abs=0.01)
         t = window(share, t, 0.0, 1.0)
         assert share.threads == 1  # one idle window is not enough
         t = window(share, t, 0.0, 1.0)
         assert share.threads == 2 and torch.get_num_threads() == 2
-        t = window(share, t, 0.5, 0.0)  # the rise proved too many at once
+        t = window(share, t, 1 / 3, 0.0)  # the rise proved too many at once
         assert share.threads == 1
         hold = share._hold_until
         assert hold >= t - cpu_share.WINDOW_SECONDS + cpu_share.BACKOFF_SECONDS - 1e-9
@@ -145,9 +147,41 @@ def test_hysteresis_falls_at_once_rises_after_two_windows_and_backs_off_a_rise_t
         t = window(share, t, 0.0, 1.0)
         t = window(share, t, 0.0, 1.0)
         assert share.threads == 2
-        t = window(share, t, 0.5, 0.0)  # failed again: the back-off doubled
+        t = window(share, t, 1 / 3, 0.0)  # failed again: the back-off doubled
         assert share._hold_until - t >= 2 * cpu_share.BACKOFF_SECONDS - 2 * cpu_share.WINDOW_SECONDS
+        assert not share.split
     finally:
+        torch.set_num_threads(threads)
+
+
+def test_threads_that_get_less_than_a_core_split_the_decode_rows_and_leave_the_split_when_others_go():
+    """With two others runnable on two cores one thread gets two thirds of a core; two threads with the rows
+    split get half a core each, without barriers. Measured from two shared threads (waiting half their runnable
+    time) or from one (a third): split. In the split, the same crowd keeps it; fewer others than
+    SPLIT_OTHERS_OUT, or a throttling quota, go back to one thread; one other alone is not worth a split."""
+    threads = torch.get_num_threads()
+    try:
+        share = CpuShare(2, limits=CpuLimits(2, None, None, None))
+        share._cpus = {0, 1}
+        t = window(share, 100.0, 0.5, 0.0)  # 2 threads, 2 others
+        assert share.split and share.threads == 2 and torch.get_num_threads() == 1
+        assert len(share._part_tids) == 1 and "split" in share.describe()
+        t = window(share, t, 0.5, 0.0)
+        assert share.split
+        t = window(share, t, 0.1, 0.0)  # 2 / 0.9 - 2: a fifth of another
+        assert not share.split and share.threads == 1 and torch.get_num_threads() == 1
+        t = window(share, t, 0.0, 0.0)  # one other (no idle core, no wait): one thread
+        assert not share.split and share.threads == 1
+        t = window(share, t, 1 / 3, 0.0)  # 1 thread among 3 runnable: 2 others
+        assert share.split and share.threads == 2
+        t = window(share, t, 0.5, 0.0, throttled=1)
+        assert not share.split and share.threads == 1
+        share = CpuShare(2, limits=CpuLimits(2, 1.5, 0.1, None))  # paced under a quota: never split
+        share._cpus = {0, 1}
+        window(share, 200.0, 0.5, 0.0)
+        assert not share.split and share.threads == 1
+    finally:
+        decode_layers.set_split(1)
         torch.set_num_threads(threads)
 
 
@@ -174,31 +208,41 @@ def test_under_a_fractional_quota_each_step_runs_all_threads_only_while_the_quot
 
 
 @pytest.mark.slow
-def test_beside_two_busy_processes_the_engine_runs_one_thread_and_its_tokens_do_not_change(caplog):
+def test_beside_busy_processes_the_engine_splits_the_decode_rows_and_its_tokens_do_not_change(caplog):
+    """As many busy processes as cores: the engine's two threads wait half their time, one thread would get two
+    thirds of a core; it splits the decode rows between its threads. The tokens of a batch stay those of one
+    thread, and of one prompt those it makes quiet."""
     from runtime import Engine, SamplingParams
 
     caplog.set_level(logging.DEBUG, logger="prescient.engine")
 
     threads = torch.get_num_threads()
     try:
-        engine = Engine.from_pretrained(dtype="float32", kv_cache_bytes=64 << 20, num_threads=2)
+        engine = Engine.from_pretrained(kv_cache_bytes=64 << 20, num_threads=2)  # the C layer loop's dtype
         prompt = [engine.tokenizer.encode("Rivers of the world, in order of length:")]
+        batch = [engine.tokenizer.encode(f"Item {i} of a list of the tallest mountains:") for i in range(6)]
         greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         quiet = engine.generate(prompt, greedy)[0].token_ids
+        engine.cpu.adaptive = False
+        torch.set_num_threads(1)
+        one_thread = [o.token_ids for o in engine.generate(batch, greedy)]
+        engine.cpu.adaptive = True
+        torch.set_num_threads(engine.cpu.step_threads)
         cores = len(os.sched_getaffinity(0))
         with busy_processes(cores):
             deadline = time.monotonic() + 30
-            while engine.stats().cpu_threads != 1 and time.monotonic() < deadline:
-                shared = engine.generate(prompt, greedy)[0].token_ids
-                assert shared == quiet
-        assert engine.stats().cpu_threads == 1, engine.cpu.describe()
-        # the window that made it drop: its threads waited (with one thread left, the scheduler may well
-        # give that one a core of its own, and the next windows measure no wait)
-        drops = [r.getMessage() for r in caplog.records if "compute threads 2 -> 1" in r.getMessage()]
-        assert drops, [r.getMessage() for r in caplog.records]
-        waited = float(drops[0].split("waiting ")[1].split(",")[0])
-        assert waited >= cpu_share.WAIT_SHARE_DOWN, drops[0]
-        assert engine.generate(prompt, greedy)[0].token_ids == quiet  # one thread: the same tokens
+            while not engine.stats().cpu_split and time.monotonic() < deadline:
+                assert engine.generate(prompt, greedy)[0].token_ids == quiet
+            assert engine.stats().cpu_split, engine.cpu.describe()
+            assert engine.stats().cpu_threads == 2 and torch.get_num_threads() == 1
+            assert [o.token_ids for o in engine.generate(batch, greedy)] == one_thread
+            assert engine.generate(prompt, greedy)[0].token_ids == quiet
+        # the window that split them: its threads waited
+        splits = [r.getMessage() for r in caplog.records if " split (" in r.getMessage()]
+        assert splits, [r.getMessage() for r in caplog.records]
+        waited = float(splits[0].split("waiting ")[1].split(",")[0])
+        assert waited >= cpu_share.WAIT_SHARE_DOWN, splits[0]
         assert "adaptive" in engine.describe()
     finally:
+        decode_layers.set_split(1)
         torch.set_num_threads(threads)

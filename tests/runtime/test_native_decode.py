@@ -4,6 +4,8 @@ in bfloat16 and float32, at batch sizes that take the one-row and the many-row m
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -136,3 +138,53 @@ def test_tables_grown_mid_generation_give_the_same_tokens_and_move_the_c_loop(mo
         layer.cos == model.rope.cos.data_ptr() and layer.sin_signed == model.rope.sin_signed.data_ptr()
         for layer in loop.layers
     )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_rows_split_between_threads_give_one_threads_tokens(dtype, monkeypatch):
+    """set_split(parts): each part of a decode step's rows through every layer and the LM head on a thread of
+    its own (the calling thread and helpers), each kernel on one thread. Each row's arithmetic is the one-thread
+    step's for the part's rows, so the greedy tokens and logprobs are those of one thread and no split, at
+    row counts whose parts take the one-row kernel, the many-row kernel, or one of each (9 rows in 2: 4 and 5),
+    and in 3 parts."""
+    if load() is None:
+        pytest.skip("the native kernels cannot be built here")
+    monkeypatch.setattr(
+        runtime.model.model, "measure_row_paths", lambda w: (4, 5 if w.native.tiles is not None else None)
+    )
+    engine = Engine.from_pretrained(
+        dtype=dtype,
+        device="cpu",
+        quantization="gguf",
+        kv_cache_bytes=64 << 20,
+        max_num_seqs=16,
+        enable_prefix_caching=False,
+        adaptive_threads=False,
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for n, parts in ((2, 2), (9, 2), (16, 2), (7, 3)):
+            prompts = [CHATS[i % len(CHATS)] + " " * (i // len(CHATS)) for i in range(n)]
+            alone, steps = _generate(engine, prompts, True, monkeypatch)
+            assert steps > 0
+            helpers = native_decode.set_split(parts)
+            assert len(helpers) == parts - 1 and threading.get_native_id() not in helpers
+            pool, handed = native_decode._pool, []
+            submit = pool.submit
+            pool.submit = lambda fn, *args, _submit=submit, _handed=handed: (
+                _handed.append(fn) or _submit(fn, *args)
+            )
+            try:
+                split, _ = _generate(engine, prompts, True, monkeypatch)
+            finally:
+                del pool.submit
+                native_decode.set_split(1)
+            # every decode step handed parts - 1 parts of its layers and of its LM head rows to the helpers
+            layer_parts = sum(1 for fn in handed if getattr(fn, "__name__", "") == "decode_layers_part")
+            assert layer_parts == (parts - 1) * steps, (layer_parts, steps)
+            assert len(handed) > layer_parts
+            assert split == alone, (n, parts)
+    finally:
+        native_decode.set_split(1)
+        torch.set_num_threads(threads)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import aiohttp
 
@@ -72,6 +73,10 @@ def test_metrics_match_a_burst_of_streams(server):
         == after["prescient:time_to_first_token_seconds_count{}"]
     )
     assert after["prescient:kv_cache_usage_perc{}"] == 0
+    # the engine core's thread choice reaches the front end: threads within the cores, rows split only over two
+    # or more of them
+    threads, split = after["prescient:cpu_threads{}"], after["prescient:cpu_split{}"]
+    assert 1 <= threads <= len(os.sched_getaffinity(0)) and split in (0, 1) and (not split or threads >= 2)
     served = sum(v for k, v in after.items() if k.startswith("prescient:tenant_service_tokens_total")) - sum(
         v for k, v in before.items() if k.startswith("prescient:tenant_service_tokens_total")
     )

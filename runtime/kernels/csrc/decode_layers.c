@@ -129,3 +129,33 @@ void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_
         }
     }
 }
+
+/* One part of the same step: of the step's rows split into `parts` contiguous groups, group `part`, its whole
+ * layer loop on the calling thread. Where the cores are shared with other processes
+ * (runtime/engine/cpu_share.py) the engine runs the parts on as many threads of its own, with no barrier
+ * between them but the step's end: a thread the kernel deschedules delays only its own rows instead of every
+ * kernel's end, at the price of each part reading the weights itself. A row's result is decode_layers's for
+ * the part's rows alone (the caller checks that the projections take the part's row count). */
+void decode_layers_part(const decode_model_t *m, const decode_layer_t *layers, int64_t num_layers,
+                        const decode_step_t *s, int part, int parts) {
+    CHECK(parts > 0 && parts <= s->M, parts);
+    CHECK(part >= 0 && part < parts, part);
+    const int64_t e = m->bf16 ? 2 : 4, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int64_t r0 = s->M * part / parts, r1 = s->M * (part + 1) / parts;
+    decode_step_t p = *s;
+    p.M = r1 - r0;
+    p.positions = s->positions + r0;
+    p.slots = s->slots + r0;
+    p.context_lens = s->context_lens + r0;
+    p.block_tables = s->block_tables + r0 * s->max_blocks;
+    p.h = (char *)s->h + r0 * m->hidden * e;
+    p.x = (char *)s->x + r0 * m->hidden * e;
+    p.o = (char *)s->o + r0 * m->hidden * e;
+    p.down = (char *)s->down + r0 * m->hidden * e;
+    p.qkv = (char *)s->qkv + r0 * (H + 2 * KVH) * D * e;
+    p.gate_up = (char *)s->gate_up + r0 * 2 * m->intermediate * e;
+    p.act = (char *)s->act + r0 * m->intermediate * e;
+    p.q = s->q + r0 * H * D;
+    p.attn = s->attn + r0 * H * D;
+    if (p.M > 0) decode_layers(m, layers, num_layers, &p, 1);
+}
