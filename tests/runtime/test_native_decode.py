@@ -40,26 +40,29 @@ def _generate(engine: Engine, prompts: list[str], c_loop: bool, monkeypatch) -> 
     return [(o.token_ids, o.logprobs) for o in outs], len(ran)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_c_layer_loop_equals_python_loop(dtype, monkeypatch):
+def _pinned_engine(dtype: str, monkeypatch, **options) -> Engine:
+    """The default model with the GGUF's blocks kept in this dtype (float32's default dequantizes them) and no
+    prefix cache (a second run must prefill exactly as the first did). Routes pinned instead of measured (a
+    busy machine can measure torch's kernel faster at some row count, and the C loop then rightly stands
+    aside): the one-row kernel up to 4 rows, the many-row kernel from 5 where this CPU has its loops."""
     if load() is None:
         pytest.skip("the native kernels cannot be built here")
-    # Routes pinned instead of measured (a busy machine can measure torch's kernel faster at some row
-    # count, and the C loop then rightly stands aside): the one-row kernel up to 4 rows, the many-row
-    # kernel from 5 where this CPU has its loops.
     monkeypatch.setattr(
         runtime.model.model, "measure_row_paths", lambda w: (4, 5 if w.native.tiles is not None else None)
     )
-    # the GGUF's blocks kept in both dtypes (float32's default dequantizes them); no prefix cache: the second
-    # run must prefill exactly as the first did
-    engine = Engine.from_pretrained(
+    return Engine.from_pretrained(
         dtype=dtype,
         device="cpu",
         quantization="gguf",
         kv_cache_bytes=64 << 20,
-        max_num_seqs=40,
         enable_prefix_caching=False,
+        **options,
     )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_c_layer_loop_equals_python_loop(dtype, monkeypatch):
+    engine = _pinned_engine(dtype, monkeypatch, max_num_seqs=40)
     assert engine.model.dtype == getattr(torch, dtype)
     many_rows = all(w.native.tiles is not None for w in engine.model._packed())
     for n in (1, 3, 5, 40):
@@ -147,20 +150,7 @@ def test_decode_rows_split_between_threads_give_one_threads_tokens(dtype, monkey
     step's for the part's rows, so the greedy tokens and logprobs are those of one thread and no split, at
     row counts whose parts take the one-row kernel, the many-row kernel, or one of each (9 rows in 2: 4 and 5),
     and in 3 parts."""
-    if load() is None:
-        pytest.skip("the native kernels cannot be built here")
-    monkeypatch.setattr(
-        runtime.model.model, "measure_row_paths", lambda w: (4, 5 if w.native.tiles is not None else None)
-    )
-    engine = Engine.from_pretrained(
-        dtype=dtype,
-        device="cpu",
-        quantization="gguf",
-        kv_cache_bytes=64 << 20,
-        max_num_seqs=16,
-        enable_prefix_caching=False,
-        adaptive_threads=False,
-    )
+    engine = _pinned_engine(dtype, monkeypatch, max_num_seqs=16, adaptive_threads=False)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
