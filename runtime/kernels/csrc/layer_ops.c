@@ -73,7 +73,7 @@ void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int
     CHECK_PTR(weight, T);
     CHECK_PTR(out, T);
     const int64_t Dv = D - D % W;
-    _Pragma("omp parallel for schedule(dynamic, chunk_for(T, num_threads)) num_threads(threads_for(T * D, num_threads))")
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * D, num_threads))")
     for (int64_t t = 0; t < T; t++) {
         const int64_t row = t * D;
         vf acc = {0};
@@ -114,7 +114,7 @@ void silu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, in
     CHECK_PTR(gate_up, T);
     CHECK_PTR(out, T);
     const int64_t Iv = I - I % W;
-    _Pragma("omp parallel for schedule(dynamic, chunk_for(T, num_threads)) num_threads(threads_for(T * I * SILU_COST, num_threads))")
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * I * SILU_COST, num_threads))")
     for (int64_t t = 0; t < T; t++) {
         const int64_t g0 = t * 2 * I, u0 = g0 + I, o0 = t * I;
         for (int64_t i = 0; i < Iv; i += W) {
@@ -141,7 +141,7 @@ void gelu_mul(const void *gate_up, void *out, int64_t T, int64_t I, int bf16, in
     CHECK_PTR(out, T);
     const int64_t Iv = I - I % W;
     const float c = 0.7978845608028654f, k = 0.044715f;
-    _Pragma("omp parallel for schedule(dynamic, chunk_for(T, num_threads)) num_threads(threads_for(T * I * GELU_COST, num_threads))")
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * I * GELU_COST, num_threads))")
     for (int64_t t = 0; t < T; t++) {
         const int64_t g0 = t * 2 * I, u0 = g0 + I, o0 = t * I;
         for (int64_t i = 0; i < Iv; i += W) {
@@ -208,7 +208,7 @@ void rope_write_kv(const void *qkv, const void *bias, const void *q_norm, const 
     const int q_bf16 = bf16 && !q_f32;
     const int vector = half % W == 0;
     const int prepared = bias != NULL || q_norm != NULL;
-    _Pragma("omp parallel for schedule(dynamic, chunk_for(T, num_threads)) num_threads(threads_for(T * width, num_threads))")
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(T * width, num_threads))")
     for (int64_t t = 0; t < T; t++) {
         const int64_t pos = positions[t], slot = slots[t];
         float tmp[prepared ? D : 1];

@@ -336,7 +336,7 @@ void quantized_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     _Pragma("omp parallel num_threads(num_threads)")
     {
         float *ds = (float *)malloc(sizeof(float) * (size_t)(nb + 16));
-        _Pragma("omp for schedule(dynamic, chunk_for(tiles, num_threads))")
+        _Pragma("omp for schedule(static)")
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n1 = (t + 1) * ROW_TILE < N ? (t + 1) * ROW_TILE : N;
             for (int64_t m = 0; m < M; m++) {
@@ -1228,10 +1228,10 @@ static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const in
     }
 }
 
-/* The column pairs are shared out in chunks (chunk_for) where all rows fit one chunk (decode): a
+/* The column pairs are shared out in shrinking chunks (guided) where all rows fit one chunk (decode): a
  * thread that the OS takes away mid-call (the server's event loop and its clients share the cores) then
- * leaves its pairs to the other instead of holding up the call. Bigger calls (prefill) share the pairs out
- * the same way for each chunk of rows.
+ * leaves its pairs to the other instead of holding up the call. Bigger calls (prefill) keep a static split,
+ * so that each thread finds its pairs' weights in its own L2 for every chunk of rows.
  * `python -m tests.bench serve` measures it (HTTP against the offline engine).
  * `silu`: the weight is a fused [gate; up] (N = 2 I, I % 32 == 0) and out [M, I] receives SiLU(gate) x up,
  * rounded as the layer ops' silu_mul rounds it after this kernel's plain output: the same values without
@@ -1265,7 +1265,7 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     const size_t elem = x_bf16 ? 2 : 4;
     _Pragma("omp parallel num_threads(num_threads)")
     {
-        _Pragma("omp for schedule(dynamic, chunk_for(M, num_threads))")
+        _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             quantize_row((const char *)x + m * K * elem, x_bf16, K, xq + m * K, dx + m * nb, sx + m * nb,
                          xs + m * nb, portable);
@@ -1298,13 +1298,13 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
                       ldo, out_bf16, portable, silu);                                                              \
     } while (0)
         if (M <= GEMM_CHUNK) {
-            _Pragma("omp for schedule(dynamic, chunk_for(pairs_end / 2, num_threads))")
+            _Pragma("omp for schedule(guided)")
             for (int64_t g = 0; g < pairs_end; g += 2)
                 PAIR(0, M);
         } else {
             for (int64_t mc = 0; mc < M; mc += GEMM_CHUNK) {
                 const int64_t mend = mc + GEMM_CHUNK < M ? mc + GEMM_CHUNK : M;
-                _Pragma("omp for schedule(dynamic, chunk_for(pairs_end / 2, num_threads))")
+                _Pragma("omp for schedule(static)")
                 for (int64_t g = 0; g < pairs_end; g += 2)
                     PAIR(mc, mend);
             }

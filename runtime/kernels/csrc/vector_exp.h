@@ -35,19 +35,6 @@ static inline int threads_for(int64_t elems, int num_threads) {
     return elems >= PARALLEL_MIN_ELEMS && num_threads > 1 ? num_threads : 1;
 }
 
-/* Work shared over threads is taken in chunks, each thread taking the next free one (schedule(dynamic)): a
- * thread the kernel has descheduled (another process on its core, a CPU quota) holds back only the chunk it
- * holds, not a fixed share of the loop. Two chunks a thread: each hand-out is an atomic on a line the threads
- * share and moves work away from the core whose cache held it the step before, and a small model's step is a
- * few hundred such loops (SmolLM2 decoding one stream on a Zen 4 ran 25% slower at 8 a thread, 4% at 2, as
- * against one); the engine runs one thread where its cores are shared for long (CpuShare). */
-#define CHUNKS_PER_THREAD 2
-
-static inline int chunk_for(int64_t n, int num_threads) {
-    const int64_t c = n / ((int64_t)num_threads * CHUNKS_PER_THREAD);
-    return c > 1 ? (int)c : 1;
-}
-
 typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
 typedef uint32_t vu __attribute__((vector_size(4 * W), aligned(4)));
