@@ -487,7 +487,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     ),
     "nucleus_sample": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]),
     "decode_layers": (None, [_ptr, _ptr, _i64, _ptr, _int]),
-    "decode_layers_part": (None, [_ptr, _ptr, _i64, _ptr, _int, _int]),
+    "decode_layers_rows": (None, [_ptr, _ptr, _i64, _ptr, _i64, _i64]),
     "compute_thread_ids": (_int, [_int, _ptr]),
     "prescient_cpu_supports": (_int, []),
     "prescient_vector_lanes": (_int, []),

@@ -32,7 +32,7 @@ _pool_ids: list[int] = []
 def set_split(parts: int) -> list[int]:
     """Run the decode steps that follow in `parts` groups of rows, each group's layers (and LM head rows, in_parts)
     on a thread of its own, the calling thread and parts - 1 helpers, each kernel on one thread and no barrier
-    between the groups but the step's end (csrc/decode_layers.c, decode_layers_part); 1: all the rows together,
+    between the groups but the step's end (csrc/decode_layers.c, decode_layers_rows); 1: all the rows together,
     each kernel over the compute threads. The engine's CpuShare sets it where other processes share the cores.
     Returns the helper threads' Linux thread ids (their scheduler statistics are the engine's to read)."""
     global _split, _pool, _pool_ids
@@ -50,6 +50,24 @@ def set_split(parts: int) -> list[int]:
         _pool_ids = [f.result() for f in [_pool.submit(thread_id) for _ in range(parts - 1)]]
     _split = parts
     return list(_pool_ids) if parts > 1 else []
+
+
+def sequence_cuts(positions: torch.Tensor, tables: torch.Tensor, parts: int) -> list[int]:
+    """Where to cut a decode step's rows into at most `parts` parts of about equal size, each cut between two
+    sequences: a sequence verifying proposals has a row per proposal on one block table at consecutive
+    positions, each row attending to the keys the earlier ones write in the same layer, so its rows stay in
+    one part. Returns the cuts (rows where a part starts, ascending; none: run them together)."""
+    m = positions.shape[0]
+    follows = (positions[1:] == positions[:-1] + 1) & (tables[1:] == tables[:-1]).all(dim=1)
+    free = [r for r, cont in enumerate(follows.tolist(), start=1) if not cont]  # a sequence starts at row r
+    cuts: list[int] = []
+    for i in range(1, parts):
+        if not free:
+            break
+        best = min(free, key=lambda r: abs(r - m * i / parts))
+        if (not cuts or best > cuts[-1]) and best < m:
+            cuts.append(best)
+    return cuts
 
 
 def in_parts(fn, x: torch.Tensor) -> torch.Tensor:
@@ -285,12 +303,16 @@ class NativeDecode:
             q.data_ptr(),
             attn.data_ptr(),
         )
-        parts = _split
         args = (ctypes.byref(self.spec), self.layers, len(self.layers), ctypes.byref(step))
-        if parts > 1 and m >= parts and self.usable(m // parts) and self.usable(-(-m // parts)):
+        cuts = sequence_cuts(positions, tables, _split) if _split > 1 and m > 1 else []
+        if cuts and all(self.usable(b - a) for a, b in zip([0, *cuts], [*cuts, m])):
             lib = load()
-            others = [_pool.submit(lib.decode_layers_part, *args, i, parts) for i in range(1, parts)]
-            lib.decode_layers_part(*args, 0, parts)
+            bounds = [0, *cuts, m]
+            others = [
+                _pool.submit(lib.decode_layers_rows, *args, bounds[i], bounds[i + 1])
+                for i in range(1, len(bounds) - 1)
+            ]
+            lib.decode_layers_rows(*args, 0, bounds[1])
             for f in others:
                 f.result()
         else:

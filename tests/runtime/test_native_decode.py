@@ -171,7 +171,7 @@ def test_decode_rows_split_between_threads_give_one_threads_tokens(dtype, monkey
                 del pool.submit
                 native_decode.set_split(1)
             # every decode step handed parts - 1 parts of its layers and of its LM head rows to the helpers
-            layer_parts = sum(1 for fn in handed if getattr(fn, "__name__", "") == "decode_layers_part")
+            layer_parts = sum(1 for fn in handed if getattr(fn, "__name__", "") == "decode_layers_rows")
             assert layer_parts == (parts - 1) * steps, (layer_parts, steps)
             assert len(handed) > layer_parts
             assert split == alone, (n, parts)

@@ -9,6 +9,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 import runtime.model.decode_layers as native_decode
 from runtime import Engine, SamplingParams
@@ -104,3 +105,50 @@ def test_structured_output_checks_proposals_against_the_grammar(engine_fp32):
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
     jsonschema.validate(json.loads(got.text), schema)
     assert spec.stats().spec_num_accepted_tokens > 0
+
+
+def test_greedy_is_lossless_with_the_decode_rows_split_between_threads(prompts, monkeypatch):
+    """Where other processes share the cores the engine splits a step's decode rows between threads
+    (set_split), each part alone: a verifying sequence's rows attend to the keys its earlier rows write in the
+    same layer, so they stay in one part. One thread, rows split in two, with and without speculation: the
+    same greedy tokens, at one stream (a verifying sequence alone: not split) and at three."""
+    packed = Engine.from_pretrained(
+        dtype="float32", device="cpu", quantization="gguf", kv_cache_bytes=64 << 20, adaptive_threads=False
+    )
+    threads = torch.get_num_threads()
+    cut = []
+    sequence_cuts = native_decode.sequence_cuts
+
+    def watched(positions, tables, parts):
+        got = sequence_cuts(positions, tables, parts)
+        cut.append((positions.shape[0], got))
+        return got
+
+    monkeypatch.setattr(native_decode, "sequence_cuts", watched)
+    try:
+        torch.set_num_threads(1)
+        three = prompts + prompts[:1]
+        want = [o.token_ids for o in variant(packed).generate(three, PARAMS)]
+        native_decode.set_split(2)
+        spec = variant(packed, speculative_config=NGRAM)
+        assert [o.token_ids for o in spec.generate(three, PARAMS)] == want
+        assert [o.token_ids for o in spec.generate(prompts[:1], PARAMS)] == want[:1]
+        assert spec.stats().spec_num_accepted_tokens > 10
+        assert [o.token_ids for o in variant(packed).generate(three, PARAMS)] == want  # split, no proposals
+    finally:
+        native_decode.set_split(1)
+        torch.set_num_threads(threads)
+    assert any(rows > 3 and got for rows, got in cut)  # steps verifying proposals were split ...
+    assert any(rows > 1 and not got for rows, got in cut)  # ... and one sequence's rows alone were not
+
+
+def test_sequence_cuts_fall_between_sequences():
+    # rows: A at 7, 8, 9 (verifying two proposals), B at 4, C at 12, 13 (one proposal)
+    positions = torch.tensor([7, 8, 9, 4, 12, 13])
+    tables = torch.tensor([[1, 2], [1, 2], [1, 2], [3, 0], [4, 5], [4, 5]])
+    assert native_decode.sequence_cuts(positions, tables, 2) == [3]
+    assert native_decode.sequence_cuts(positions, tables, 3) == [3, 4]
+    assert native_decode.sequence_cuts(positions[:3], tables[:3], 2) == []
+    # two sequences forked from one prompt decode at the same position on tables that share blocks
+    assert native_decode.sequence_cuts(torch.tensor([5, 5]), torch.tensor([[1, 2], [1, 3]]), 2) == [1]
+    assert native_decode.sequence_cuts(torch.arange(8), torch.arange(8).view(8, 1), 4) == [2, 4, 6]

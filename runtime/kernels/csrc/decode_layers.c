@@ -130,20 +130,21 @@ void decode_layers(const decode_model_t *m, const decode_layer_t *layers, int64_
     }
 }
 
-/* One part of the same step: of the step's rows split into `parts` contiguous groups, group `part`, its whole
- * layer loop on the calling thread. Where the cores are shared with other processes
- * (runtime/engine/cpu_share.py) the engine runs the parts on as many threads of its own, with no barrier
- * between them but the step's end: a thread the kernel deschedules delays only its own rows instead of every
- * kernel's end, at the price of each part reading the weights itself. A row's result is decode_layers's for
- * the part's rows alone (the caller checks that the projections take the part's row count). */
-void decode_layers_part(const decode_model_t *m, const decode_layer_t *layers, int64_t num_layers,
-                        const decode_step_t *s, int part, int parts) {
-    CHECK(parts > 0 && parts <= s->M, parts);
-    CHECK(part >= 0 && part < parts, part);
-    const int64_t e = m->bf16 ? 2 : 4, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
-    const int64_t r0 = s->M * part / parts, r1 = s->M * (part + 1) / parts;
+/* Rows row0 .. row1 - 1 of the same step, their whole layer loop on the calling thread. Where the cores are
+ * shared with other processes (runtime/engine/cpu_share.py) the engine runs a step's rows in parts, each on a
+ * thread of its own, with no barrier between them but the step's end: a thread the kernel deschedules delays
+ * only its own rows instead of every kernel's end, at the price of each part reading the weights itself. The
+ * parts must not depend on each other: a sequence verifying proposals has a row per proposal, each attending
+ * to the keys the earlier ones write, so its rows stay in one part (the caller cuts at sequences). A row's
+ * result is decode_layers's for the part's rows alone (the caller checks that the projections take the part's
+ * row count). */
+void decode_layers_rows(const decode_model_t *m, const decode_layer_t *layers, int64_t num_layers,
+                        const decode_step_t *s, int64_t row0, int64_t row1) {
+    CHECK(row0 >= 0 && row0 <= row1, row0);
+    CHECK(row1 <= s->M, row1);
+    const int64_t e = m->bf16 ? 2 : 4, H = m->heads, KVH = m->kv_heads, D = m->head_dim, r0 = row0;
     decode_step_t p = *s;
-    p.M = r1 - r0;
+    p.M = row1 - row0;
     p.positions = s->positions + r0;
     p.slots = s->slots + r0;
     p.context_lens = s->context_lens + r0;

@@ -53,8 +53,8 @@ struct decode_layer;
 struct decode_step;
 void decode_layers(const struct decode_model *m, const struct decode_layer *layers, int64_t num_layers,
                    const struct decode_step *s, int threads);
-void decode_layers_part(const struct decode_model *m, const struct decode_layer *layers, int64_t num_layers,
-                        const struct decode_step *s, int part, int parts);
+void decode_layers_rows(const struct decode_model *m, const struct decode_layer *layers, int64_t num_layers,
+                        const struct decode_step *s, int64_t row0, int64_t row1);
 
 /* compute_threads.c: the kernel threads' Linux thread ids (out[num_threads]); returns how many ran */
 int compute_thread_ids(int num_threads, int64_t *out);
