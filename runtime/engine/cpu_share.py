@@ -31,7 +31,8 @@ SPLIT_OTHERS_IN of them) it runs its threads again but with the rows of each dec
 alone, each kernel on one thread, so none waits on a descheduled peer; the threads cost each other only a
 second read of the weights (decode rows of 16 streams split in two take as long as on two shared threads,
 when quiet). Back to one thread once fewer than SPLIT_OTHERS_OUT others are measured, or under a quota that
-throttles. A step of one row runs on the stepping thread alone, as with one thread.
+throttles. A step of one row runs on the stepping thread alone, as with one thread; a step that prefills runs as
+two parts of whole sequences, each its own forward on its thread (ModelRunner._prefill_cut).
 
 Under a quota of fewer cores than threads (1.5 cores, 2 threads) it paces each step (CpuShare.paced), and
 the core process starts with a short OpenMP spin (runtime/engine/core_client.py).

@@ -70,10 +70,33 @@ def sequence_cuts(positions: torch.Tensor, tables: torch.Tensor, parts: int) -> 
     return cuts
 
 
+_inside = threading.local()
+
+
+def split_parts() -> int:
+    """The parts set_split asks for, on this thread: 1 inside a part run_parts already runs (no nesting)."""
+    return 1 if getattr(_inside, "part", False) else _split
+
+
+def run_parts(fns: list) -> list:
+    """fns() each on its own thread (the first on the calling one), none splitting again inside; their
+    results in order."""
+
+    def inside(fn):
+        _inside.part = True
+        try:
+            return fn()
+        finally:
+            _inside.part = False
+
+    others = [_pool.submit(inside, fn) for fn in fns[1:]]
+    return [inside(fns[0]), *(f.result() for f in others)]
+
+
 def in_parts(fn, x: torch.Tensor) -> torch.Tensor:
     """fn(x) for a row-wise fn (x's rows in, the same rows out), where the steps are split (set_split) the rows
     in as many parts, each on its thread."""
-    parts, rows = _split, x.shape[0]
+    parts, rows = split_parts(), x.shape[0]
     if parts < 2 or rows < parts:
         return fn(x)
     bounds = [rows * i // parts for i in range(parts + 1)]
@@ -304,7 +327,8 @@ class NativeDecode:
             attn.data_ptr(),
         )
         args = (ctypes.byref(self.spec), self.layers, len(self.layers), ctypes.byref(step))
-        cuts = sequence_cuts(positions, tables, _split) if _split > 1 and m > 1 else []
+        parts = split_parts()
+        cuts = sequence_cuts(positions, tables, parts) if parts > 1 and m > 1 else []
         if cuts and all(self.usable(b - a) for a, b in zip([0, *cuts], [*cuts, m])):
             lib = load()
             bounds = [0, *cuts, m]

@@ -343,6 +343,14 @@ class LlamaModel:
         self._native_decode: tuple[KVCache, NativeDecode | None] | None = None
         """The KV cache the C layer loop was made for, and that loop (_decode_layers)."""
 
+    def prepare(self, positions: int, kv: KVCache) -> None:
+        """Make what the steps share before several threads run parts of one (decode_layers.run_parts): the
+        RoPE tables through these positions and the C layer loop, so that no part grows or remakes them."""
+        if self.rope.grows:
+            self._cover(positions)
+        if self.native_decode:
+            self._decode_layers(kv)
+
     def _cover(self, positions: int) -> None:
         """Grow the RoPE tables to these positions; the C layer loop, which holds their addresses, is made
         again where they moved."""

@@ -21,6 +21,7 @@ from runtime.attention.kv_cache import KVCache
 from runtime.attention.metadata import AttentionMetadata, ScheduledRows
 from runtime.attention.selector import select_backend
 from runtime.attention.triton_backend import row_inputs
+from runtime.model.decode_layers import run_parts, split_parts
 from runtime.model.model import LlamaModel
 from runtime.runner.cuda_graphs import StepGraphs, warm_up
 from runtime.sample.logits_processors import apply_logits_processors
@@ -168,22 +169,28 @@ class ModelRunner:
             hidden = self.graphs.run(ids, positions, slots, *row_inputs(scheduled, self.block_size))
         else:
             slot_mapping = torch.tensor(slots, device=self.device)
-            # a verifying sequence's k + 1 rows are k + 1 decode rows on its one table, row j seeing the
-            # cache up to its own position: the earlier rows' keys are written before any row attends, so
-            # that is the causal mask among the new rows
-            decode_rows = [
-                ScheduledRows(r.block_table, p, p + 1)
-                for r in scheduled[: len(decodes)]
-                for p in range(r.start, r.end)
-            ]
-            meta = self.attention.build(
-                decode_rows,
-                scheduled[len(decodes) :],
-                slot_mapping,
-                self.block_size,
-                self.device,
-            )
-            hidden = self.run(ids, positions, meta)
+            cut = self._prefill_cut(scheduled, len(decodes))
+            if cut is None:
+                hidden = self._run_items(ids, positions, slot_mapping, scheduled, len(decodes))
+            else:  # two parts of whole sequences, each its own forward on its own thread
+                k, rows = cut
+                self.model.prepare(max(positions) + 1, self.kv)
+                hidden = torch.cat(
+                    run_parts(
+                        [
+                            lambda: self._run_items(
+                                ids[:rows], positions[:rows], slot_mapping[:rows], scheduled[:k], len(decodes)
+                            ),
+                            lambda: self._run_items(
+                                ids[rows:],
+                                positions[rows:],
+                                slot_mapping[rows:],
+                                scheduled[k:],
+                                max(0, len(decodes) - k),
+                            ),
+                        ]
+                    )
+                )
         out = ModelRunnerOutput()
         scored = [
             w for w in prefills if w.seq.params.prompt_logprobs is not None and self._prompt_rows(w) > 0
@@ -480,6 +487,47 @@ class ModelRunner:
             if w.samples:  # its last row, or all of a verifying sequence's last k + 1
                 sample_rows.extend(range(len(ids) - 1 - len(w.drafts), len(ids)))
         return sample_rows
+
+    def _prefill_cut(self, scheduled: list[ScheduledRows], num_decodes: int) -> tuple[int, int] | None:
+        """Where the decode rows are split between threads (decode_layers.set_split: other processes share the
+        cores), a step that prefills runs as two parts of whole sequences, each on a thread of its own: (the
+        first item of the second part, its first row), the cut nearest half the rows; None: one forward."""
+        if (
+            split_parts() < 2
+            or self.device.type != "cpu"
+            or len(scheduled) < 2
+            or num_decodes == len(scheduled)
+        ):
+            return None
+        counts = [r.end - r.start for r in scheduled]
+        total, seen, best = sum(counts), 0, None
+        for k in range(1, len(counts)):
+            seen += counts[k - 1]
+            if best is None or abs(seen - total / 2) < abs(best[1] - total / 2):
+                best = (k, seen)
+        return best
+
+    def _run_items(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slot_mapping: torch.Tensor,
+        scheduled: list[ScheduledRows],
+        num_decodes: int,
+    ) -> torch.Tensor:
+        """The model over these work items' rows: the first num_decodes decode (a verifying sequence's k + 1
+        rows are k + 1 decode rows on its one table, row j seeing the cache up to its own position: the earlier
+        rows' keys are written before any row attends, so that is the causal mask among the new rows), the rest
+        prefill."""
+        decode_rows = [
+            ScheduledRows(r.block_table, p, p + 1)
+            for r in scheduled[:num_decodes]
+            for p in range(r.start, r.end)
+        ]
+        meta = self.attention.build(
+            decode_rows, scheduled[num_decodes:], slot_mapping, self.block_size, self.device
+        )
+        return self.run(ids, positions, meta)
 
     def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
         """The model over the flattened batch: hidden states [rows, hidden]."""

@@ -11,6 +11,7 @@ import torch
 
 import runtime.model.decode_layers as native_decode
 import runtime.model.model
+import runtime.runner.model_runner as model_runner
 from runtime import Engine, SamplingParams
 from runtime.kernels.library import load
 from runtime.model.model import RotaryEmbedding
@@ -149,7 +150,7 @@ def test_decode_rows_split_between_threads_give_one_threads_tokens(dtype, monkey
     its own (the calling thread and helpers), each kernel on one thread. Each row's arithmetic is the one-thread
     step's for the part's rows, so the greedy tokens and logprobs are those of one thread and no split, at
     row counts whose parts take the one-row kernel, the many-row kernel, or one of each (9 rows in 2: 4 and 5),
-    and in 3 parts."""
+    and in 3 parts; the prompts' prefill runs in two parts of whole sequences, each its own forward."""
     engine = _pinned_engine(dtype, monkeypatch, max_num_seqs=16, adaptive_threads=False)
     threads = torch.get_num_threads()
     try:
@@ -165,15 +166,23 @@ def test_decode_rows_split_between_threads_give_one_threads_tokens(dtype, monkey
             pool.submit = lambda fn, *args, _submit=submit, _handed=handed: (
                 _handed.append(fn) or _submit(fn, *args)
             )
+            prefill_parts = []
+            monkeypatch.setattr(
+                model_runner,
+                "run_parts",
+                lambda fns, _ran=prefill_parts: _ran.append(len(fns)) or native_decode.run_parts(fns),
+            )
             try:
                 split, _ = _generate(engine, prompts, True, monkeypatch)
             finally:
                 del pool.submit
                 native_decode.set_split(1)
-            # every decode step handed parts - 1 parts of its layers and of its LM head rows to the helpers
+            # every decode step handed parts - 1 parts of its layers and of its LM head rows to the helpers, and
+            # the prompts' prefill ran in two parts of whole sequences
             layer_parts = sum(1 for fn in handed if getattr(fn, "__name__", "") == "decode_layers_rows")
             assert layer_parts == (parts - 1) * steps, (layer_parts, steps)
             assert len(handed) > layer_parts
+            assert prefill_parts and set(prefill_parts) == {2}
             assert split == alone, (n, parts)
     finally:
         native_decode.set_split(1)
