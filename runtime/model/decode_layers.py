@@ -100,9 +100,7 @@ def in_parts(fn, x: torch.Tensor) -> torch.Tensor:
     if parts < 2 or rows < parts:
         return fn(x)
     bounds = [rows * i // parts for i in range(parts + 1)]
-    others = [_pool.submit(fn, x[bounds[i] : bounds[i + 1]]) for i in range(1, parts)]
-    first = fn(x[: bounds[1]])
-    return torch.cat([first, *(f.result() for f in others)])
+    return torch.cat(run_parts([lambda a=a, b=b: fn(x[a:b]) for a, b in zip(bounds, bounds[1:])]))
 
 
 class _Projection(ctypes.Structure):
@@ -329,16 +327,10 @@ class NativeDecode:
         args = (ctypes.byref(self.spec), self.layers, len(self.layers), ctypes.byref(step))
         parts = split_parts()
         cuts = sequence_cuts(positions, tables, parts) if parts > 1 and m > 1 else []
-        if cuts and all(self.usable(b - a) for a, b in zip([0, *cuts], [*cuts, m])):
-            lib = load()
-            bounds = [0, *cuts, m]
-            others = [
-                _pool.submit(lib.decode_layers_rows, *args, bounds[i], bounds[i + 1])
-                for i in range(1, len(bounds) - 1)
-            ]
-            lib.decode_layers_rows(*args, 0, bounds[1])
-            for f in others:
-                f.result()
+        bounds = [0, *cuts, m]
+        if cuts and all(self.usable(b - a) for a, b in zip(bounds, bounds[1:])):
+            rows = load().decode_layers_rows
+            run_parts([lambda a=a, b=b: rows(*args, a, b) for a, b in zip(bounds, bounds[1:])])
         else:
             load().decode_layers(*args, torch.get_num_threads())
         return x

@@ -153,6 +153,8 @@ def test_decode_rows_split_between_threads_give_one_threads_tokens(dtype, monkey
     and in 3 parts; the prompts' prefill runs in two parts of whole sequences, each its own forward."""
     engine = _pinned_engine(dtype, monkeypatch, max_num_seqs=16, adaptive_threads=False)
     threads = torch.get_num_threads()
+    lib = load()
+    rows_kernel = lib.decode_layers_rows
     try:
         torch.set_num_threads(1)
         for n, parts in ((2, 2), (9, 2), (16, 2), (7, 3)):
@@ -166,6 +168,12 @@ def test_decode_rows_split_between_threads_give_one_threads_tokens(dtype, monkey
             pool.submit = lambda fn, *args, _submit=submit, _handed=handed: (
                 _handed.append(fn) or _submit(fn, *args)
             )
+            ran_on = []
+            monkeypatch.setattr(
+                lib,
+                "decode_layers_rows",
+                lambda *a, _on=ran_on: _on.append(threading.get_native_id()) or rows_kernel(*a),
+            )
             prefill_parts = []
             monkeypatch.setattr(
                 model_runner,
@@ -177,10 +185,12 @@ def test_decode_rows_split_between_threads_give_one_threads_tokens(dtype, monkey
             finally:
                 del pool.submit
                 native_decode.set_split(1)
-            # every decode step handed parts - 1 parts of its layers and of its LM head rows to the helpers, and
-            # the prompts' prefill ran in two parts of whole sequences
-            layer_parts = sum(1 for fn in handed if getattr(fn, "__name__", "") == "decode_layers_rows")
+            # every decode step ran one part of its layers on this thread and parts - 1 on the helpers, handed
+            # them its LM head rows too, and the prompts' prefill ran in two parts of whole sequences
+            assert ran_on.count(threading.get_native_id()) == steps, (ran_on, steps)
+            layer_parts = sum(1 for tid in ran_on if tid in helpers)
             assert layer_parts == (parts - 1) * steps, (layer_parts, steps)
+            assert len(ran_on) == parts * steps
             assert len(handed) > layer_parts
             assert prefill_parts and set(prefill_parts) == {2}
             assert split == alone, (n, parts)
