@@ -13,9 +13,6 @@ metadata names (runtime/attention/backend.py), given each layer's sliding window
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -30,7 +27,7 @@ from runtime.model.decode_layers import NativeDecode, in_parts
 from runtime.model.rope_scaling import inverse_frequencies
 from runtime.model_config import ModelConfig
 from runtime.quant.gguf_blocks import GGUFBlocks
-from runtime.quant.gguf_raw import dequantize_raw, pack_raw, relayable
+from runtime.quant.gguf_raw import dequantize_raw, libc, pack_raw, relayable
 from runtime.quant.linear import (
     BlockEmbedding,
     Int4Linear,
@@ -47,17 +44,9 @@ def _return_freed_memory() -> None:
     """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing): packing a
     weight frees temporaries into the heap, and a large model's load would otherwise keep them resident
     until its end (tests/bench/gguf_load_memory.py)."""
-    trim = getattr(_libc(), "malloc_trim", None)
+    trim = getattr(libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
-
-
-@functools.lru_cache(maxsize=1)
-def _libc():
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -186,15 +186,20 @@ def release_pages(view: np.ndarray) -> None:
     end = start + view.nbytes
     lo = max(start // folio * folio, -(-first // page) * page)
     hi = min(-(-end // folio) * folio, last // page * page)
-    if hi > lo:
-        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
+    if hi > lo and (c := libc()) is not None:
+        c.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
 
 
 @functools.lru_cache(maxsize=1)
-def _libc():
+def libc():
+    """The C library the process runs on, loaded once (None where it cannot be): madvise here, malloc_trim
+    after a load's parses (runtime/model/model.py)."""
     import ctypes
 
-    return ctypes.CDLL(None, use_errno=True)
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def dequantize_raw(parts: list[GGUFRaw], threads: int | None = None) -> np.ndarray | None:
