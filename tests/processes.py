@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 def alive(pid: int) -> bool:
@@ -21,19 +21,25 @@ def alive(pid: int) -> bool:
         return False
 
 
-def children(pid: int) -> set[int]:
-    """The processes whose parent is `pid`."""
-    out = set()
+def process_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command: state, ppid, pgrp, ...) of every process."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as handle:
-                    fields = handle.read().rsplit(")", 1)[1].split()
+                    yield int(entry), handle.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid:
-                out.add(int(entry))
-    return out
+
+
+def children(pid: int) -> set[int]:
+    """The processes whose parent is `pid`."""
+    return {p for p, fields in process_stats() if int(fields[1]) == pid}
+
+
+def group(pgid: int) -> set[int]:
+    """The processes of process group `pgid`."""
+    return {p for p, fields in process_stats() if int(fields[2]) == pgid}
 
 
 def wait_gone(pids: Iterable[int], seconds: float) -> list[int]:

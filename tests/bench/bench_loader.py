@@ -24,6 +24,7 @@ from loader import DataLoader
 from loader.plan.placement import optimal_reads
 from loader.plan.plan import plan_epoch
 from tests.bench import loader_ranks
+from tests.processes import process_stats
 
 SAMPLES = 8192
 SAMPLE_BYTES = 32 << 10
@@ -77,15 +78,8 @@ def process_tree_cpu() -> float:
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0.0
     me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(entry) == me or int(fields[1]) == me:
+    for pid, fields in process_stats():
+        if pid == me or int(fields[1]) == me:
             total += (int(fields[11]) + int(fields[12])) / ticks
     return total
 

@@ -11,13 +11,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
 from loader import DataLoader, FileDataset
 from tests.loader.conftest import same
+from tests.processes import group, wait_gone
 
 pytestmark = pytest.mark.slow  # starts loaders in fresh processes
 
@@ -47,30 +47,6 @@ def start_loader(files, disk, workers: int, then: str, pid_namespace: bool = Fal
     return subprocess.Popen(
         command, stdout=subprocess.PIPE, text=True, cwd=os.getcwd(), start_new_session=True, env=os.environ
     )
-
-
-def wait_for_group_exit(pgid: int, seconds: float = 60) -> None:
-    """Until no live process is left in process group pgid. A SIGKILL reaches the whole group at once, but each
-    worker closes its files (and lets go of its locks) only as the kernel tears it down, which can come after
-    the leader has been reaped (a zombie has closed its files)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        live = False
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":  # after the command: state, ppid, pgrp
-                live = True
-                break
-        if not live:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process group {pgid} still has live processes after {seconds} s")
 
 
 def cached_loader(files, disk, **settings) -> DataLoader:
@@ -120,7 +96,9 @@ def test_a_killed_loaders_files_and_unlocked_ones_are_reclaimed(files, tmp_path)
     segment = f"/dev/shm/{line.split()[1]}"
     os.killpg(victim.pid, signal.SIGKILL)  # the loader, its workers and its resource tracker
     victim.wait(timeout=60)
-    wait_for_group_exit(victim.pid)
+    # the workers close their files (and let go of their locks) only as the kernel tears them down, which can
+    # come after the leader has been reaped
+    assert not wait_gone(group(victim.pid), 60)
     assert os.path.exists(segment) and os.listdir(disk)
     # a leftover whose name carries a live pid (ours): a loader of another namespace left it unlocked
     orphan = f"/dev/shm/prescient_{os.getpid()}_00112233aabb"
