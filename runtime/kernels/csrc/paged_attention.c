@@ -618,7 +618,7 @@ void NAME(const void *q, const ELEM *k_pool, const ELEM *v_pool, const int64_t *
     float *vfb = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KVH * total_ctx * D + 64));               \
     _Pragma("omp parallel num_threads(tasks < num_threads ? (int)tasks : num_threads)")                        \
     {                                                                                                           \
-        _Pragma("omp for schedule(static)")                                 \
+        _Pragma("omp for schedule(static)")                                                                     \
         for (int64_t p = 0; p < total_ctx; p++) {                                                               \
             int64_t c = 0;                                                                                      \
             while (base[c + 1] <= p) c++;                                                                       \
