@@ -475,6 +475,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         [_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _int, _int, _int, _int],
     ),
     "quantized_matmul_vectorized": (_int, []),
+    "quantized_tiles_rows": (None, [_ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _ptr, _int]),
     "gguf_relayout": (_i64, [_int, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _int]),
     "gguf_dequantize": (_int, [_int, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int]),
     "add_rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int]),

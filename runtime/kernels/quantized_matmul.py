@@ -208,6 +208,30 @@ class NativeMatmul:
         return w.view(ids.shape[0], self.in_features)
 
     def _dequantize_tiled_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tiles' rows `ids` by the C library (quantized_tiles_rows: a one-row lookup is a few torch ops too
+        many for a decode step of a small model), else by torch; the same bits either way."""
+        lib = load()
+        if lib is None:
+            return self._dequantize_tiled_rows_torch(ids)
+        tiles, scale, offset = self.tiles
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:
+            raise IndexError(f"row ids {ids.tolist()} outside the weight's {self.out_features} rows")
+        out = torch.empty(ids.shape[0], self.in_features, dtype=torch.float32)
+        lib.quantized_tiles_rows(
+            tiles.data_ptr(),
+            scale.data_ptr(),
+            offset.data_ptr(),
+            self.in_features,
+            self.bits,
+            ids.data_ptr(),
+            ids.shape[0],
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def _dequantize_tiled_rows_torch(self, ids: torch.Tensor) -> torch.Tensor:
         tiles, scale, offset = self.tiles
         tile, column = ids // TILE_COLUMNS, ids % TILE_COLUMNS
         if self.bits in (KQ4_BITS, KQ5_BITS):  # w = (d sc) code - (dmin m), each product in float32

@@ -87,3 +87,23 @@ def test_mixed_kinds_stack_per_kind(kernel_level):  # noqa: F811
     )
     x = torch.randn(3, K)
     assert torch.equal(w(x), ref(x))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_embedding_rows_from_the_tiles(kind, kernel_level):  # noqa: F811
+    """A tied embedding's rows read back from the tiles by the C lookup (quantized_tiles_rows) are torch's
+    reading of the same tiles and ggml's de-quantization of the file's blocks, bit for bit: one row (a decode
+    step) and many rows from several tiles and columns (a prefill, split over the threads)."""
+    raw = random_raw(kind, N, K, seed=20 + KINDS[kind])
+    whole = GGUFRaw(kind, raw, (N, K))
+    if not relayable([whole], torch.float32):
+        assert kind != "Q6_K" and kernel_level == "generic"
+        return
+    native = tiles_from_raw([whole])
+    exact = GGUFBlocks.parse(kind, raw, (N, K)).dequantize()
+    for ids in (torch.tensor([37]), torch.tensor([0, 15, 16, 33, 63, 47, 0, 8, 9, 31, 62])):
+        rows = native.dequantize_rows(ids)
+        assert torch.equal(rows, native._dequantize_tiled_rows_torch(ids))
+        assert np.array_equal(rows.numpy(), exact[ids.numpy()])
+    with pytest.raises(IndexError):
+        native.dequantize_rows(torch.tensor([N]))

@@ -39,6 +39,9 @@ void paged_prefill_attention_bf16(const void *q, const uint16_t *k_pool, const u
                                   int64_t num_chunks, void *out, int io_bf16, int64_t H, int64_t KVH, int64_t D,
                                   int64_t block_size, float scale, int64_t window, float softcap, int num_threads);
 int quantized_matmul_vectorized(void);
+/* rows ids[0..R) of a weight held only in the tiles, as float32 [R][K] */
+void quantized_tiles_rows(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t K, int bits,
+                          const int64_t *ids, int64_t R, float *out, int num_threads);
 /* gguf_relayout.c: a GGUF matrix's blocks into the many-row kernel's tiles; returns the scales float16 misses */
 int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int64_t *rows, int64_t N, int64_t K,
                       void *tiles, void *scale, void *offset, int num_threads);

@@ -1322,3 +1322,39 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
 /* Which vector loops this build multiplies with: 2 AVX-512 VNNI, 1 AVX2 + FMA + F16C, 0 none (the portable
  * loops only). */
 int quantized_matmul_vectorized(void) { return QMM_VNNI ? 2 : QMM_AVX2 ? 1 : 0; }
+
+/* Rows ids[0..R) of a weight held only in the tiles, as float32 [R][K] (an embedding lookup from a tied LM
+ * head's tiles, kernels/quantized_matmul.py, NativeMatmul.dequantize_rows): each weight as the portable loops
+ * read it, w = d * code + o (bits 4, 8, KQ4, KQ5; block_scale's d and o) or (d * sc) * (q - 32) (bits 6), one
+ * rounding per product and per sum (never fused: the torch expression it replaces rounds each). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void quantized_tiles_rows(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t K, int bits,
+                          const int64_t *ids, int64_t R, float *out, int num_threads) {
+    const int64_t nb = K / QBLOCK;
+#pragma omp parallel for num_threads(num_threads) if (R >= 8) schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = ids[r], gg = n / 16;
+        const int col = (int)(n % 16);
+        float *y = out + r * K;
+        for (int64_t b = 0; b < nb; b++, y += QBLOCK) {
+            if (bits == 6) {
+                const int8_t *sc = (const int8_t *)toffset + ((gg * nb + b) * 16 + col) * 2;
+                const float d = f16_to_f32(tscale[(gg * (K / 256) + b / 8) * 16 + col]);
+                for (int s = 0; s < 2; s++) {
+                    const float step = d * (float)sc[s];
+                    for (int i = 0; i < 16; i++)
+                        y[s * 16 + i] = step * (float)(tiled_code6(tiles, nb, n, b * QBLOCK + s * 16 + i) - 32);
+                }
+            } else {
+                float d, o;
+                block_scale(tscale, toffset, bits, nb, gg, b, col, &d, &o);
+                for (int i = 0; i < QBLOCK; i++) {
+                    const float p = (float)tiled_code(tiles, nb, bits, n, b * QBLOCK + i) * d;
+                    y[i] = p + o;
+                }
+            }
+        }
+    }
+}
+#pragma GCC pop_options
