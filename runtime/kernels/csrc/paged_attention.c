@@ -493,7 +493,7 @@ void paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const u
  * positions with PF_DIMS output dimensions' lane vectors in registers. The rows of a task differ only in
  * their last few visible positions, which are masked lane by lane. */
 
-#define PF_TILE 4
+#define PF_TILE (ACC_REGS >= 16 ? 8 : 4) /* positions a pass of the scores: independent FMA chains */
 #define PF_DIMS (ACC_REGS >= 16 ? 16 : 8) /* output dimensions a pass: lane vectors kept in registers */
 
 static inline __attribute__((always_inline)) void prefill_task(
@@ -502,16 +502,14 @@ static inline __attribute__((always_inline)) void prefill_task(
     /* scores s[t] = sum_d qt[d] * kf[t][d] */
     int64_t t = 0;
     for (; t + PF_TILE <= L; t += PF_TILE) {
-        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        vf a[PF_TILE];
+        for (int j = 0; j < PF_TILE; j++) a[j] = (vf){0};
         const float *k0 = kf + t * D;
         for (int64_t d = 0; d < D; d++) {
             const vf qd = qt[d];
-            a0 += qd * k0[d];
-            a1 += qd * k0[D + d];
-            a2 += qd * k0[2 * D + d];
-            a3 += qd * k0[3 * D + d];
+            for (int j = 0; j < PF_TILE; j++) a[j] += qd * k0[j * D + d];
         }
-        s[t] = a0, s[t + 1] = a1, s[t + 2] = a2, s[t + 3] = a3;
+        for (int j = 0; j < PF_TILE; j++) s[t + j] = a[j];
     }
     for (; t < L; t++) {
         vf a = {0};
