@@ -487,6 +487,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         + [_i64, _i64, _i64, _i64, _int, _int, _int],
     ),
     "nucleus_sample": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]),
+    "greedy_sample": (None, [_ptr, _i64, _i64, _i64, _ptr, _int]),
     "decode_layers": (None, [_ptr, _ptr, _i64, _ptr, _int]),
     "decode_layers_rows": (None, [_ptr, _ptr, _i64, _ptr, _i64, _i64]),
     "compute_thread_ids": (_int, [_int, _ptr]),

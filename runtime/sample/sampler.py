@@ -49,6 +49,8 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) == len(params):
         tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+    elif native_sampling.usable(logits):
+        tokens = native_sampling.greedy_sample(logits)
     else:
         tokens = logits.argmax(dim=-1)
     if rows:

@@ -155,6 +155,31 @@ def test_native_rows_without_finite_logits_and_seeded_draws():
 
 
 @pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("vocab", [1, 5, 16, 300, 49_152, 262_145])
+def test_native_greedy_rows_are_torch_argmax(vocab):
+    """greedy_sample returns torch.argmax's index for every row: random rows, ties (the first wins, across
+    and within vector lanes and in the tail), a NaN (the first NaN), rows of -inf, one row broadcast, strided
+    rows, and a batch large enough to share its rows over the threads."""
+    if load() is None:
+        pytest.fail("the native kernels did not build here")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(40, vocab + 3, generator=gen)[:, :vocab]  # strided rows
+    big = float(logits.max()) + 1
+    for row, spots in enumerate([[0, vocab - 1], [vocab - 1], [vocab // 2, vocab // 2 + 1], [vocab - 1, 0]]):
+        logits[row, [i % vocab for i in spots]] = big  # tied maxima: the first index wins
+    logits[4] = float("-inf")
+    logits[5, vocab // 3] = float("nan")
+    logits[6, [vocab // 3, vocab - 1]] = float("nan")
+    logits[7] = 0.0
+    logits[8, -1] = float("inf")
+    logits[9] = float("-inf")
+    logits[9, vocab - 1] = -1e30
+    assert native_sampling.greedy_sample(logits).tolist() == logits.argmax(dim=-1).tolist()
+    one = logits[2:3]
+    assert native_sampling.greedy_sample(one).tolist() == one.argmax(dim=-1).tolist()
+
+
+@pytest.mark.usefixtures("kernel_level")
 def test_native_draws_barely_move_when_the_logits_barely_move():
     """The same uniform on logits that differ by float noise (another batch, a recomputation after
     preemption) draws the same token almost always: an inverse CDF in index order would move across the run of

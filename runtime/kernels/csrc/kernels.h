@@ -50,6 +50,7 @@ int gguf_dequantize(int kind, const uint8_t *src, int64_t row_bytes, const int64
                     float *dst, int num_threads);
 void nucleus_sample(const float *logits, int64_t R, int64_t V, int64_t stride, const float *temperature,
                     const float *top_p, const double *uniforms, float *work, int64_t *out, int num_threads);
+void greedy_sample(const float *logits, int64_t R, int64_t V, int64_t stride, int64_t *out, int num_threads);
 
 struct decode_model;
 struct decode_layer;

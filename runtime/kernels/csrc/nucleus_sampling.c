@@ -14,6 +14,7 @@
  * top_p arrives as a float32 and the mass above is a sum of float32 terms, so the comparison allows a relative
  * 1e-6: a token exactly on the boundary (the mass before it equals top_p) is cut, whatever the rounding.
  * Rows run in parallel over `num_threads` OpenMP threads; `work` holds R x V floats of scratch.
+ * Greedy rows (temperature 0) take greedy_sample, at the end: torch.argmax's answer in one vectorized pass.
  */
 #include <math.h>
 #include <stdint.h>
@@ -166,4 +167,50 @@ void nucleus_sample(const float *logits, int64_t R, int64_t V, int64_t stride, c
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
     for (int64_t r = 0; r < R; r++)
         out[r] = sample_row(logits + r * stride, V, temperature[r], top_p[r], uniforms[r], work + r * V);
+}
+
+/* Greedy rows: out[r] = the index of row r's largest logit, its first where several tie, and its first NaN
+ * where it holds one (torch.argmax's answer). One vectorized pass: each lane keeps its largest value and the
+ * first index it was seen at (a strict comparison); the lanes are then merged by value, then by index, and
+ * the tail of fewer than W logits is compared one by one. */
+void greedy_sample(const float *logits, int64_t R, int64_t V, int64_t stride, int64_t *out, int num_threads) {
+    CHECK(R >= 0, R);
+    CHECK(V > 0 && V < INT32_MAX, V);
+    CHECK(stride >= 0, stride);
+    CHECK(num_threads > 0, num_threads);
+    CHECK_PTR(logits, R);
+    CHECK_PTR(out, R);
+    const int threads = R > 1 ? threads_for(R * V, num_threads) : 1;
+    const int64_t whole = V / W * W;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t r = 0; r < R; r++) {
+        const float *x = logits + r * stride;
+        vf best = (vf){0} - INFINITY;
+        vi at, lane, nan = {0};
+        for (int j = 0; j < W; j++) at[j] = lane[j] = j;
+        for (int64_t i = 0; i < whole; i += W) {
+            const vf v = *(const vf *)(x + i);
+            const vi more = (vi)(v > best);
+            nan |= (vi)(v != v);
+            best = (vf)((more & (vi)v) | (~more & (vi)best));
+            at = (more & (lane + (int32_t)i)) | (~more & at);
+        }
+        int any_nan = 0;
+        for (int j = 0; j < W; j++) any_nan |= nan[j] != 0;
+        for (int64_t i = whole; i < V; i++) any_nan |= x[i] != x[i];
+        int64_t pick = 0;
+        if (any_nan) {
+            while (x[pick] == x[pick]) pick++;
+        } else {
+            float top = best[0];
+            for (int j = 1; j < W; j++) top = best[j] > top ? best[j] : top;
+            pick = INT64_MAX;
+            for (int j = 0; j < W; j++)
+                if (best[j] == top && at[j] < pick) pick = at[j];
+            for (int64_t i = whole; i < V; i++)
+                if (x[i] > top) top = x[i], pick = i;
+            if (pick >= V) pick = 0; /* fewer logits than lanes, all -inf */
+        }
+        out[r] = pick;
+    }
 }
