@@ -436,6 +436,23 @@ static inline void block_scale(const uint16_t *tscale, const uint16_t *toffset, 
 }
 #define GEMM_CHUNK 64
 
+#if QMM_VNNI || QMM_AVX2
+/* Into L2: block b of group gg, its codes and the scales it reads (block_scale's addresses): the K-quants' sc
+ * and m bytes per block and their d and dmin per super-block of 8 blocks, the other kinds' scales (and
+ * offsets) per block. */
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *tiles, const uint16_t *tscale,
+                                                                 const uint16_t *toffset, int64_t nb, int bits,
+                                                                 int64_t gg, int64_t b) {
+    const int vecs = block_vectors(bits);
+    for (int v = 0; v < vecs; v++) _mm_prefetch((const char *)(tiles + (gg * nb + b) * vecs * 64 + v * 64), _MM_HINT_T1);
+    _mm_prefetch((const char *)(tscale + (gg * nb + b) * 16), _MM_HINT_T1);
+    if (kquant(bits))
+        _mm_prefetch((const char *)(toffset + (gg * (nb / 8) + b / 8) * 32), _MM_HINT_T1);
+    else if (toffset)
+        _mm_prefetch((const char *)(toffset + (gg * nb + b) * 16), _MM_HINT_T1);
+}
+#endif
+
 static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t n, int64_t k) {
     const int64_t g = n / 16, j = n % 16, b = k / QBLOCK, i = k % QBLOCK;
     if (four_bit(bits)) {
@@ -498,9 +515,7 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
         const uint8_t *c0 = tiles + (g * nb + b) * vecs * 64, *c1 = tiles + ((g + 1) * nb + b) * vecs * 64;
         if (pf_g >= 0 && b % pf_every == pf_phase)
             for (int64_t gg = pf_g; gg < pf_g + 2; gg++) {
-                for (int v = 0; v < vecs; v++) _mm_prefetch((const char *)(tiles + (gg * nb + b) * vecs * 64 + v * 64), _MM_HINT_T1);
-                _mm_prefetch((const char *)(tscale + (gg * nb + b) * 16), _MM_HINT_T1);
-                if (toffset) _mm_prefetch((const char *)(toffset + (gg * nb + b) * 16), _MM_HINT_T1);
+                prefetch_block(tiles, tscale, toffset, nb, bits, gg, b);
             }
         __m512i ia[GEMM_ROWS_MAX][2];
         for (int r = 0; r < rows; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
@@ -611,9 +626,7 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
             const uint8_t *c = tiles + (gg * nb + b) * vecs * 64 + h * 32;
             if (q == 0 && pf_g >= 0 && b % pf_every == pf_phase)
                 for (int64_t pg = pf_g; pg < pf_g + 2; pg++) {
-                    for (int v = 0; v < vecs; v++) _mm_prefetch((const char *)(tiles + (pg * nb + b) * vecs * 64 + v * 64), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(tscale + (pg * nb + b) * 16), _MM_HINT_T1);
-                    if (toffset) _mm_prefetch((const char *)(toffset + (pg * nb + b) * 16), _MM_HINT_T1);
+                    prefetch_block(tiles, tscale, toffset, nb, bits, pg, b);
                 }
             __m256i ia[GEMM_ROWS_MAX];
             if (four) {
