@@ -690,13 +690,15 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
                                                                  const uint16_t *toffset, int64_t nb, int bits,
                                                                  int64_t g, const int8_t *xq, const float *dx,
                                                                  const float *sx, const int32_t *xs,
-                                                                 float *acc_out /* [32] */) {
+                                                                 float *acc_out /* [32] */, int64_t pf_g) {
     const int four = four_bit(bits), vecs = block_vectors(bits);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     const uint8_t *c0 = tiles + g * nb * vecs * 64, *c1 = c0 + nb * vecs * 64;
     __m256 acc[4];
     for (int q = 0; q < 4; q++) acc[q] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        if (pf_g >= 0) /* the next pair's block, into L2 (pf_g < 0: none) */
+            for (int64_t pg = pf_g; pg < pf_g + 2; pg++) prefetch_block(tiles, tscale, toffset, nb, bits, pg, b);
         const uint8_t *cq[4] = {c0 + b * vecs * 64, c0 + b * vecs * 64 + 32, c1 + b * vecs * 64, c1 + b * vecs * 64 + 32};
         const int8_t *xb = xq + b * QBLOCK;
         __m256i ia[4];
@@ -857,7 +859,7 @@ static inline __attribute__((always_inline)) void gemm_pair(
             if (!portable) {
 #if QMM_AVX2
                 if (rows == 1 && groups == 1) {
-#define ROW1(B) gemm_row1_avx2(tiles, tscale, toffset, nb, B, gg, xq + m0 * K, dx + m0 * nb, sx + m0 * nb, xs + m0 * nb, t)
+#define ROW1(B) gemm_row1_avx2(tiles, tscale, toffset, nb, B, gg, xq + m0 * K, dx + m0 * nb, sx + m0 * nb, xs + m0 * nb, t, pf_g)
                     if (bits == 4)
                         ROW1(4);
                     else if (bits == KQ4)
@@ -941,6 +943,16 @@ static inline __attribute__((always_inline)) void gemm_pair(
 #define GEMM_ROWS_6BIT 6
 #endif
 _Static_assert(GEMM_ROWS_6BIT <= GEMM_ROWS_MAX, "gemm_pair6's tile switch covers 1-6 rows");
+
+#if QMM_VNNI || QMM_AVX2
+/* Into L2: block b of group gg of the 6-bit tiles, with its sc (per block) and d (per super-block of 8). */
+static inline __attribute__((always_inline)) void prefetch_block6(const uint8_t *tiles, const uint16_t *td,
+                                                                  const int8_t *tsc, int64_t nb, int64_t gg, int64_t b) {
+    for (int v = 0; v < Q6_VECS; v++) _mm_prefetch((const char *)(tiles + ((gg * nb + b) * Q6_VECS + v) * 64), _MM_HINT_T1);
+    _mm_prefetch((const char *)(tsc + (gg * nb + b) * 32), _MM_HINT_T1);
+    _mm_prefetch((const char *)(td + (gg * (nb / 8) + b / 8) * 16), _MM_HINT_T1);
+}
+#endif
 int quantized_matmul_vectorized(void);
 
 static inline int tiled_code6(const uint8_t *tiles, int64_t nb, int64_t n, int64_t k) {
@@ -1020,11 +1032,13 @@ static void unpack6_vnni(const uint8_t *tiles, const int8_t *tsc, const uint16_t
  * tiles in registers. */
 static inline __attribute__((always_inline)) void gemm_tile6_vnni(const uint8_t *u, const uint8_t *tiles, const int8_t *tsc,
                                                                   int from_tiles, const uint16_t *td, int64_t nb, int64_t g,
-                                                                  const uint8_t *xa, int64_t m0, int rows, float *acc_out) {
+                                                                  const uint8_t *xa, int64_t m0, int rows, float *acc_out,
+                                                                  int64_t pf_g) {
     for (int cg = 0; cg < 2; cg++) {
         __m512 acc[GEMM_ROWS_MAX];
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
+            if (pf_g >= 0) prefetch_block6(tiles, td, tsc, nb, pf_g + cg, b); /* the next pair's group */
             const uint8_t *ub = u + b * UNPACKED6;
             __m512 dsc[2];
             if (from_tiles) {
@@ -1104,7 +1118,9 @@ static void unpack6_avx2(const uint8_t *tiles, const int8_t *tsc, const uint16_t
  * them to 32 bits. Codes from the scratch or, `from_tiles`, unpacked in registers. */
 static inline __attribute__((always_inline)) void gemm_tile6_avx2(const uint8_t *u, const uint8_t *tiles, const int8_t *tsc,
                                                                   int from_tiles, const uint16_t *td, int64_t nb, int64_t g,
-                                                                  const uint8_t *xa, int64_t m0, int rows, float *acc_out) {
+                                                                  const uint8_t *xa, int64_t m0, int rows, float *acc_out,
+                                                                  int64_t pf_g) {
+    (void)pf_g; /* one row from the tiles takes gemm_row1_6_avx2, which prefetches */
     const __m256i ones = _mm256_set1_epi16(1);
     for (int q = 0; q < 4; q++) {
         const int cg = q / 2, hh = q % 2;
@@ -1152,11 +1168,13 @@ static inline __attribute__((always_inline)) void gemm_tile6_avx2(const uint8_t 
  * row, in the same order: the same bits. */
 static inline __attribute__((always_inline)) void gemm_row1_6_avx2(const uint8_t *tiles, const int8_t *tsc,
                                                                    const uint16_t *td, int64_t nb, int64_t g,
-                                                                   const uint8_t *xa, float *acc_out) {
+                                                                   const uint8_t *xa, float *acc_out, int64_t pf_g) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4];
     for (int q = 0; q < 4; q++) acc[q] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        if (pf_g >= 0) /* the next pair's block */
+            for (int64_t pg = pf_g; pg < pf_g + 2; pg++) prefetch_block6(tiles, td, tsc, nb, pg, b);
         const uint8_t *rec = xa + b * XA_BYTES;
         int32_t xv[8], neg[2];
         memcpy(xv, rec, sizeof xv);
@@ -1209,7 +1227,10 @@ static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const in
             float *t = tile + part * GEMM_ROWS_MAX * 32;
 #if QMM_VNNI || QMM_AVX2
             const uint8_t *u = scratch + part * nb * UNPACKED6;
-#define TILE6(F, R) GEMM_TILE6(u, tiles, tsc, F, td, nb, gg, xa, m0, R, t)
+            /* one row from the tiles (decode): the next pair prefetched as this one is read */
+            const int64_t pf_g =
+                from_tiles && rows == 1 && gg + 2 < (silu && !part ? N / 32 : N / 16) ? gg + 2 : -1;
+#define TILE6(F, R) GEMM_TILE6(u, tiles, tsc, F, td, nb, gg, xa, m0, R, t, pf_g)
 #define TILE6_ROWS(F)                                                                                             \
     switch (rows) {                                                                                               \
     case 6: TILE6(F, GEMM_ROWS_6BIT > 5 ? 6 : 1); break;                                                          \
@@ -1222,7 +1243,7 @@ static inline void gemm_pair6(const uint8_t *tiles, const uint16_t *td, const in
             if (!portable) {
 #if QMM_AVX2
                 if (from_tiles && rows == 1)
-                    gemm_row1_6_avx2(tiles, tsc, td, nb, gg, xa + m0 * nb * XA_BYTES, t);
+                    gemm_row1_6_avx2(tiles, tsc, td, nb, gg, xa + m0 * nb * XA_BYTES, t, pf_g);
                 else
 #endif
                 if (from_tiles) {
