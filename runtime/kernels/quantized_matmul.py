@@ -208,17 +208,14 @@ class NativeMatmul:
         return w.view(ids.shape[0], self.in_features)
 
     def _dequantize_tiled_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The tiles' rows `ids` by the C library (quantized_tiles_rows: a one-row lookup is a few torch ops too
-        many for a decode step of a small model), else by torch; the same bits either way."""
-        lib = load()
-        if lib is None:
-            return self._dequantize_tiled_rows_torch(ids)
+        """The tiles' rows `ids`, read by the C library (quantized_tiles_rows; tiles exist only where it
+        loads): each weight as the kernels read it."""
         tiles, scale, offset = self.tiles
         ids = ids.to(torch.int64).contiguous()
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:
             raise IndexError(f"row ids {ids.tolist()} outside the weight's {self.out_features} rows")
         out = torch.empty(ids.shape[0], self.in_features, dtype=torch.float32)
-        lib.quantized_tiles_rows(
+        load().quantized_tiles_rows(
             tiles.data_ptr(),
             scale.data_ptr(),
             offset.data_ptr(),
@@ -230,41 +227,6 @@ class NativeMatmul:
             torch.get_num_threads(),
         )
         return out
-
-    def _dequantize_tiled_rows_torch(self, ids: torch.Tensor) -> torch.Tensor:
-        tiles, scale, offset = self.tiles
-        tile, column = ids // TILE_COLUMNS, ids % TILE_COLUMNS
-        if self.bits in (KQ4_BITS, KQ5_BITS):  # w = (d sc) code - (dmin m), each product in float32
-            codes = tiles[tile, :, :4, column, :]
-            codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2).reshape(ids.shape[0], -1, GROUP)
-            if self.bits == KQ5_BITS:  # the plane's bit t of byte i: the fifth bit of input 4t + i
-                plane = tiles[tile, :, 4, column, :].to(torch.int32)  # [rows, blocks, i]
-                t = torch.arange(8, dtype=torch.int32)[:, None]
-                fifth = ((plane[:, :, None, :] >> t) & 1).reshape(ids.shape[0], -1, GROUP)
-                codes = codes.to(torch.int32) | (fifth << 4)
-            codes = codes.float()
-            scm = scale[tile, :, :, column].float()  # [rows, blocks, sc | m]
-            dd = (
-                offset[tile, :, :, column].float().repeat_interleave(256 // GROUP, dim=1)
-            )  # [rows, blocks, 2]
-            step, low = dd[..., 0] * scm[..., 0], dd[..., 1] * scm[..., 1]
-            return (codes * step.unsqueeze(-1) - low.unsqueeze(-1)).view(ids.shape[0], self.in_features)
-        if self.bits == 6:  # q6_k's tiles: w = (d * sc) * (code - 32), d * sc formed in float32 as ggml does
-            raw = tiles.view(*tiles.shape[:3], TILE_COLUMNS, 4)[tile, :, :, column, :].to(torch.int32)
-            abc = raw.view(ids.shape[0], -1, 2, 3, 4)  # [rows, blocks, sub-block, A B C, 4]
-            top = abc >> 6
-            last = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4)
-            q = torch.cat([abc & 0x3F, last.unsqueeze(3)], dim=3).view(ids.shape[0], -1, 16) - 32
-            d = scale[tile, :, column].float().repeat_interleave(16, dim=1)  # [rows, sub-blocks]
-            step = d * offset[tile, :, column, :].reshape(ids.shape[0], -1).float()
-            return (step.unsqueeze(-1) * q.float()).view(ids.shape[0], self.in_features)
-        codes = tiles[tile, :, :, column, :]  # [rows, blocks, vectors, 4]
-        if self.bits == 4:  # low nibbles: inputs 8v..8v+3 of the block, high nibbles 8v+4..8v+7
-            codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2)
-        codes = codes.reshape(ids.shape[0], -1, GROUP).float()
-        s = scale[tile, :, column].float()  # [rows, blocks]
-        o = offset[tile, :, column].float() if offset.numel() else s * SYMMETRIC_OFFSET[self.bits]
-        return (codes * s.unsqueeze(-1) + o.unsqueeze(-1)).view(ids.shape[0], self.in_features)
 
     @property
     def tiled_nbytes(self) -> int:

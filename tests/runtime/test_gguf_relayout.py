@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.kernels import quantized_matmul as qm
+from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.quant.gguf_blocks import GGUFBlocks
 from runtime.quant.gguf_raw import KINDS, GGUFRaw, pack_raw, relayable, tiles_from_raw
 from runtime.quant.linear import pack_native
@@ -30,6 +32,41 @@ def assert_same(ours: tuple, theirs: tuple) -> None:
     for a, b in zip(ours, theirs):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def torch_tile_rows(native: NativeMatmul, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a weight held in tiles, read from the tile layout by torch ops: the C lookup's oracle."""
+    tiles, scale, offset = native.tiles
+    tile, column = ids // qm.TILE_COLUMNS, ids % qm.TILE_COLUMNS
+    if native.bits in (qm.KQ4_BITS, qm.KQ5_BITS):  # w = (d sc) code - (dmin m), each product in float32
+        codes = tiles[tile, :, :4, column, :]
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2).reshape(ids.shape[0], -1, qm.GROUP)
+        if native.bits == qm.KQ5_BITS:  # the plane's bit t of byte i: the fifth bit of input 4t + i
+            plane = tiles[tile, :, 4, column, :].to(torch.int32)  # [rows, blocks, i]
+            t = torch.arange(8, dtype=torch.int32)[:, None]
+            fifth = ((plane[:, :, None, :] >> t) & 1).reshape(ids.shape[0], -1, qm.GROUP)
+            codes = codes.to(torch.int32) | (fifth << 4)
+        codes = codes.float()
+        scm = scale[tile, :, :, column].float()  # [rows, blocks, sc | m]
+        dd = offset[tile, :, :, column].float().repeat_interleave(256 // qm.GROUP, dim=1)  # [rows, blocks, 2]
+        step, low = dd[..., 0] * scm[..., 0], dd[..., 1] * scm[..., 1]
+        return (codes * step.unsqueeze(-1) - low.unsqueeze(-1)).view(ids.shape[0], native.in_features)
+    if native.bits == 6:  # q6_k's tiles: w = (d * sc) * (code - 32), d * sc formed in float32 as ggml does
+        raw = tiles.view(*tiles.shape[:3], qm.TILE_COLUMNS, 4)[tile, :, :, column, :].to(torch.int32)
+        abc = raw.view(ids.shape[0], -1, 2, 3, 4)  # [rows, blocks, sub-block, A B C, 4]
+        top = abc >> 6
+        last = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4)
+        q = torch.cat([abc & 0x3F, last.unsqueeze(3)], dim=3).view(ids.shape[0], -1, 16) - 32
+        d = scale[tile, :, column].float().repeat_interleave(16, dim=1)  # [rows, sub-blocks]
+        step = d * offset[tile, :, column, :].reshape(ids.shape[0], -1).float()
+        return (step.unsqueeze(-1) * q.float()).view(ids.shape[0], native.in_features)
+    codes = tiles[tile, :, :, column, :]  # [rows, blocks, vectors, 4]
+    if native.bits == 4:  # low nibbles: inputs 8v..8v+3 of the block, high nibbles 8v+4..8v+7
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2)
+    codes = codes.reshape(ids.shape[0], -1, qm.GROUP).float()
+    s = scale[tile, :, column].float()  # [rows, blocks]
+    o = offset[tile, :, column].float() if offset.numel() else s * qm.SYMMETRIC_OFFSET[native.bits]
+    return (codes * s.unsqueeze(-1) + o.unsqueeze(-1)).view(ids.shape[0], native.in_features)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -103,7 +140,7 @@ def test_embedding_rows_from_the_tiles(kind, kernel_level):  # noqa: F811
     exact = GGUFBlocks.parse(kind, raw, (N, K)).dequantize()
     for ids in (torch.tensor([37]), torch.tensor([0, 15, 16, 33, 63, 47, 0, 8, 9, 31, 62])):
         rows = native.dequantize_rows(ids)
-        assert torch.equal(rows, native._dequantize_tiled_rows_torch(ids))
+        assert torch.equal(rows, torch_tile_rows(native, ids))
         assert np.array_equal(rows.numpy(), exact[ids.numpy()])
     with pytest.raises(IndexError):
         native.dequantize_rows(torch.tensor([N]))
