@@ -437,19 +437,21 @@ static inline void block_scale(const uint16_t *tscale, const uint16_t *toffset, 
 #define GEMM_CHUNK 64
 
 #if QMM_VNNI || QMM_AVX2
-/* Into L2: block b of group gg, its codes and the scales it reads (block_scale's addresses): the K-quants' sc
- * and m bytes per block and their d and dmin per super-block of 8 blocks, the other kinds' scales (and
- * offsets) per block. */
-static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *tiles, const uint16_t *tscale,
-                                                                 const uint16_t *toffset, int64_t nb, int bits,
-                                                                 int64_t gg, int64_t b) {
+/* Into L2: block b of both groups of the pair from group g, its codes and the scales it reads (block_scale's
+ * addresses): the K-quants' sc and m bytes per block and their d and dmin per super-block of 8 blocks, the
+ * other kinds' scales (and offsets) per block. */
+static inline __attribute__((always_inline)) void prefetch_pair(const uint8_t *tiles, const uint16_t *tscale,
+                                                                const uint16_t *toffset, int64_t nb, int bits,
+                                                                int64_t g, int64_t b) {
     const int vecs = block_vectors(bits);
-    for (int v = 0; v < vecs; v++) _mm_prefetch((const char *)(tiles + (gg * nb + b) * vecs * 64 + v * 64), _MM_HINT_T1);
-    _mm_prefetch((const char *)(tscale + (gg * nb + b) * 16), _MM_HINT_T1);
-    if (kquant(bits))
-        _mm_prefetch((const char *)(toffset + (gg * (nb / 8) + b / 8) * 32), _MM_HINT_T1);
-    else if (toffset)
-        _mm_prefetch((const char *)(toffset + (gg * nb + b) * 16), _MM_HINT_T1);
+    for (int64_t gg = g; gg < g + 2; gg++) {
+        for (int v = 0; v < vecs; v++) _mm_prefetch((const char *)(tiles + (gg * nb + b) * vecs * 64 + v * 64), _MM_HINT_T1);
+        _mm_prefetch((const char *)(tscale + (gg * nb + b) * 16), _MM_HINT_T1);
+        if (kquant(bits))
+            _mm_prefetch((const char *)(toffset + (gg * (nb / 8) + b / 8) * 32), _MM_HINT_T1);
+        else if (toffset)
+            _mm_prefetch((const char *)(toffset + (gg * nb + b) * 16), _MM_HINT_T1);
+    }
 }
 #endif
 
@@ -513,10 +515,7 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *c0 = tiles + (g * nb + b) * vecs * 64, *c1 = tiles + ((g + 1) * nb + b) * vecs * 64;
-        if (pf_g >= 0 && b % pf_every == pf_phase)
-            for (int64_t gg = pf_g; gg < pf_g + 2; gg++) {
-                prefetch_block(tiles, tscale, toffset, nb, bits, gg, b);
-            }
+        if (pf_g >= 0 && b % pf_every == pf_phase) prefetch_pair(tiles, tscale, toffset, nb, bits, pf_g, b);
         __m512i ia[GEMM_ROWS_MAX][2];
         for (int r = 0; r < rows; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
         __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
@@ -625,9 +624,7 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *c = tiles + (gg * nb + b) * vecs * 64 + h * 32;
             if (q == 0 && pf_g >= 0 && b % pf_every == pf_phase)
-                for (int64_t pg = pf_g; pg < pf_g + 2; pg++) {
-                    prefetch_block(tiles, tscale, toffset, nb, bits, pg, b);
-                }
+                prefetch_pair(tiles, tscale, toffset, nb, bits, pf_g, b);
             __m256i ia[GEMM_ROWS_MAX];
             if (four) {
                 for (int r = 0; r < rows; r++) ia[r] = _mm256_setzero_si256();
@@ -697,8 +694,7 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
     __m256 acc[4];
     for (int q = 0; q < 4; q++) acc[q] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (pf_g >= 0) /* the next pair's block, into L2 (pf_g < 0: none) */
-            for (int64_t pg = pf_g; pg < pf_g + 2; pg++) prefetch_block(tiles, tscale, toffset, nb, bits, pg, b);
+        if (pf_g >= 0) prefetch_pair(tiles, tscale, toffset, nb, bits, pf_g, b); /* the next pair (< 0: none) */
         const uint8_t *cq[4] = {c0 + b * vecs * 64, c0 + b * vecs * 64 + 32, c1 + b * vecs * 64, c1 + b * vecs * 64 + 32};
         const int8_t *xb = xq + b * QBLOCK;
         __m256i ia[4];
