@@ -138,7 +138,10 @@ def test_embedding_rows_from_the_tiles(kind, kernel_level):  # noqa: F811
         return
     native = tiles_from_raw([whole])
     exact = GGUFBlocks.parse(kind, raw, (N, K)).dequantize()
-    for ids in (torch.tensor([37]), torch.tensor([0, 15, 16, 33, 63, 47, 0, 8, 9, 31, 62])):
+    for ids in (
+        torch.tensor([37]),
+        torch.tensor([0, 15, 16, 33, 63, 47, 0, 8, 9, 31, 62] * 2),
+    ):  # 22 x K: over the threads
         rows = native.dequantize_rows(ids)
         assert torch.equal(rows, torch_tile_rows(native, ids))
         assert np.array_equal(rows.numpy(), exact[ids.numpy()])

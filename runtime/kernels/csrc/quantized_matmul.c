@@ -1362,7 +1362,7 @@ int quantized_matmul_vectorized(void) { return QMM_VNNI ? 2 : QMM_AVX2 ? 1 : 0; 
 void quantized_tiles_rows(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t K, int bits,
                           const int64_t *ids, int64_t R, float *out, int num_threads) {
     const int64_t nb = K / QBLOCK;
-#pragma omp parallel for num_threads(num_threads) if (R >= 8) schedule(static)
+#pragma omp parallel for num_threads(threads_for(R * K, num_threads)) schedule(static)
     for (int64_t r = 0; r < R; r++) {
         const int64_t n = ids[r], gg = n / 16;
         const int col = (int)(n % 16);
