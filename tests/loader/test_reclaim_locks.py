@@ -99,7 +99,9 @@ def test_a_killed_loaders_files_and_unlocked_ones_are_reclaimed(files, tmp_path)
     # the workers close their files (and let go of their locks) only as the kernel tears them down, which can
     # come after the leader has been reaped
     assert not wait_gone(group(victim.pid), 60)
-    assert os.path.exists(segment) and os.listdir(disk)
+    # the segment is in the node-wide /dev/shm: a loader that another test starts now may reclaim it first,
+    # which is the behaviour under test too; the disk tier is this test's alone
+    assert os.listdir(disk)
     # a leftover whose name carries a live pid (ours): a loader of another namespace left it unlocked
     orphan = f"/dev/shm/prescient_{os.getpid()}_00112233aabb"
     with open(orphan, "wb") as handle:
