@@ -3,10 +3,11 @@ into the types people download), this engine against llama.cpp built for this CP
 (tests/bench/llama_cpp_native.py) on the same file and threads, in the same run.
 
 Per file: decode 1, 8 and 32 streams (tokens/s over decode-only steps, 64-token prompts, 48 new tokens),
-prefill 512 (one prompt), load time, resident memory after load and peak while loading (VmRSS / VmHWM of a
-fresh process, less its own before the load; no KV cache beyond what the engine makes), and the bandwidth
-roofline of one stream (read bandwidth measured now / bytes of the weights a step reads). llama.cpp: decode 1
-stream and a batch of 8 sequences (its own timings / wall time of llama_decode), prefill 512, load time.
+prefill 512 (one prompt), load time (the file read into the page cache first), resident memory after load
+and peak while loading (VmRSS / VmHWM of a fresh process, less its own before the load; no KV cache beyond
+what the engine makes), and the bandwidth roofline of one stream (read bandwidth measured now / bytes of the
+weights a step reads). llama.cpp: decode 1 stream and a batch of 8 sequences (its own timings / wall time of
+llama_decode), prefill 512, load time.
 Each engine runs in a fresh process per file and round, ours and llama.cpp alternating, `BENCH_SIZES_ROUNDS`
 rounds (default 2); medians are shown, with the spread of the decode figures.
 
@@ -80,6 +81,13 @@ def levels() -> list[str]:
     return [best] + (["avx2"] if best != "avx2" and "avx2" in names else [])
 
 
+def _read_through(path) -> None:
+    """Reads the file once, so that it is in the page cache before the first timed load (engine or llama.cpp)."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+
+
 def _spread(values: list[float]) -> str:
     return f"{min(values):,.1f}-{max(values):,.1f}" if len(values) > 1 else ""
 
@@ -92,6 +100,7 @@ def run() -> dict:
         for kind in TYPES:
             path = model_file(size, kind, log=lambda m: print(m, file=sys.stderr))
             file_bytes = path.stat().st_size
+            _read_through(path)  # every load below from the page cache, the first one's included
             ours = {level: [] for level in levels()}
             cpp = []
             for _ in range(ROUNDS):
