@@ -507,8 +507,9 @@ static inline __attribute__((always_inline)) __m512i fifth_bits_vnni(__m512i pla
 static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
                            int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, int64_t K,
                            int64_t m0, int rows, float *acc_out /* [rows][32] */, int64_t pf_g,
-                           int pf_every, int pf_phase) {
-    /* pf_g >= 0: also prefetch (into L2) the blocks b % pf_every == pf_phase of column pair pf_g */
+                           int pf_every, int pf_phase, const float *ksc) {
+    /* pf_g >= 0: also prefetch (into L2) the blocks b % pf_every == pf_phase of column pair pf_g; ksc: the pair's
+     * K-quant block scales as floats (pair_scales), else formed here */
     const int four = four_bit(bits), vecs = block_vectors(bits), step = four ? 8 : 4;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[GEMM_ROWS_MAX][2];
@@ -553,8 +554,13 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
             }
         }
         __m512 d0, d1, o0, o1;
-        block_scale_vnni(tscale, toffset, bits, nb, g, b, &d0, &o0);
-        block_scale_vnni(tscale, toffset, bits, nb, g + 1, b, &d1, &o1);
+        if (kquant(bits) && ksc) {
+            d0 = _mm512_loadu_ps(ksc + b * 64), o0 = _mm512_loadu_ps(ksc + b * 64 + 16);
+            d1 = _mm512_loadu_ps(ksc + b * 64 + 32), o1 = _mm512_loadu_ps(ksc + b * 64 + 48);
+        } else {
+            block_scale_vnni(tscale, toffset, bits, nb, g, b, &d0, &o0);
+            block_scale_vnni(tscale, toffset, bits, nb, g + 1, b, &d1, &o1);
+        }
         for (int r = 0; r < rows; r++) {
             const float *rdx = dx + (m0 + r) * nb + b, *rsx = sx + (m0 + r) * nb + b;
             __m512 s0, s1;
@@ -613,7 +619,7 @@ static inline __attribute__((always_inline)) __m256i fifth_bits_avx2(__m256i pla
 static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
                            int bits, int64_t g, const int8_t *xq, const float *dx, const float *sx, const int32_t *xs,
                            int64_t K, int64_t m0, int rows, float *acc_out /* [rows][32] */, int64_t pf_g,
-                           int pf_every, int pf_phase) {
+                           int pf_every, int pf_phase, const float *ksc) {
     const int four = four_bit(bits), vecs = block_vectors(bits), step = four ? 8 : 4;
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     for (int q = 0; q < 4; q++) {
@@ -667,7 +673,12 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                 }
             }
             __m256 d, o;
-            block_scale_avx2(tscale, toffset, bits, nb, gg, b, h, &d, &o);
+            if (kquant(bits) && ksc) {
+                d = _mm256_loadu_ps(ksc + b * 64 + (q / 2) * 32 + h * 8);
+                o = _mm256_loadu_ps(ksc + b * 64 + (q / 2) * 32 + 16 + h * 8);
+            } else {
+                block_scale_avx2(tscale, toffset, bits, nb, gg, b, h, &d, &o);
+            }
             for (int r = 0; r < rows; r++) {
                 const __m256 s = _mm256_mul_ps(d, _mm256_broadcast_ss(dx + (m0 + r) * nb + b));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), s, acc[r]);
@@ -827,12 +838,45 @@ static inline void store_tile_rows(const float *tile, int rows, int64_t m0, int6
  * prefetching its share of the blocks. With `silu`, pair g is a gate pair of the fused gate-up weight (its
  * first N / 2 columns): the up pair N / 32 groups on is computed for the same rows, and SiLU(gate) x up goes
  * to out [M, N / 2]. */
+#if QMM_VNNI || QMM_AVX2
+/* A K-quant pair's block scales (block_scale's d and o, the same floats) once for all its row tiles: [nb][group
+ * g, g + 1][d, o][16 columns]. Formed in each tile they cost about as much as a row's own scaling. */
+static void pair_scales(const uint16_t *tscale, const uint16_t *toffset, int bits, int64_t nb, int64_t g, float *ksc) {
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < 2; i++) {
+            float *t = ksc + b * 64 + i * 32;
+#if QMM_VNNI
+            __m512 d, o;
+            block_scale_vnni(tscale, toffset, bits, nb, g + i, b, &d, &o);
+            _mm512_storeu_ps(t, d);
+            _mm512_storeu_ps(t + 16, o);
+#else
+            for (int h = 0; h < 2; h++) {
+                __m256 d, o;
+                block_scale_avx2(tscale, toffset, bits, nb, g + i, b, h, &d, &o);
+                _mm256_storeu_ps(t + h * 8, d);
+                _mm256_storeu_ps(t + 16 + h * 8, o);
+            }
+#endif
+        }
+}
+#endif
+
 static inline __attribute__((always_inline)) void gemm_pair(
     const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb, int bits, int64_t g, int64_t N,
     const int8_t *xq, const float *dx, const float *sx, const int32_t *xs, int64_t K, int64_t mc, int64_t mend,
-    int step, float *tile, void *out, int64_t ldo, int out_bf16, int portable, int silu) {
+    int step, float *tile, void *out, int64_t ldo, int out_bf16, int portable, int silu, float *ksc) {
     const int groups = (int)((mend - mc + step - 1) / step);
     const int64_t up = g + N / 32; /* silu: the up pair */
+#if QMM_VNNI || QMM_AVX2
+    /* ksc (the thread's scratch, K-quants): the scales once where more than one tile of rows reads them */
+    if (ksc && groups > 1 && !portable)
+        for (int part = 0; part <= silu; part++) pair_scales(tscale, toffset, bits, nb, part ? up : g, ksc + part * nb * 64);
+    else
+        ksc = NULL;
+#else
+    ksc = NULL;
+#endif
     /* the rows in `groups` tiles as even as they go, each tile a constant row count (its accumulators in
      * registers): 32 rows of 6-row tiles as 6, 6, 5, 5, 5, 5, not 6 x 5 and a 2-row tile at a variable count.
      * Same results. */
@@ -843,14 +887,15 @@ static inline __attribute__((always_inline)) void gemm_pair(
         for (int part = 0; part <= silu; part++) {
             const int64_t gg = part ? up : g, pf_g = gg + 2 < (silu && !part ? N / 32 : N / 16) ? gg + 2 : -1;
             float *t = tile + part * GEMM_ROWS_MAX * 32;
+            const float *kt = ksc ? ksc + part * nb * 64 : NULL;
 #if !QMM_VNNI && !QMM_AVX2
-            (void)pf_g, (void)pf_phase; /* prefetching is for the vector tiles */
+            (void)pf_g, (void)pf_phase, (void)kt; /* prefetching and the pair's scales are for the vector tiles */
 #endif
 #if QMM_VNNI || QMM_AVX2
 #if QMM_VNNI
-#define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, K, m0, R, t, pf_g, groups, pf_phase)
+#define GEMM_TILE(B, R) gemm_tile_vnni(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, K, m0, R, t, pf_g, groups, pf_phase, kt)
 #else
-#define GEMM_TILE(B, R) gemm_tile_avx2(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, xs, K, m0, R, t, pf_g, groups, pf_phase)
+#define GEMM_TILE(B, R) gemm_tile_avx2(tiles, tscale, toffset, nb, B, gg, xq, dx, sx, xs, K, m0, R, t, pf_g, groups, pf_phase, kt)
 #endif
             if (!portable) {
 #if QMM_AVX2
@@ -1318,6 +1363,10 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
         uint8_t *scratch = bits == 6 && !portable && quantized_matmul_vectorized()
                                ? (uint8_t *)malloc((size_t)(nb * UNPACKED6 * (1 + silu)))
                                : NULL;
+        /* the K-quant pairs' block scales (pair_scales), per thread */
+        float *ksc = kquant(bits) && !portable && quantized_matmul_vectorized()
+                         ? (float *)malloc(sizeof(float) * (size_t)(nb * 64 * (1 + silu)))
+                         : NULL;
 #define PAIR(MC, MEND)                                                                                            \
     do {                                                                                                          \
         if (bits == 6)                                                                                            \
@@ -1325,7 +1374,7 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
                        ldo, out_bf16, portable, silu, scratch);                                                        \
         else                                                                                                      \
             gemm_pair(tiles, tscale, toffset, nb, bits, g, N, xq, dx, sx, xs, K, MC, MEND, step, tile, out,         \
-                      ldo, out_bf16, portable, silu);                                                              \
+                      ldo, out_bf16, portable, silu, ksc);                                                         \
     } while (0)
         if (M <= GEMM_CHUNK) {
             _Pragma("omp for schedule(guided)")
@@ -1341,6 +1390,7 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
         }
 #undef PAIR
         free(scratch);
+        free(ksc);
     }
     free(xq);
     free(dx);
