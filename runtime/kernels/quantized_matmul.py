@@ -29,9 +29,12 @@ KQ4_BITS = 14
 KQ5_BITS = 15
 """The kernels' `bits` for Q5_K's codes: KQ4's tiles of their low 4 bits and a plane of their fifth bits
 (NativeMatmul.q5_k)."""
-SYMMETRIC_OFFSET = {4: -8.0, 8: -128.0}
-"""bits -> the offset c (w = d * code + c d) of the symmetric types' tiles (Q4_0's codes, Q8_0's + 128): their
-tiles hold no offsets, the kernels form c d (csrc/quantized_matmul.c, symmetric_offset)."""
+FIVE_BITS = 5
+"""The kernels' `bits` for Q5_0's and Q5_1's codes: the 4-bit tiles of their low 4 bits and a plane of their
+fifth bits (as KQ5's), with a float16 scale (and Q5_1's offset) per block (NativeMatmul.q5)."""
+SYMMETRIC_OFFSET = {4: -8.0, FIVE_BITS: -16.0, 8: -128.0}
+"""bits -> the offset c (w = d * code + c d) of the symmetric types' tiles (Q4_0's codes, Q5_0's, Q8_0's + 128):
+their tiles hold no offsets, the kernels form c d (csrc/quantized_matmul.c, symmetric_offset)."""
 TILE_COLUMNS = 16
 """Output columns per vector of the many-row kernel's layout; it takes N % (2 * TILE_COLUMNS) == 0."""
 
@@ -91,7 +94,7 @@ class NativeMatmul:
         codes are spent) and a large table is never held twice."""
         n, k = codes.shape
         g, nb = n // TILE_COLUMNS, k // GROUP
-        tiles = _code_tiles(codes, self.bits, in_place)
+        tiles = _code_tiles(codes, 4 if self.bits == FIVE_BITS else self.bits, in_place)
 
         def per_tile(a: np.ndarray) -> torch.Tensor:
             out = np.empty((g, nb, TILE_COLUMNS), np.float16)
@@ -117,12 +120,33 @@ class NativeMatmul:
         holds in bit t the fifth bit of the block's input 4t + i of column j), with Q4_K's super-block scales.
         5.625 bits a weight (the file: 5.5). N % 32 == 0, K % 256 == 0."""
         self = cls.q4_k(codes & 0x0F, sc, m, d, dmin)
+        self.bits = KQ5_BITS
+        return self._with_fifth_plane(codes)
+
+    @classmethod
+    def q5(cls, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | float) -> NativeMatmul:
+        """Q5_0's or Q5_1's blocks (codes [N, K] 0..31, scale and offset [N, K / 32] as __init__ takes them;
+        Q5_0's offset the number -16) in the 4-bit tiles of the codes' low 4 bits, each block followed by the
+        plane of their fifth bits (as q5_k's), with a float16 scale, and Q5_1's offset, per block (bits
+        FIVE_BITS), their one layout: 5.5 and 6 bits a weight, as in the file. N % 32 == 0."""
+        n, k = codes.shape
+        assert n % (2 * TILE_COLUMNS) == 0, n
+        self = cls.__new__(cls)
+        self.bits, self.one_row = FIVE_BITS, False
+        self.codes, self.scale, self.offset = (torch.empty(n, 0, dtype=torch.uint8),) * 3
+        self.out_features, self.in_features, self.nbytes = n, k, 0
+        self.with_tiles(codes & 0x0F, scale, offset)
+        return self._with_fifth_plane(codes)
+
+    def _with_fifth_plane(self, codes: np.ndarray) -> NativeMatmul:
+        """The 4-bit tiles of codes 0..31's low bits with the plane of their fifth bits after each block's 4
+        nibble vectors (csrc/quantized_matmul.c: byte 4j + i holds in bit t the fifth bit of the block's input
+        4t + i of column j)."""
         n, k = codes.shape
         g, nb = n // TILE_COLUMNS, k // GROUP
         fifth = ((codes >> 4) & 1).astype(np.uint8).reshape(g, TILE_COLUMNS, nb, 8, 4)  # [.., t, i]
         plane = np.bitwise_or.reduce(fifth << np.arange(8, dtype=np.uint8)[:, None], axis=3)  # [g, j, nb, i]
         tiles = np.concatenate([self.tiles[0].numpy(), plane.transpose(0, 2, 1, 3)[:, :, None]], axis=2)
-        self.bits = KQ5_BITS
         self.tiles = (torch.from_numpy(tiles), *self.tiles[1:])
         return self
 

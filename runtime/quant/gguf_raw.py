@@ -3,9 +3,10 @@ many-row kernel's tiles: one pass over the mapped file per matrix, parallel over
 parsed copy (GGUFBlocks) in between, so a load's peak is the tiles plus the matrix's pages of the file.
 
 The tiles are byte for byte those pack_native makes from the parsed blocks (tests/runtime/test_gguf_relayout.py
-compares them): Q4_0, Q4_1 and Q8_0 with float16 scales and offsets, Q4_K and Q5_K in their own tiles, Q6_K in
-its 6-bit tiles. Where a kind, shape or level has no such path, or a scale does not
-fit float16 (GGUFBlocks.fits_float16), `pack_raw` returns None and the caller parses the blocks instead.
+compares them): Q4_0, Q4_1 and Q8_0 with float16 scales and offsets, Q5_0 and Q5_1 likewise with a plane of
+their fifth bits, Q4_K and Q5_K in their own tiles, Q6_K in its 6-bit tiles. Where a kind, shape or level has
+no such path, or a scale does not fit float16 (GGUFBlocks.fits_float16), `pack_raw` returns None and the
+caller parses the blocks instead.
 
 The dense paths (quantization none, int8, int4) take the same bytes to float32 in one pass
 (csrc/gguf_dequantize.c, `dequantize_raw`), bit for bit GGUFBlocks.dequantize, every GGUF block kind.
@@ -14,6 +15,7 @@ The dense paths (quantization none, int8, int4) take the same bytes to float32 i
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,13 +24,22 @@ import torch
 
 from runtime.kernels import quantized_matmul as native_matmul
 from runtime.kernels.library import load
-from runtime.kernels.quantized_matmul import KQ4_BITS, KQ5_BITS, TILE_COLUMNS, NativeMatmul
+from runtime.kernels.quantized_matmul import FIVE_BITS, KQ4_BITS, KQ5_BITS, TILE_COLUMNS, NativeMatmul
 from runtime.kernels.stacked_matmul import StackedMatmul
 from runtime.quant.linear import Int4Linear
 
-KINDS = {"Q4_0": 0, "Q8_0": 1, "Q5_K": 2, "Q4_K": 3, "Q6_K": 4, "Q4_1": 5}
+KINDS = {"Q4_0": 0, "Q8_0": 1, "Q5_K": 2, "Q4_K": 3, "Q6_K": 4, "Q4_1": 5, "Q5_0": 6, "Q5_1": 7}
 """csrc/gguf_relayout.c's kind numbers."""
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_K": KQ5_BITS, "Q4_K": KQ4_BITS, "Q6_K": 6}
+BITS = {
+    "Q4_0": 4,
+    "Q4_1": 4,
+    "Q5_0": FIVE_BITS,
+    "Q5_1": FIVE_BITS,
+    "Q8_0": 8,
+    "Q5_K": KQ5_BITS,
+    "Q4_K": KQ4_BITS,
+    "Q6_K": 6,
+}
 """The tiles' `bits` (NativeMatmul.bits) per kind."""
 FOLIO_BYTES = 2 << 20
 """The largest folio the page cache maps at once (release_pages widens to it)."""
@@ -103,12 +114,13 @@ def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMa
             torch.empty(g, ns, TILE_COLUMNS, dtype=torch.float16),
             torch.empty(g, nb, TILE_COLUMNS, 2, dtype=torch.int8),
         )
-    else:  # Q4_0 and Q8_0 with no offsets (the kernels form -8 d and -128 d), Q4_1 with its minimum
-        vectors = 4 if kind in ("Q4_0", "Q4_1") else 8
+    else:  # Q4_0, Q5_0 and Q8_0 with no offsets (the kernels form -8 d, -16 d and -128 d), Q4_1 and Q5_1 with
+        # their minimum
+        vectors = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}.get(kind, 8)
         bufs = (
             torch.empty(g, nb, vectors, TILE_COLUMNS, 4, dtype=torch.uint8),
             torch.empty(g, nb, TILE_COLUMNS, dtype=torch.float16),
-            torch.empty(*((g, nb, TILE_COLUMNS) if kind == "Q4_1" else (0,)), dtype=torch.float16),
+            torch.empty(*((g, nb, TILE_COLUMNS) if kind in ("Q4_1", "Q5_1") else (0,)), dtype=torch.float16),
         )
     lib = load()
     threads = threads or torch.get_num_threads()
@@ -147,11 +159,11 @@ def tiles_from_raw(parts: list[GGUFRaw], threads: int | None = None) -> NativeMa
 
 def pack_raw(parts: list[GGUFRaw], dtype: torch.dtype) -> Int4Linear | None:
     """A packed weight (Int4Linear.native_only) from the parts' bytes (stacked by rows): one NativeMatmul where
-    they share a kind, else a StackedMatmul of one per part (pack_stacked's form); each part's pages of
+    they share a kind, else a StackedMatmul of one per run of parts of one kind; each part's pages of
     the file released once laid out. None where a scale does not fit float16 (the caller parses instead).
     relayable() first."""
-    # one kind: one multiplication; kinds that differ: one per part, as pack_stacked makes them
-    runs = [parts] if len({p.kind for p in parts}) == 1 else [[p] for p in parts]
+    # one multiplication per run of parts of one kind (q and k of a kind, v of another: two)
+    runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.kind)]
     natives = []
     for run in runs:
         native = tiles_from_raw(run)

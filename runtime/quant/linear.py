@@ -15,9 +15,9 @@ The other types (runtime.quant.gguf_blocks) map onto the C kernels' layouts inst
   Q4_K  w = (d sc) q - dmin m  -> the 4-bit layout, scale d sc, offset -dmin m (both rounded to float16); with
         the vector loops (AVX2, AVX-512) 4-bit tiles with its own super-block scales instead (NativeMatmul.q4_k,
         exact)
-  Q5_0 / Q5_1 / Q5_K           -> the 8-bit layout, codes 0..31, offset -16d / m / -dmin m; Q5_K with the
-        vector loops in tiles of its own instead (NativeMatmul.q5_k: the low 4 bits as Q4_K's, a plane of
-        fifth bits, Q4_K's scales; exact)
+  Q5_0 / Q5_1 / Q5_K           -> the 8-bit layout, codes 0..31, offset -16d / m / -dmin m; with the vector
+        loops 5-bit tiles instead (the low 4 bits as 4-bit tiles, a plane of fifth bits): Q5_0 and Q5_1 with
+        their float16 d and m (NativeMatmul.q5), Q5_K with Q4_K's scales (NativeMatmul.q5_k); exact
   Q6_K  w = d sc (q - 32)      -> a 6-bit layout of its own (NativeMatmul.q6_k): codes, sc and d as in the
         file, exact; re-quantized to Q8_0 only where that layout cannot be made (N % 32 != 0) or in a fused
         projection with other 8-bit kinds (GGUFBlocks.stack, kernel_blocks states the bound)
@@ -214,6 +214,14 @@ def pack_native(
     ):
         make = NativeMatmul.q4_k if blocks.kind == "Q4_K" else NativeMatmul.q5_k
         return Int4Linear.native_only(make(*blocks.q4_k_fields()), dtype)
+    if (
+        blocks.kind in ("Q5_0", "Q5_1")
+        and tiles
+        and blocks.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0
+        and native_matmul.vector_loops()
+    ):
+        codes, scale, offset, _ = blocks.affine(factor=True)
+        return Int4Linear.native_only(NativeMatmul.q5(codes, scale, offset), dtype)
     affine = blocks.kernel_blocks().affine(in_place=consume, factor=True)
     native = NativeMatmul(*affine, tiles=tiles, one_row=not tiles, consume=consume)
     return Int4Linear.native_only(native, dtype)

@@ -61,8 +61,13 @@ def torch_tile_rows(native: NativeMatmul, ids: torch.Tensor) -> torch.Tensor:
         step = d * offset[tile, :, column, :].reshape(ids.shape[0], -1).float()
         return (step.unsqueeze(-1) * q.float()).view(ids.shape[0], native.in_features)
     codes = tiles[tile, :, :, column, :]  # [rows, blocks, vectors, 4]
-    if native.bits == 4:  # low nibbles: inputs 8v..8v+3 of the block, high nibbles 8v+4..8v+7
-        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2)
+    if native.bits in (4, qm.FIVE_BITS):  # low nibbles: inputs 8v..8v+3 of the block, high nibbles 8v+4..8v+7
+        nibbles = torch.stack([codes[:, :, :4] & 0x0F, codes[:, :, :4] >> 4], dim=-2)
+        codes = nibbles.reshape(ids.shape[0], -1, qm.GROUP).to(torch.int32)
+        if native.bits == qm.FIVE_BITS:  # the plane's bit t of byte i: the fifth bit of input 4t + i
+            t = torch.arange(8, dtype=torch.int32)[:, None]
+            fifth = (tiles[tile, :, 4, column, :].to(torch.int32)[:, :, None, :] >> t) & 1
+            codes = codes | (fifth.reshape(ids.shape[0], -1, qm.GROUP) << 4)
     codes = codes.reshape(ids.shape[0], -1, qm.GROUP).float()
     s = scale[tile, :, column].float()  # [rows, blocks]
     o = offset[tile, :, column].float() if offset.numel() else s * qm.SYMMETRIC_OFFSET[native.bits]

@@ -116,7 +116,11 @@ def test_a_k_quant_mix_loads_each_matrix_in_its_own_kind_and_decodes_as_dense(mi
         # Q4_K's and Q5_K's own tiles where the level has them
         own, fallback = (KQ4_BITS, 4) if base == "Q4_K" else (KQ5_BITS, 8)
         k = own if q4_k_tiles() else fallback
-        assert [p.bits for p in m.layers[0].qkv.native.parts] == [k, k, 6]
+        # q and k (one kind, one run of rows) in one multiplication, v in its own
+        parts = m.layers[0].qkv.native.parts
+        assert [p.bits for p in parts] == [k, 6]
+        kv_rows = TINY.hidden // TINY.heads * TINY.kv_heads
+        assert [p.out_features for p in parts] == [TINY.hidden + kv_rows, kv_rows]
         assert m.layers[0].down.native.bits == 6 and m.layers[1].down.native.bits == k
         assert not isinstance(m.layers[1].qkv.native, StackedMatmul)  # one kind: one layout
         # the tied Q6_K table held once, in its 6-bit tiles: the LM head's and the lookups' bytes

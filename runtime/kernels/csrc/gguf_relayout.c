@@ -6,6 +6,9 @@
  *   Q4_0  tiles [g, nb, 4, 16, 4] 4-bit, scale [g, nb, 16] float16: d; offset NULL (the kernels form -8 d;
  *         given, it gets -8 d as float16)
  *   Q4_1  as Q4_0, offset [g, nb, 16] float16: the block's minimum m
+ *   Q5_0  tiles [g, nb, 5, 16, 4]: the low 4 bits of the codes as Q4_0's, then the plane of their fifth bits
+ *         (as Q5_K's below), scale as Q4_0's, offset NULL (the kernels form -16 d; given, it gets -16 d)
+ *   Q5_1  as Q5_0, offset [g, nb, 16] float16: the block's minimum m
  *   Q8_0  tiles [g, nb, 8, 16, 4] codes q + 128, scale as Q4_0's, offset NULL (-128 d) or as Q4_0's
  *   Q4_K  tiles [g, nb, 4, 16, 4] 4-bit, scale [g, nb, 2, 16] uint8: sc | m, offset [g, ns, 2, 16] float16:
  *         d | dmin (sc 0 where d is 0, m 0 where dmin is 0)
@@ -34,6 +37,8 @@
 #define GGUF_Q4_K 3
 #define GGUF_Q6_K 4
 #define GGUF_Q4_1 5
+#define GGUF_Q5_0 6
+#define GGUF_Q5_1 7
 
 static inline int outside(float v, float limit) { return !(v <= limit && v >= -limit); }
 
@@ -58,9 +63,12 @@ static inline uint32_t nibble_vector(const uint8_t *q, int v, int high) {
 
 static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, uint8_t *tiles, uint16_t *scale,
                                uint16_t *offset) {
-    const int eight = kind == GGUF_Q8_0, with_min = kind == GGUF_Q4_1;
-    const size_t bytes = eight ? 34 : with_min ? 20 : 18, vec = eight ? 512 : 256, codes = with_min ? 4 : 2;
-    const float limit = 65504.0f / (eight ? 128 : 32), factor = eight ? -128.0f : -8.0f;
+    const int eight = kind == GGUF_Q8_0, with_min = kind == GGUF_Q4_1 || kind == GGUF_Q5_1;
+    const int five = kind == GGUF_Q5_0 || kind == GGUF_Q5_1;
+    /* Q5_0 / Q5_1: d (and m), then qh, the codes' fifth bits (bit e: input e's), then the nibbles as Q4_0's */
+    const size_t bytes = eight ? 34 : (with_min ? 20 : 18) + (five ? 4 : 0), vec = eight ? 512 : five ? 320 : 256;
+    const size_t qh = with_min ? 4 : 2, codes = qh + (five ? 4 : 0);
+    const float limit = 65504.0f / (eight ? 128 : 32), factor = eight ? -128.0f : five ? -16.0f : -8.0f;
     int64_t bad = 0;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + b * bytes;
@@ -80,6 +88,13 @@ static int64_t group_q4_0_q8_0(int kind, const uint8_t *row, int c, int64_t nb, 
             for (int v = 0; v < 8; v++) store4(block + v * 64, load4(p + 2 + 4 * v) ^ 0x80808080u);
         } else { /* inputs 0..15 are qs[0..15]'s low nibbles, 16..31 their high ones */
             for (int v = 0; v < 4; v++) store4(block + v * 64, nibble_vector(p + codes, v & 1, v >> 1));
+            if (five) { /* the plane's byte i, bit t: the fifth bit of input 4t + i */
+                const uint32_t h = load4(p + qh);
+                uint32_t plane = 0;
+                for (int i = 0; i < 4; i++)
+                    for (int t = 0; t < 8; t++) plane |= ((h >> (4 * t + i)) & 1u) << (8 * i + t);
+                store4(block + 4 * 64, plane);
+            }
         }
     }
     return bad;
@@ -161,7 +176,7 @@ int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int
                       void *tiles, void *scale, void *offset, int num_threads) {
     const int64_t groups = N / TILE, nb = K / 32, ns = K / 256;
     const int64_t vec = kind == GGUF_Q6_K   ? 384
-                        : kind == GGUF_Q5_K ? 320
+                        : (kind == GGUF_Q5_K || kind == GGUF_Q5_0 || kind == GGUF_Q5_1) ? 320
                         : (kind == GGUF_Q4_0 || kind == GGUF_Q4_1 || kind == GGUF_Q4_K) ? 256
                                                                                          : 512;
     int64_t bad = 0;
@@ -174,6 +189,8 @@ int64_t gguf_relayout(int kind, const uint8_t *src, int64_t row_bytes, const int
             switch (kind) {
             case GGUF_Q4_0:
             case GGUF_Q4_1:
+            case GGUF_Q5_0:
+            case GGUF_Q5_1:
             case GGUF_Q8_0:
                 bad += group_q4_0_q8_0(kind, row, c, nb, tile, (uint16_t *)scale + t * nb * TILE,
                                        offset ? (uint16_t *)offset + t * nb * TILE : NULL);

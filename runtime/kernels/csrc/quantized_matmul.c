@@ -410,16 +410,21 @@ _Static_assert(GEMM_ROWS_4BIT <= 4 && GEMM_ROWS_8BIT <= 6, "gemm_pair's tile swi
  * super-block has the same d, dmin, sc and m); 5.625 bits a weight (the file: 5.5; the 8-bit tiles: 9). */
 #define KQ4 14
 #define KQ5 15
+/* bits 5: Q5_0's and Q5_1's codes (0..31) as KQ5's, the 4-bit tiles of their low 4 bits and the plane of their
+ * fifth bits, with the float16 scale (and offset) per block of bits 4: Q5_0's d with no offset array (the
+ * kernels form -16 d), Q5_1's d and m. 5.5 and 6 bits a weight, as in the file. */
 static inline int kquant(int bits) { return bits == KQ4 || bits == KQ5; }
-static inline int four_bit(int bits) { return bits == 4 || kquant(bits); }
+static inline int four_bit(int bits) { return bits == 4 || bits == 5 || kquant(bits); }
+/* codes of 5 bits: a plane of fifth bits after the block's 4 nibble vectors */
+static inline int fifth(int bits) { return bits == 5 || bits == KQ5; }
 /* 64-byte vectors a block of one group holds */
-static inline int block_vectors(int bits) { return bits == KQ5 ? 5 : four_bit(bits) ? 4 : 8; }
+static inline int block_vectors(int bits) { return fifth(bits) ? 5 : four_bit(bits) ? 4 : 8; }
 static inline int gemm_rows(int bits) { return four_bit(bits) ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
 
 /* bits 4 and 8 without an offset array (toffset NULL): a symmetric type's tiles (Q4_0's codes, Q8_0's + 128),
  * w = d * code + c d with c = -8 or -128, c d formed in float32 (exact: c is a power of 2) instead of read as a
  * float16 (the same value wherever that held it), so the tiles hold the file's bits a weight. */
-static inline float symmetric_offset(int bits) { return bits == 4 ? -8.0f : -128.0f; }
+static inline float symmetric_offset(int bits) { return bits == 4 ? -8.0f : bits == 5 ? -16.0f : -128.0f; }
 
 /* Column col (0..15) of group gg's block b: its step d and offset o (w = d * code + o). */
 static inline void block_scale(const uint16_t *tscale, const uint16_t *toffset, int bits, int64_t nb, int64_t gg,
@@ -461,7 +466,7 @@ static inline int tiled_code(const uint8_t *tiles, int64_t nb, int bits, int64_t
         const int vecs = block_vectors(bits);
         const uint8_t byte = tiles[((g * nb + b) * vecs + i / 8) * 64 + j * 4 + (i % 4)];
         const int low = (i % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
-        if (bits != KQ5) return low;
+        if (!fifth(bits)) return low;
         const uint8_t plane = tiles[((g * nb + b) * vecs + 4) * 64 + j * 4 + (i % 4)];
         return low | (((plane >> (i / 4)) & 1) << 4);
     }
@@ -520,7 +525,7 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
         __m512i ia[GEMM_ROWS_MAX][2];
         for (int r = 0; r < rows; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
         __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
-        if (bits == KQ5) {
+        if (fifth(bits)) {
             plane0 = _mm512_loadu_si512((const void *)(c0 + 4 * 64));
             plane1 = _mm512_loadu_si512((const void *)(c1 + 4 * 64));
         }
@@ -530,7 +535,7 @@ static inline __attribute__((always_inline)) void gemm_tile_vnni(const uint8_t *
             if (four) {
                 __m512i a0 = _mm512_and_si512(raw0, low4), a1 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4);
                 __m512i b0 = _mm512_and_si512(raw1, low4), b1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4);
-                if (bits == KQ5) {
+                if (fifth(bits)) {
                     a0 = _mm512_or_si512(a0, fifth_bits_vnni(plane0, 2 * v));
                     a1 = _mm512_or_si512(a1, fifth_bits_vnni(plane0, 2 * v + 1));
                     b0 = _mm512_or_si512(b0, fifth_bits_vnni(plane1, 2 * v));
@@ -637,7 +642,7 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                 for (int v = 0; v < 4; v++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + v * 64));
                     __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    if (bits == KQ5) {
+                    if (fifth(bits)) {
                         const __m256i plane = _mm256_loadu_si256((const __m256i *)(c + 4 * 64));
                         lo = _mm256_or_si256(lo, fifth_bits_avx2(plane, 2 * v));
                         hi = _mm256_or_si256(hi, fifth_bits_avx2(plane, 2 * v + 1));
@@ -649,14 +654,14 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *
                         memcpy(&x1, x4 + 4, sizeof x1);
                         const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0));
                         const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1));
-                        if (bits == KQ5) /* 5-bit products: each vector's pair summed to 32 bits */
+                        if (fifth(bits)) /* 5-bit products: each vector's pair summed to 32 bits */
                             ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones));
                         else
                             ia[r] = _mm256_add_epi16(_mm256_add_epi16(ia[r], plo), phi);
                         PIN(ia[r]);
                     }
                 }
-                if (bits != KQ5)
+                if (!fifth(bits))
                     for (int r = 0; r < rows; r++) ia[r] = _mm256_madd_epi16(ia[r], ones);
             } else {
                 for (int r = 0; r < rows; r++) ia[r] = _mm256_set1_epi32(128 * xs[(m0 + r) * nb + b]);
@@ -719,7 +724,7 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
                 for (int q = 0; q < 4; q++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(cq[q] + v * 64));
                     __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    if (bits == KQ5) { /* 5-bit products: each vector's pair summed to 32 bits */
+                    if (fifth(bits)) { /* 5-bit products: each vector's pair summed to 32 bits */
                         const __m256i plane = _mm256_loadu_si256((const __m256i *)(cq[q] + 4 * 64));
                         lo = _mm256_or_si256(lo, fifth_bits_avx2(plane, 2 * v));
                         hi = _mm256_or_si256(hi, fifth_bits_avx2(plane, 2 * v + 1));
@@ -732,7 +737,7 @@ static inline __attribute__((always_inline)) void gemm_row1_avx2(const uint8_t *
                     PIN(ia[q]);
                 }
             }
-            if (bits != KQ5)
+            if (!fifth(bits))
                 for (int q = 0; q < 4; q++) ia[q] = _mm256_madd_epi16(ia[q], ones);
         } else {
             for (int q = 0; q < 4; q++) ia[q] = _mm256_set1_epi32(128 * xs[b]);
@@ -903,6 +908,8 @@ static inline __attribute__((always_inline)) void gemm_pair(
 #define ROW1(B) gemm_row1_avx2(tiles, tscale, toffset, nb, B, gg, xq + m0 * K, dx + m0 * nb, sx + m0 * nb, xs + m0 * nb, t, pf_g)
                     if (bits == 4)
                         ROW1(4);
+                    else if (bits == 5)
+                        ROW1(5);
                     else if (bits == KQ4)
                         ROW1(KQ4);
                     else if (bits == KQ5)
@@ -918,6 +925,13 @@ static inline __attribute__((always_inline)) void gemm_pair(
                     case 3: GEMM_TILE(4, 3); break;
                     case 2: GEMM_TILE(4, 2); break;
                     default: GEMM_TILE(4, 1); break;
+                    }
+                } else if (bits == 5) {
+                    switch (rows) {
+                    case 4: GEMM_TILE(5, 4); break;
+                    case 3: GEMM_TILE(5, 3); break;
+                    case 2: GEMM_TILE(5, 2); break;
+                    default: GEMM_TILE(5, 1); break;
                     }
                 } else if (bits == KQ4) {
                     switch (rows) {
@@ -1319,7 +1333,7 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     CHECK(M >= 0, M);
     CHECK(K > 0 && K % QBLOCK == 0, K);
     CHECK(N > 0, N);
-    CHECK(bits == 4 || bits == 6 || bits == 8 || kquant(bits), bits);
+    CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8 || kquant(bits), bits);
     CHECK((bits != 6 && !kquant(bits)) || K % 256 == 0, K);
     CHECK(num_threads > 0, num_threads);
     CHECK_PTR(x, M);
@@ -1329,7 +1343,7 @@ void quantized_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8
     CHECK(ldo >= (silu ? N / 2 : N), ldo);
     CHECK_PTR(tiles, 1);
     CHECK_PTR(tscale, 1);
-    if (bits != 4 && bits != 8) CHECK_PTR(toffset, 1); /* 4 and 8: NULL for a symmetric type (symmetric_offset) */
+    if (bits != 4 && bits != 5 && bits != 8) CHECK_PTR(toffset, 1); /* NULL: a symmetric type (symmetric_offset) */
     const int64_t nb = K / QBLOCK;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
