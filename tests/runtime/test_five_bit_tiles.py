@@ -14,9 +14,10 @@ from gguf import quants
 
 from runtime.kernels.quantized_matmul import FIVE_BITS, NativeMatmul
 from runtime.quant.gguf_blocks import GGUFBlocks
-from runtime.quant.linear import BlockEmbedding, pack_gguf
+from runtime.quant.linear import pack_gguf
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
-from tests.runtime.test_kquant_kernels import ggml, kernel_bound, llama_quantize  # noqa: F401 (ggml: a fixture)
+from tests.runtime.test_kquant_kernels import ggml, llama_quantize  # noqa: F401 (ggml: a fixture)
+from tests.runtime.test_kquant_tiles import assert_lookups_are, assert_tiles_product
 
 N, K = 96, 640  # K a whole number of blocks of 32 but not of 256, as Gemma 3 270M's width
 
@@ -47,25 +48,15 @@ def test_tiles_hold_the_files_bits_a_weight(real_blocks):
 
 def test_rows_read_back_are_ggml_dequantization(real_blocks):
     blocks, exact = real_blocks
-    table = BlockEmbedding(five_bit(blocks), torch.float32)
-    ids = torch.tensor([[0, 17, 95], [50, 3, 64]])
-    assert torch.equal(table[ids], torch.from_numpy(exact[ids.numpy()]))
+    assert_lookups_are(five_bit(blocks), exact)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_tiles_compute_the_product_and_every_level_the_same_bits(real_blocks, rows, dtype, kernel_level):  # noqa: F811
     blocks, exact = real_blocks
-    w = five_bit(blocks)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    got = w.gemm(x, out_dtype=torch.float32)
-    assert torch.equal(got, w.gemm(x, out_dtype=torch.float32, portable=True))
-    xf = x.float().numpy()
-    assert (
-        np.abs(got.numpy() - xf.astype(np.float64) @ exact.T.astype(np.float64)) <= kernel_bound(blocks, xf)
-    ).all()
-    if rows > 1:  # a row alone gets the bits it gets among others
-        assert torch.equal(w.gemm(x[1:2], out_dtype=torch.float32)[0], got[1])
+    assert_tiles_product(five_bit(blocks), blocks, exact, x)
 
 
 @pytest.mark.parametrize("rows", [1, 6])

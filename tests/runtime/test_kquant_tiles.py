@@ -43,25 +43,38 @@ def test_fields_are_the_files_and_rebuild_its_weights(real_blocks):
     assert np.array_equal(w.reshape(N, K), exact)
 
 
-def test_lookups_are_ggml_dequantization(real_blocks):
-    blocks, exact = real_blocks
-    table = BlockEmbedding(KINDS[blocks.kind][0](*blocks.q4_k_fields()), torch.float32)
+def assert_lookups_are(w: NativeMatmul, exact: np.ndarray) -> None:
+    """Rows looked up from the tiles (a tied embedding) are `exact`'s, bit for bit."""
+    table = BlockEmbedding(w, torch.float32)
     ids = torch.tensor([[0, 17, 95], [50, 3, 64]])
     assert torch.equal(table[ids], torch.from_numpy(exact[ids.numpy()]))
+
+
+def assert_tiles_product(w: NativeMatmul, blocks: GGUFBlocks, exact: np.ndarray, x: torch.Tensor) -> None:
+    """The tiles' product with x is the portable loops' bit for bit, within kernel_bound of x exact^T, and a
+    row alone gets the bits it gets among others."""
+    got = w.gemm(x, out_dtype=torch.float32)
+    assert torch.equal(got, w.gemm(x, out_dtype=torch.float32, portable=True))
+    xf = x.float().numpy()
+    assert (
+        np.abs(got.numpy() - xf.astype(np.float64) @ exact.T.astype(np.float64)) <= kernel_bound(blocks, xf)
+    ).all()
+    if x.shape[0] > 1:
+        assert torch.equal(w.gemm(x[1:2], out_dtype=torch.float32)[0], got[1])
+
+
+def test_lookups_are_ggml_dequantization(real_blocks):
+    blocks, exact = real_blocks
+    assert_lookups_are(KINDS[blocks.kind][0](*blocks.q4_k_fields()), exact)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_tiles_compute_the_product_and_every_level_the_same_bits(real_blocks, rows, dtype, kernel_level):  # noqa: F811
     blocks, exact = real_blocks
-    w = KINDS[blocks.kind][0](*blocks.q4_k_fields())
-    x = torch.randn(rows, K).to(dtype)
-    got = w.gemm(x, out_dtype=torch.float32)
-    assert torch.equal(got, w.gemm(x, out_dtype=torch.float32, portable=True))
-    xf = x.float().numpy()
-    assert (np.abs(got.numpy() - xf @ exact.T) <= kernel_bound(blocks, xf)).all()
-    if rows > 1:  # a row alone gets the bits it gets among others
-        assert torch.equal(w.gemm(x[1:2], out_dtype=torch.float32)[0], got[1])
+    assert_tiles_product(
+        KINDS[blocks.kind][0](*blocks.q4_k_fields()), blocks, exact, torch.randn(rows, K).to(dtype)
+    )
 
 
 def test_the_level_with_these_tiles_packs_the_kind_in_them(real_blocks):
