@@ -113,15 +113,17 @@ def test_float16_edges_and_scales_that_do_not_fit(kernel_level):  # noqa: F811
     )
 
 
-def test_mixed_kinds_stack_per_kind(kernel_level):  # noqa: F811
-    """q and k in Q4_K, v in Q6_K (a Q4_K_M layer): one multiplication per part, the same
-    products as the parsed blocks' StackedMatmul."""
-    parts = [
-        GGUFRaw(k, random_raw(k, 32, K, seed=i), (32, K)) for i, k in enumerate(["Q4_K", "Q4_K", "Q6_K"])
-    ]
+@pytest.mark.parametrize("kinds", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q5_0", "Q8_0")])
+def test_mixed_kinds_stack_per_kind(kinds, kernel_level):  # noqa: F811
+    """q and k in Q4_K, v in Q6_K (a Q4_K_M layer), or q and k in Q5_0, v in Q8_0 (Gemma 3 270M's): one
+    multiplication per run of one kind (q and k together), the same products as the parsed blocks'
+    StackedMatmul of one per part."""
+    parts = [GGUFRaw(k, random_raw(k, 32, K, seed=i), (32, K)) for i, k in enumerate(kinds)]
     if not relayable(parts, torch.float32):
+        assert kernel_level == "generic"
         return
     w = pack_raw(parts, torch.float32)
+    assert [p.out_features for p in w.native.parts] == [64, 32]
     from runtime.quant.linear import pack_stacked
 
     ref = pack_stacked(
