@@ -13,7 +13,9 @@ greedy tokens.
 
 The weights are repacked once at load (the layout is in the C file's header):
 the codes stay 4-bit (Q4_0, Q4_1, 4-bit re-quantized) or 8-bit (Q8_0, int8),
-with a float16 scale and offset per block, w = scale * code + offset.
+with a float16 scale and offset per block, w = scale * code + offset; with the
+vector loops Q5_0 / Q5_1 and the K-quants have tiles of their own (q5, q4_k,
+q5_k, q6_k below).
 """
 
 from __future__ import annotations

@@ -421,9 +421,9 @@ static inline int fifth(int bits) { return bits == 5 || bits == KQ5; }
 static inline int block_vectors(int bits) { return fifth(bits) ? 5 : four_bit(bits) ? 4 : 8; }
 static inline int gemm_rows(int bits) { return four_bit(bits) ? GEMM_ROWS_4BIT : GEMM_ROWS_8BIT; }
 
-/* bits 4 and 8 without an offset array (toffset NULL): a symmetric type's tiles (Q4_0's codes, Q8_0's + 128),
- * w = d * code + c d with c = -8 or -128, c d formed in float32 (exact: c is a power of 2) instead of read as a
- * float16 (the same value wherever that held it), so the tiles hold the file's bits a weight. */
+/* bits 4, 5 and 8 without an offset array (toffset NULL): a symmetric type's tiles (Q4_0's codes, Q5_0's, Q8_0's
+ * + 128), w = d * code + c d with c = -8, -16 or -128, c d formed in float32 (exact: c is a power of 2) instead of
+ * read as a float16 (the same value wherever that held it), so the tiles hold the file's bits a weight. */
 static inline float symmetric_offset(int bits) { return bits == 4 ? -8.0f : bits == 5 ? -16.0f : -128.0f; }
 
 /* Column col (0..15) of group gg's block b: its step d and offset o (w = d * code + o). */
@@ -618,7 +618,7 @@ static inline __attribute__((always_inline)) __m256i fifth_bits_avx2(__m256i pla
  * keeps 2 accumulators per row (the block's integer sums, the float total) and the weight vectors it unpacks in
  * registers. 4-bit: vpmaddubsw's 16-bit pair sums of a block's 8 vectors (low and high nibbles) add up in 16 bits
  * (8 x 2 x 15 x 127 = 30,480 at most) before one vpmaddwd; 8-bit: each vector's products are summed to 32 bits
- * (dot_s8_avx2), on 128 x the row's block sum; 5-bit (KQ5): each vector's two products (2 x 2 x 31 x 128 at most)
+ * (dot_s8_avx2), on 128 x the row's block sum; 5-bit (bits 5, KQ5): each vector's two products (2 x 2 x 31 x 128 at most)
  * summed to 32 bits. The same integers as the VNNI tile, then the same float
  * operations per column (s = d * dx; acc += s * sum; acc += o * sx): the same results, bit for bit. */
 static inline __attribute__((always_inline)) void gemm_tile_avx2(const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb,
