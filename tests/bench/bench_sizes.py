@@ -5,9 +5,10 @@ into the types people download), this engine against llama.cpp built for this CP
 Per file: decode 1, 8 and 32 streams (tokens/s over decode-only steps, 64-token prompts, 48 new tokens),
 prefill 512 (one prompt), load time (the file read into the page cache first), resident memory after load
 and peak while loading (VmRSS / VmHWM of a fresh process, less its own before the load; no KV cache beyond
-what the engine makes), and the bandwidth roofline of one stream (read bandwidth measured now / bytes of the
-weights a step reads). llama.cpp: decode 1 stream and a batch of 8 sequences (its own timings / wall time of
-llama_decode), prefill 512, load time.
+what the engine makes), and the bandwidth roofline of one stream (read bandwidth / bytes of the weights a step
+reads; the bandwidth measured just before each engine's one-stream decode, in the same process or just before
+llama.cpp's, since the host's moves from minute to minute). llama.cpp: decode 1 stream and a batch of 8
+sequences (its own timings / wall time of llama_decode), prefill 512, load time.
 Each engine runs in a fresh process per file and round, ours and llama.cpp alternating, `BENCH_SIZES_ROUNDS`
 rounds (default 2); medians are shown, with the spread of the decode figures.
 
@@ -42,6 +43,7 @@ import json, statistics, sys, time, torch
 torch.set_num_threads(THREADS)
 from runtime import Engine
 from tests.bench.bench_engine import decode_rate, prefill_rate
+from tests.bench.roofline import memory_bandwidth
 path = sys.argv[1]
 rss0 = status("VmRSS")
 start = time.perf_counter()
@@ -52,6 +54,7 @@ kv = resident(pool.data_ptr(), pool.numel() * pool.element_size())  # the pool's
 out = {"load_s": load, "rss": status("VmRSS") - rss0 - kv, "peak": status("VmHWM") - rss0, "kv_bytes": kv,
        "weight_bytes": engine.model.weight_bytes, "dtype": str(engine.model.dtype).replace("torch.", "")}
 out["prefill"] = prefill_rate(engine)
+out["bw"] = memory_bandwidth()  # the minute of the one-stream decode that follows
 for b in (1, 8, 32):
     out[f"x{b}"] = statistics.median(decode_rate(engine, b)[0] for _ in range(3 if b == 1 else 1))
 print(json.dumps(out))
@@ -106,14 +109,15 @@ def run() -> dict:
             for _ in range(ROUNDS):
                 for level in ours:
                     ours[level].append(_child(_OURS, path, {"PRESCIENT_ISA": level}))
-                cpp.append(llama_cpp_native.measure(path, THREADS))
+                bw = memory_bandwidth()  # the minute of llama.cpp's decode
+                cpp.append({**llama_cpp_native.measure(path, THREADS), "bw": bw})
             raw.append({"size": size, "type": kind, "file_bytes": file_bytes, "ours": ours, "llama_cpp": cpp})
 
             def med(runs, key):
                 return statistics.median(r[key] for r in runs)
 
             for level, runs in ours.items():
-                roofline = bandwidth / med(runs, "weight_bytes")
+                roofline = med(runs, "bw") / med(runs, "weight_bytes")
                 rows.append(
                     {
                         "model": f"{size} {kind}",
@@ -142,7 +146,7 @@ def run() -> dict:
                     "file MiB": file_bytes / 2**20,
                     "x1": med(cpp, "x1"),
                     "x1 spread": _spread([r["x1"] for r in cpp]),
-                    "x1 / roofline": med(cpp, "x1") / (bandwidth / file_bytes),
+                    "x1 / roofline": med(cpp, "x1") / (med(cpp, "bw") / file_bytes),
                     "x8": med(cpp, "x8"),
                     "prefill 512": med(cpp, "prefill"),
                     "rss / file": med(cpp, "rss") / file_bytes,
@@ -157,9 +161,11 @@ def run() -> dict:
         "notes": [
             f"CPU: {llama_cpp_native.cpu_description()}",
             f"llama.cpp (llama-cpp-python {llama_cpp_native.VERSION}, native build): {system}",
-            f"memory read bandwidth measured now: {bandwidth / 1e9:.1f} GB/s; threads {THREADS}; rounds {ROUNDS}",
-            "roofline of one stream: bandwidth / bytes of weights a step reads (ours: the engine's count; "
-            "llama.cpp: the file's size)",
+            f"memory read bandwidth at the start: {bandwidth / 1e9:.1f} GB/s, before each decode: "
+            f"{_spread([r['bw'] / 1e9 for f in raw for runs in (*f['ours'].values(), f['llama_cpp']) for r in runs])}"
+            f" GB/s; threads {THREADS}; rounds {ROUNDS}",
+            "roofline of one stream: the bandwidth measured just before that engine's decode (median over the "
+            "rounds) / bytes of weights a step reads (ours: the engine's count; llama.cpp: the file's size)",
             "peak / file: the load's peak resident set less the KV pool's resident pages; rss / file: after load, "
             "less those",
         ],
