@@ -34,19 +34,25 @@ def assert_same(ours: tuple, theirs: tuple) -> None:
         assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def nibble_codes(tiles: torch.Tensor, tile: torch.Tensor, column: torch.Tensor, fifth: bool) -> torch.Tensor:
+    """The 4-bit tiles' codes of the columns [rows, blocks, 32] int32: vector v's low nibbles inputs 8v..8v+3
+    of the block, its high nibbles 8v+4..8v+7; `fifth`: with the plane after them (its byte i's bit t: the
+    fifth bit of input 4t + i)."""
+    raw = tiles[tile, :, :4, column, :]
+    codes = torch.stack([raw & 0x0F, raw >> 4], dim=-2).reshape(tile.shape[0], -1, qm.GROUP).to(torch.int32)
+    if fifth:
+        plane = tiles[tile, :, 4, column, :].to(torch.int32)  # [rows, blocks, i]
+        t = torch.arange(8, dtype=torch.int32)[:, None]
+        codes = codes | ((((plane[:, :, None, :] >> t) & 1).reshape(tile.shape[0], -1, qm.GROUP)) << 4)
+    return codes
+
+
 def torch_tile_rows(native: NativeMatmul, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a weight held in tiles, read from the tile layout by torch ops: the C lookup's oracle."""
     tiles, scale, offset = native.tiles
     tile, column = ids // qm.TILE_COLUMNS, ids % qm.TILE_COLUMNS
     if native.bits in (qm.KQ4_BITS, qm.KQ5_BITS):  # w = (d sc) code - (dmin m), each product in float32
-        codes = tiles[tile, :, :4, column, :]
-        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2).reshape(ids.shape[0], -1, qm.GROUP)
-        if native.bits == qm.KQ5_BITS:  # the plane's bit t of byte i: the fifth bit of input 4t + i
-            plane = tiles[tile, :, 4, column, :].to(torch.int32)  # [rows, blocks, i]
-            t = torch.arange(8, dtype=torch.int32)[:, None]
-            fifth = ((plane[:, :, None, :] >> t) & 1).reshape(ids.shape[0], -1, qm.GROUP)
-            codes = codes.to(torch.int32) | (fifth << 4)
-        codes = codes.float()
+        codes = nibble_codes(tiles, tile, column, native.bits == qm.KQ5_BITS).float()
         scm = scale[tile, :, :, column].float()  # [rows, blocks, sc | m]
         dd = offset[tile, :, :, column].float().repeat_interleave(256 // qm.GROUP, dim=1)  # [rows, blocks, 2]
         step, low = dd[..., 0] * scm[..., 0], dd[..., 1] * scm[..., 1]
@@ -60,15 +66,10 @@ def torch_tile_rows(native: NativeMatmul, ids: torch.Tensor) -> torch.Tensor:
         d = scale[tile, :, column].float().repeat_interleave(16, dim=1)  # [rows, sub-blocks]
         step = d * offset[tile, :, column, :].reshape(ids.shape[0], -1).float()
         return (step.unsqueeze(-1) * q.float()).view(ids.shape[0], native.in_features)
-    codes = tiles[tile, :, :, column, :]  # [rows, blocks, vectors, 4]
-    if native.bits in (4, qm.FIVE_BITS):  # low nibbles: inputs 8v..8v+3 of the block, high nibbles 8v+4..8v+7
-        nibbles = torch.stack([codes[:, :, :4] & 0x0F, codes[:, :, :4] >> 4], dim=-2)
-        codes = nibbles.reshape(ids.shape[0], -1, qm.GROUP).to(torch.int32)
-        if native.bits == qm.FIVE_BITS:  # the plane's bit t of byte i: the fifth bit of input 4t + i
-            t = torch.arange(8, dtype=torch.int32)[:, None]
-            fifth = (tiles[tile, :, 4, column, :].to(torch.int32)[:, :, None, :] >> t) & 1
-            codes = codes | (fifth.reshape(ids.shape[0], -1, qm.GROUP) << 4)
-    codes = codes.reshape(ids.shape[0], -1, qm.GROUP).float()
+    if native.bits in (4, qm.FIVE_BITS):
+        codes = nibble_codes(tiles, tile, column, native.bits == qm.FIVE_BITS).float()
+    else:  # 8-bit: vector v holds inputs 4v..4v+3 of the block
+        codes = tiles[tile, :, :, column, :].reshape(ids.shape[0], -1, qm.GROUP).float()
     s = scale[tile, :, column].float()  # [rows, blocks]
     o = offset[tile, :, column].float() if offset.numel() else s * qm.SYMMETRIC_OFFSET[native.bits]
     return (codes * s.unsqueeze(-1) + o.unsqueeze(-1)).view(ids.shape[0], native.in_features)

@@ -17,9 +17,9 @@ import pytest
 import torch
 from gguf import quants
 
-from runtime.kernels.quantized_matmul import NativeMatmul, vector_loops
+from runtime.kernels.quantized_matmul import NativeMatmul
 from runtime.quant.gguf_blocks import BLOCK_BYTES, BLOCK_ELEMENTS, GGUFBlocks
-from runtime.quant.linear import BlockEmbedding, Int4Linear, pack_gguf
+from runtime.quant.linear import BlockEmbedding, Int4Linear, pack_gguf, pack_native
 from runtime.quant.resolve import make_linear
 from tests.runtime.native_levels import kernel_level  # noqa: F401 (a fixture)
 
@@ -88,18 +88,12 @@ def kernel_bound(blocks: GGUFBlocks, x: np.ndarray) -> np.ndarray:
 
 
 def native_for(blocks: GGUFBlocks, **kwargs) -> NativeMatmul:
-    """The C kernels' layout pack_gguf gives these blocks: Q6_K's 6-bit tiles, Q5_0's and Q5_1's 5-bit ones
-    where the library has vector loops (unless tiles=False), else the affine one."""
+    """The C kernels' layout pack_gguf gives these blocks: Q6_K's 6-bit tiles, Q5_0's and Q5_1's where
+    pack_native makes their 5-bit tiles (unless tiles=False), else the affine one."""
     if blocks.kind == "Q6_K":
         return NativeMatmul.q6_k(*blocks.q6_k_fields())
-    if (
-        blocks.kind in ("Q5_0", "Q5_1")
-        and kwargs.get("tiles", True)
-        and blocks.shape[0] % 32 == 0
-        and vector_loops()
-    ):
-        codes, scale, offset, _ = blocks.affine(factor=True)
-        return NativeMatmul.q5(codes, scale, offset)
+    if blocks.kind in ("Q5_0", "Q5_1") and kwargs.get("tiles", True):
+        return pack_native(blocks, torch.float32).native
     return NativeMatmul(*blocks.affine(), **kwargs)
 
 

@@ -838,11 +838,6 @@ static inline void store_tile_rows(const float *tile, int rows, int64_t m0, int6
     }
 }
 
-/* Column pair g (columns 16g .. 16g + 31) for rows mc .. mend - 1, a tile of `step` rows at a time: the next
- * pair's weights come from memory while this one's are reused from cache by every row group, each group
- * prefetching its share of the blocks. With `silu`, pair g is a gate pair of the fused gate-up weight (its
- * first N / 2 columns): the up pair N / 32 groups on is computed for the same rows, and SiLU(gate) x up goes
- * to out [M, N / 2]. */
 #if QMM_VNNI || QMM_AVX2
 /* A K-quant pair's block scales (block_scale's d and o, the same floats) once for all its row tiles: [nb][group
  * g, g + 1][d, o][16 columns]. Formed in each tile they cost about as much as a row's own scaling. */
@@ -867,6 +862,11 @@ static void pair_scales(const uint16_t *tscale, const uint16_t *toffset, int bit
 }
 #endif
 
+/* Column pair g (columns 16g .. 16g + 31) for rows mc .. mend - 1, a tile of `step` rows at a time: the next
+ * pair's weights come from memory while this one's are reused from cache by every row group, each group
+ * prefetching its share of the blocks. With `silu`, pair g is a gate pair of the fused gate-up weight (its
+ * first N / 2 columns): the up pair N / 32 groups on is computed for the same rows, and SiLU(gate) x up goes
+ * to out [M, N / 2]. */
 static inline __attribute__((always_inline)) void gemm_pair(
     const uint8_t *tiles, const uint16_t *tscale, const uint16_t *toffset, int64_t nb, int bits, int64_t g, int64_t N,
     const int8_t *xq, const float *dx, const float *sx, const int32_t *xs, int64_t K, int64_t mc, int64_t mend,
@@ -919,34 +919,22 @@ static inline __attribute__((always_inline)) void gemm_pair(
 #undef ROW1
                 } else
 #endif
+/* the 4-bit tiles' kinds: a constant `bits` and row count per call */
+#define GEMM_TILE_4BIT(B)                                                                                         \
+    switch (rows) {                                                                                               \
+    case 4: GEMM_TILE(B, 4); break;                                                                               \
+    case 3: GEMM_TILE(B, 3); break;                                                                               \
+    case 2: GEMM_TILE(B, 2); break;                                                                               \
+    default: GEMM_TILE(B, 1); break;                                                                              \
+    }
                 if (bits == 4) {
-                    switch (rows) {
-                    case 4: GEMM_TILE(4, 4); break;
-                    case 3: GEMM_TILE(4, 3); break;
-                    case 2: GEMM_TILE(4, 2); break;
-                    default: GEMM_TILE(4, 1); break;
-                    }
+                    GEMM_TILE_4BIT(4)
                 } else if (bits == 5) {
-                    switch (rows) {
-                    case 4: GEMM_TILE(5, 4); break;
-                    case 3: GEMM_TILE(5, 3); break;
-                    case 2: GEMM_TILE(5, 2); break;
-                    default: GEMM_TILE(5, 1); break;
-                    }
+                    GEMM_TILE_4BIT(5)
                 } else if (bits == KQ4) {
-                    switch (rows) {
-                    case 4: GEMM_TILE(KQ4, 4); break;
-                    case 3: GEMM_TILE(KQ4, 3); break;
-                    case 2: GEMM_TILE(KQ4, 2); break;
-                    default: GEMM_TILE(KQ4, 1); break;
-                    }
+                    GEMM_TILE_4BIT(KQ4)
                 } else if (bits == KQ5) {
-                    switch (rows) {
-                    case 4: GEMM_TILE(KQ5, 4); break;
-                    case 3: GEMM_TILE(KQ5, 3); break;
-                    case 2: GEMM_TILE(KQ5, 2); break;
-                    default: GEMM_TILE(KQ5, 1); break;
-                    }
+                    GEMM_TILE_4BIT(KQ5)
                 } else {
                     switch (rows) {
 #if GEMM_ROWS_8BIT > 4
@@ -960,6 +948,7 @@ static inline __attribute__((always_inline)) void gemm_pair(
                     }
                 }
             } else
+#undef GEMM_TILE_4BIT
 #undef GEMM_TILE
 #endif
                 gemm_tile_portable(tiles, tscale, toffset, nb, bits, gg, xq, dx, sx, K, m0, rows, t);
@@ -1419,7 +1408,7 @@ int quantized_matmul_vectorized(void) { return QMM_VNNI ? 2 : QMM_AVX2 ? 1 : 0; 
 
 /* Rows ids[0..R) of a weight held only in the tiles, as float32 [R][K] (an embedding lookup from a tied LM
  * head's tiles, kernels/quantized_matmul.py, NativeMatmul.dequantize_rows): each weight as the portable loops
- * read it, w = d * code + o (bits 4, 8, KQ4, KQ5; block_scale's d and o) or (d * sc) * (q - 32) (bits 6), one
+ * read it, w = d * code + o (bits 4, 5, 8, KQ4, KQ5; block_scale's d and o) or (d * sc) * (q - 32) (bits 6), one
  * rounding per product and per sum (never fused: the torch expression it replaces rounds each). */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
