@@ -12,13 +12,22 @@ from collections.abc import Iterable, Iterator
 
 
 def alive(pid: int) -> bool:
-    """The process exists and is not a zombie (an orphan's zombie waits for a reaper that may not exist
-    here, but runs nothing)."""
+    """Some thread of the process still runs (or is still exiting). A zombie runs nothing, and an orphan's
+    zombie waits for a reaper that may not exist here; but a killed process's main thread can be a zombie
+    while its other threads still exit, and the files they share (and the flocks on them) are closed only
+    when the last of them does."""
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+        threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/stat") as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def process_stats() -> Iterator[tuple[int, list[str]]]:

@@ -6,16 +6,19 @@ name carries, is still removed by the next loader."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
 from loader import DataLoader, FileDataset
+from loader.cache.reclaim import OWNER_FILE
 from tests.loader.conftest import same
 from tests.processes import group, wait_gone
 
@@ -38,6 +41,23 @@ START_LOADER = textwrap.dedent("""
         time.sleep(600)
     dl.close()
 """)
+
+
+def lock_freed(path, seconds: float) -> bool:
+    """Wait up to `seconds` until nobody holds the flock on `path` (the kernel drops a killed process's locks
+    only when its last thread has exited)."""
+    deadline = time.monotonic() + seconds
+    with open(path, "rb") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+                continue
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return True
 
 
 def start_loader(files, disk, workers: int, then: str, pid_namespace: bool = False) -> subprocess.Popen:
@@ -101,7 +121,8 @@ def test_a_killed_loaders_files_and_unlocked_ones_are_reclaimed(files, tmp_path)
     assert not wait_gone(group(victim.pid), 60)
     # the segment is in the node-wide /dev/shm: a loader that another test starts now may reclaim it first,
     # which is the behaviour under test too; the disk tier is this test's alone
-    assert os.listdir(disk)
+    (left_behind,) = os.listdir(disk)
+    assert lock_freed(disk / left_behind / OWNER_FILE, 60), "the killed loader's directory is still locked"
     # a leftover whose name carries a live pid (ours): a loader of another namespace left it unlocked
     orphan = f"/dev/shm/prescient_{os.getpid()}_00112233aabb"
     with open(orphan, "wb") as handle:
