@@ -39,7 +39,8 @@ from runtime.model.checkpoint_types import (
     check_shapes,
     expected_shapes,
 )
-from runtime.model.gguf_metadata import read_gguf_metadata
+from runtime.model.ggml_types import file_type_name
+from runtime.model.gguf_metadata import read_gguf_header
 from runtime.model.gguf_tensors import read_gguf_tensors
 from runtime.model.gguf_tokenizer import tokenizer_source
 from runtime.model.rope_scaling import longrope_attention_factor
@@ -86,11 +87,9 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 
 def read_gguf(path: Path, name: str, *, with_tokenizer: bool = True) -> Checkpoint:
     """with_tokenizer=False: weights only (TokenizerSource left empty), for a caller that feeds token ids."""
-    import gguf
-
     # the architecture and the vocabulary, checked from the header alone before any weight is read
     try:
-        header = read_gguf_metadata(path)
+        header, table_at = read_gguf_header(path)
     except Exception as exc:  # not a GGUF file, truncated, ...
         raise ValueError(f"model: cannot read {str(path)!r} as GGUF: {exc}") from exc
     if header.get("general.architecture") not in ARCHITECTURES:
@@ -100,7 +99,7 @@ def read_gguf(path: Path, name: str, *, with_tokenizer: bool = True) -> Checkpoi
         )
     source = tokenizer_source(header, str(path)) if with_tokenizer else TokenizerSource()
     try:
-        table = read_gguf_tensors(path)
+        table = read_gguf_tensors(path, (header, table_at))
     except Exception as exc:  # not a GGUF file, truncated, ...
         raise ValueError(f"model: cannot read {str(path)!r} as GGUF: {exc}") from exc
     where = str(path)
@@ -122,11 +121,11 @@ def read_gguf(path: Path, name: str, *, with_tokenizer: bool = True) -> Checkpoi
     file_names: dict[str, str] = {}
     for tname, tensor in tensors.items():
         kind = tensor.tensor_type.name
-        if kind not in PACKED_TYPES and not _dequantizable(gguf, tensor.tensor_type):
+        if kind not in PACKED_TYPES and not _dequantizable(tensor.tensor_type):
             raise ValueError(f"model: {where}: tensor {tname!r} has type {kind}, which is not supported")
         if tname in _ROPE_TENSORS:
             continue
-        for canonical, deferred in _weights(arch, tname, tensor, config, gguf):
+        for canonical, deferred in _weights(arch, tname, tensor, config):
             weights[canonical] = deferred
             file_names[canonical] = tname
     check_shapes({n: w.shape for n, w in weights.items()}, config, where, file_names)
@@ -153,13 +152,17 @@ def _counted(load, progress: Progress):
     return counted
 
 
-def _dequantizable(gguf, qtype) -> bool:
-    """gguf-py de-quantizes this type (F32, F16, BF16, the legacy and K-quants, ...)."""
+def _dequantizable(qtype) -> bool:
+    """A plain float type, or one gguf-py de-quantizes (BF16, the legacy and K-quants, ...)."""
+    if qtype.name in _FLOATS:
+        return True
     from gguf import quants
 
-    return qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) or qtype in getattr(
-        quants, "_type_traits", {}
-    )
+    return qtype in getattr(quants, "_type_traits", {})
+
+
+_FLOATS = ("F32", "F16")
+"""Read as float32 here; every other type that is not packed goes through gguf-py's de-quantizer."""
 
 
 def _config(arch: str, meta, tensors: dict, name: str, where: str) -> ModelConfig:
@@ -251,10 +254,8 @@ def _config(arch: str, meta, tensors: dict, name: str, where: str) -> ModelConfi
 def _quantization(meta, tensors: dict) -> str:
     """The file's quantization as llama.cpp names it (general.file_type: 'Q4_K_M', 'Q4_1', 'F16'), else
     the type most of the matrices' bytes are in."""
-    import gguf
-
     try:
-        return gguf.LlamaFileType(int(meta("general.file_type"))).name.removeprefix("MOSTLY_")
+        return file_type_name(int(meta("general.file_type")))
     except (TypeError, ValueError):
         sizes = Counter()
         for t in tensors.values():
@@ -273,11 +274,11 @@ def _factors(tensor, head_dim: int, where: str) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def _weights(arch: str, tname: str, tensor, config: ModelConfig, gguf):
+def _weights(arch: str, tname: str, tensor, config: ModelConfig):
     """(canonical name, DeferredTensor) pairs for one GGUF tensor (fused ones give several)."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists dims innermost first
     if tname in _GLOBAL_NAMES:
-        yield _GLOBAL_NAMES[tname], _deferred(tensor, shape, gguf)
+        yield _GLOBAL_NAMES[tname], _deferred(tensor, shape)
         return
     parts = tname.split(".")
     prefix = f"model.layers.{parts[1]}." if len(parts) == 4 and parts[0] == "blk" else None
@@ -289,12 +290,12 @@ def _weights(arch: str, tname: str, tensor, config: ModelConfig, gguf):
     if arch == "phi3" and part == "attn_qkv":  # fused: q, k, v row ranges
         bounds = [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
         for proj, lo, hi in zip(("q_proj", "k_proj", "v_proj"), bounds, bounds[1:]):
-            yield f"{prefix}self_attn.{proj}.{suffix}", _deferred(tensor, shape, gguf, rows=(lo, hi))
+            yield f"{prefix}self_attn.{proj}.{suffix}", _deferred(tensor, shape, rows=(lo, hi))
         return
     if arch == "phi3" and part == "ffn_up":  # gate first, then up
         half = shape[0] // 2
-        yield f"{prefix}mlp.gate_proj.{suffix}", _deferred(tensor, shape, gguf, rows=(0, half))
-        yield f"{prefix}mlp.up_proj.{suffix}", _deferred(tensor, shape, gguf, rows=(half, shape[0]))
+        yield f"{prefix}mlp.gate_proj.{suffix}", _deferred(tensor, shape, rows=(0, half))
+        yield f"{prefix}mlp.up_proj.{suffix}", _deferred(tensor, shape, rows=(half, shape[0]))
         return
     if part not in _LAYER_NAMES:
         yield f"{prefix}{part}.{suffix}", DeferredTensor(shape, lambda: None)
@@ -302,12 +303,10 @@ def _weights(arch: str, tname: str, tensor, config: ModelConfig, gguf):
     hf = _LAYER_NAMES[part]
     canonical = f"{prefix}{hf}" if hf.endswith(".weight") else f"{prefix}{hf}.{suffix}"
     heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(part) if arch == "llama" else None
-    yield canonical, _deferred(tensor, shape, gguf, unpermute=heads)
+    yield canonical, _deferred(tensor, shape, unpermute=heads)
 
 
-def _deferred(
-    tensor, shape: tuple[int, ...], gguf, rows=None, unpermute: int | None = None
-) -> DeferredTensor:
+def _deferred(tensor, shape: tuple[int, ...], rows=None, unpermute: int | None = None) -> DeferredTensor:
     """The tensor (or its rows [lo, hi)) read when taken: packed blocks, else de-quantized float32."""
     out_shape = shape if rows is None else (rows[1] - rows[0], *shape[1:])
 
@@ -318,7 +317,7 @@ def _deferred(
             if rows is not None:
                 w = w.take_rows(np.arange(*rows))
         else:
-            w = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            w = _float32(tensor)
             w = w.reshape(shape)
             w = np.array(w if rows is None else w[rows[0] : rows[1]])  # a writable copy
             release_pages(tensor.data)  # copied: the file's pages (a norm's can map 2 MiB) may go
@@ -332,6 +331,15 @@ def _deferred(
         if unpermute:
             raw = raw.take_rows(_unpermuted_order(out_shape[0], unpermute))
     return DeferredTensor(out_shape, load, raw)
+
+
+def _float32(tensor) -> np.ndarray:
+    """A tensor that is not packed, as float32 (the file's bytes where they are float32 already)."""
+    if tensor.tensor_type.name in _FLOATS:
+        return np.asarray(tensor.data, dtype=np.float32)
+    from gguf import quants
+
+    return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
 
 PARSE_CHUNK_BYTES = 8 << 20

@@ -105,6 +105,11 @@ class _Cursor:
 def read_gguf_metadata(path: str | Path) -> dict:
     """Every key of the file's header with its value (arrays as lists). Raises ValueError naming the file
     when it is not a GGUF file or its header is cut short."""
+    return read_gguf_header(path)[0]
+
+
+def read_gguf_header(path: str | Path) -> tuple[dict, int]:
+    """read_gguf_metadata's keys, and where the tensor table after them starts (a byte offset in the file)."""
     try:
         with open(path, "rb") as f:
             head = f.read(24)
@@ -124,7 +129,7 @@ def read_gguf_metadata(path: str | Path) -> dict:
                     for _ in range(count):
                         key = cursor.string()
                         meta[key] = cursor.value(cursor.unpack("<I"))
-                    return meta
+                    return meta, cursor.pos
                 finally:
                     del cursor
                     view.release()

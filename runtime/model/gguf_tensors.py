@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.model.ggml_types import tensor_type
 from runtime.model.gguf_metadata import _Cursor
 
 DEFAULT_ALIGNMENT = 32
@@ -41,8 +42,9 @@ class GGUFTensor:
     data: np.ndarray
 
 
-def read_gguf_tensors(path: str | Path) -> list[GGUFTensor]:
-    import gguf
+def read_gguf_tensors(path: str | Path, header: tuple[dict, int] | None = None) -> list[GGUFTensor]:
+    """header: read_gguf_header's (keys, tensor table offset) of this file, where the caller has it (the keys
+    are then not stepped over again)."""
 
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     cursor = _Cursor(memoryview(mapped))
@@ -51,12 +53,16 @@ def read_gguf_tensors(path: str | Path) -> list[GGUFTensor]:
             raise ValueError("not a GGUF file (no GGUF magic)")
         _version, count, pairs = struct.unpack("<IQQ", cursor.take(20))
         alignment = DEFAULT_ALIGNMENT
-        for _ in range(pairs):
-            key = cursor.string()
-            if key == "general.alignment":
-                alignment = int(cursor.value(cursor.unpack("<I")))
-            else:
-                cursor.skip(cursor.unpack("<I"))
+        if header is not None:
+            alignment = int(header[0].get("general.alignment", DEFAULT_ALIGNMENT))
+            cursor.pos = header[1]
+        else:
+            for _ in range(pairs):
+                key = cursor.string()
+                if key == "general.alignment":
+                    alignment = int(cursor.value(cursor.unpack("<I")))
+                else:
+                    cursor.skip(cursor.unpack("<I"))
         infos = []
         for _ in range(count):
             name = cursor.string()
@@ -67,8 +73,7 @@ def read_gguf_tensors(path: str | Path) -> list[GGUFTensor]:
         del cursor
     tensors = []
     for name, dims, kind, offset in infos:
-        qtype = gguf.GGMLQuantizationType(kind)
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        qtype, block, size = tensor_type(kind)
         elements = int(np.prod(dims, dtype=np.int64))
         n_bytes = elements // block * size
         raw = mapped[start + offset : start + offset + n_bytes]
