@@ -15,7 +15,9 @@ rounds (default 2); medians are shown, with the spread of the decode figures.
     python -m tests.bench sizes
     BENCH_SIZES=1b,3b,8b BENCH_SIZES_TYPES=q4_k_m,q4_0 BENCH_SIZES_LEVELS=avx2 python -m tests.bench sizes
 
-Levels: the CPU's best kernel level, and the forced `avx2` level where the best is above it.
+Levels: the CPU's best kernel level, and the forced `avx2` level where the best is above it. That level is
+set against llama.cpp built for this CPU and, in a row of its own, against llama.cpp built for AVX2 alone
+(what a CPU without AVX-512 runs; `BENCH_SIZES_CPP_AVX2=0` leaves that build out).
 """
 
 from __future__ import annotations
@@ -96,32 +98,53 @@ def _spread(values: list[float]) -> str:
 
 
 def run() -> dict:
-    system = llama_cpp_native.ensure(log=lambda m: print(m, file=sys.stderr))
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    system = llama_cpp_native.ensure(log=log)
+    # our forced avx2 level against llama.cpp's AVX2 build too, where the CPU's best level is above it
+    cpp_levels = ["native"]
+    best = native_kernels.cpu_levels()[-1].name
+    if "avx2" in levels() and best != "avx2" and os.environ.get("BENCH_SIZES_CPP_AVX2", "1") != "0":
+        cpp_levels.append("avx2")
+        system_avx2 = llama_cpp_native.ensure(log=log, level="avx2")
     bandwidth = memory_bandwidth()
     rows, raw = [], []
     for size in SIZES:
         for kind in TYPES:
-            path = model_file(size, kind, log=lambda m: print(m, file=sys.stderr))
+            path = model_file(size, kind, log=log)
             file_bytes = path.stat().st_size
             _read_through(path)  # every load below from the page cache, the first one's included
             ours = {level: [] for level in levels()}
-            cpp = []
+            cpps = {level: [] for level in cpp_levels}
             for _ in range(ROUNDS):
                 for level in ours:
                     ours[level].append(_child(_OURS, path, {"PRESCIENT_ISA": level}))
-                bw = memory_bandwidth()  # the minute of llama.cpp's decode
-                cpp.append({**llama_cpp_native.measure(path, THREADS), "bw": bw})
-            raw.append({"size": size, "type": kind, "file_bytes": file_bytes, "ours": ours, "llama_cpp": cpp})
+                for level, cpp in cpps.items():
+                    bw = memory_bandwidth()  # the minute of llama.cpp's decode
+                    cpp.append({**llama_cpp_native.measure(path, THREADS, level=level), "bw": bw})
+            cpp = cpps["native"]
+            raw.append(
+                {
+                    "size": size,
+                    "type": kind,
+                    "file_bytes": file_bytes,
+                    "ours": ours,
+                    "llama_cpp": cpp,
+                    **({"llama_cpp_avx2": cpps["avx2"]} if "avx2" in cpps else {}),
+                }
+            )
 
             def med(runs, key):
                 return statistics.median(r[key] for r in runs)
 
-            for level, runs in ours.items():
+            against = [(level, "native") for level in ours] + [("avx2", "avx2")] * ("avx2" in cpps)
+            for level, base in against:
+                runs, cpp = ours[level], cpps[base]
                 roofline = med(runs, "bw") / med(runs, "weight_bytes")
                 rows.append(
                     {
                         "model": f"{size} {kind}",
                         "level": level,
+                        "against": f"llama.cpp {base}",
                         "file MiB": file_bytes / 2**20,
                         "read MiB": med(runs, "weight_bytes") / 2**20,
                         "x1": med(runs, "x1"),
@@ -139,20 +162,21 @@ def run() -> dict:
                         "load / llama.cpp": med(runs, "load_s") / med(cpp, "load_s"),
                     }
                 )
-            rows.append(
-                {
-                    "model": f"{size} {kind}",
-                    "level": "llama.cpp",
-                    "file MiB": file_bytes / 2**20,
-                    "x1": med(cpp, "x1"),
-                    "x1 spread": _spread([r["x1"] for r in cpp]),
-                    "x1 / roofline": med(cpp, "x1") / (med(cpp, "bw") / file_bytes),
-                    "x8": med(cpp, "x8"),
-                    "prefill 512": med(cpp, "prefill"),
-                    "rss / file": med(cpp, "rss") / file_bytes,
-                    "load s": med(cpp, "load_s"),
-                }
-            )
+            for base, cpp in cpps.items():
+                rows.append(
+                    {
+                        "model": f"{size} {kind}",
+                        "level": f"llama.cpp {base}",
+                        "file MiB": file_bytes / 2**20,
+                        "x1": med(cpp, "x1"),
+                        "x1 spread": _spread([r["x1"] for r in cpp]),
+                        "x1 / roofline": med(cpp, "x1") / (med(cpp, "bw") / file_bytes),
+                        "x8": med(cpp, "x8"),
+                        "prefill 512": med(cpp, "prefill"),
+                        "rss / file": med(cpp, "rss") / file_bytes,
+                        "load s": med(cpp, "load_s"),
+                    }
+                )
     return {
         "title": "Sizes: Llama shapes in the downloaded types, against llama.cpp built for this CPU",
         "rows": rows,
@@ -161,6 +185,10 @@ def run() -> dict:
         "notes": [
             f"CPU: {llama_cpp_native.cpu_description()}",
             f"llama.cpp (llama-cpp-python {llama_cpp_native.VERSION}, native build): {system}",
+            *(
+                [f"llama.cpp avx2 (the same, GGML_NATIVE off, AVX2 without AVX-512): {system_avx2}"]
+                * (len(cpp_levels) > 1)
+            ),
             f"memory read bandwidth at the start: {bandwidth / 1e9:.1f} GB/s, before each decode: "
             f"{_spread([r['bw'] / 1e9 for f in raw for runs in (*f['ours'].values(), f['llama_cpp']) for r in runs])}"
             f" GB/s; threads {THREADS}; rounds {ROUNDS}",

@@ -4,7 +4,12 @@ once per CPU into a cache (`PRESCIENT_CACHE`, default ~/.cache/prescient, folder
 installed into the running environment from there. xllamacpp's prebuilt wheel (an AVX2 build with no per-CPU
 choice) stays the tests' oracle of ggml's dot products, not a speed baseline.
 
+On a CPU with AVX-512, our forced `avx2` level is also set beside llama.cpp built for AVX2 alone (GGML_NATIVE
+off, AVX / AVX2 / FMA / F16C / BMI2 on): what a CPU without AVX-512 (a Zen 3) runs. That build goes into
+llama-cpp/<version>-avx2 and is imported from there (PYTHONPATH) by the bench children that ask for it.
+
     python -m tests.bench.llama_cpp_native     # build where missing (about 10 minutes on 2 cores), install
+    python -m tests.bench.llama_cpp_native avx2  # the AVX2 build (a folder of its own)
 """
 
 from __future__ import annotations
@@ -19,9 +24,13 @@ import time
 from pathlib import Path
 
 VERSION = "0.3.36"
-CMAKE_ARGS = (
-    "-DGGML_NATIVE=ON -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF "
-    "-DLLAMA_BUILD_SERVER=OFF"
+_NO_EXTRAS = (
+    "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF"
+)
+CMAKE_ARGS = f"-DGGML_NATIVE=ON {_NO_EXTRAS}"
+CMAKE_ARGS_AVX2 = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+    f"-DGGML_AVX512=OFF {_NO_EXTRAS}"
 )
 
 
@@ -46,11 +55,33 @@ def cpu_key() -> str:
     return hashlib.sha256(cpu_description().encode()).hexdigest()[:16]
 
 
-def cache_dir() -> Path:
+def cache_dir(level: str = "native") -> Path:
+    """The folder of the build: per CPU for the native one, one for the AVX2 build."""
     root = os.environ.get("PRESCIENT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "prescient"
     )
-    return Path(root) / "llama-cpp" / f"{VERSION}-{cpu_key()}"
+    return Path(root) / "llama-cpp" / f"{VERSION}-{cpu_key() if level == 'native' else level}"
+
+
+def _build_wheel(folder: Path, cmake_args: str, log) -> Path:
+    """llama-cpp-python's wheel built from its sdist with `cmake_args` into `folder` (once: kept there). pip's
+    own wheel cache stays out of it: it keys a built wheel by the sdist alone, and would hand one CPU's (or
+    level's) build to another."""
+    wheels = sorted(folder.glob("llama_cpp_python-*.whl"))
+    if not wheels:
+        folder.mkdir(parents=True, exist_ok=True)
+        log(f"building llama-cpp-python {VERSION} into {folder} (about 10 minutes)")
+        started = time.time()
+        env = dict(os.environ, CMAKE_ARGS=cmake_args, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-cache-dir", "--no-deps", "--no-binary",
+             "llama-cpp-python", "-w", str(folder), f"llama-cpp-python=={VERSION}"],
+            env=env,
+            check=True,
+        )  # fmt: skip
+        log(f"built in {time.time() - started:.0f} s")
+        wheels = sorted(folder.glob("llama_cpp_python-*.whl"))
+    return wheels[-1]
 
 
 def _installed_key() -> str | None:
@@ -62,26 +93,32 @@ def _installed_key() -> str | None:
     return marker.read_text().strip() if marker.exists() else None
 
 
-def ensure(log=print) -> str:
-    """Make `import llama_cpp` give the build for this CPU (building it once); returns its system info."""
-    if _installed_key() != cpu_key():
-        folder = cache_dir()
-        wheels = sorted(folder.glob("llama_cpp_python-*.whl"))
-        if not wheels:
-            folder.mkdir(parents=True, exist_ok=True)
-            log(f"building llama-cpp-python {VERSION} for this CPU into {folder} (about 10 minutes)")
-            started = time.time()
-            env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+def ensure(log=print, level: str = "native") -> str:
+    """Make `import llama_cpp` give the build for this CPU (building it once); returns its system info. level
+    "avx2": the AVX2 build, installed into its own folder for the children of measure(level="avx2")."""
+    if level == "avx2":
+        site = cache_dir("avx2") / "site"
+        if not (site / "llama_cpp").is_dir():
+            wheel = _build_wheel(cache_dir("avx2"), CMAKE_ARGS_AVX2, log)
             subprocess.run(
-                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
-                 "-w", str(folder), f"llama-cpp-python=={VERSION}"],
-                env=env,
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--no-deps",
+                    "--target",
+                    str(site),
+                    str(wheel),
+                ],
                 check=True,
-            )  # fmt: skip
-            log(f"built in {time.time() - started:.0f} s")
-            wheels = sorted(folder.glob("llama_cpp_python-*.whl"))
+            )
+        return system_info("avx2")
+    if _installed_key() != cpu_key():
+        wheel = _build_wheel(cache_dir(), CMAKE_ARGS, log)
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheels[-1])],
+            [sys.executable, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheel)],
             check=True,
         )
         subprocess.run(
@@ -102,6 +139,15 @@ def ensure(log=print) -> str:
         llama_cpp = importlib.reload(llama_cpp)
         (Path(llama_cpp.__file__).parent / "prescient-cpu-key").write_text(cpu_key())
     return system_info()
+
+
+def _env(level: str) -> dict:
+    """The environment of a child that imports llama_cpp at `level` (the AVX2 build ahead of the native one)."""
+    if level == "native":
+        return dict(os.environ)
+    path = os.environ.get("PYTHONPATH")
+    site = str(cache_dir(level) / "site")
+    return dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{path}" if path else site)
 
 
 MEMORY_STATUS = """
@@ -187,31 +233,34 @@ print(json.dumps(out))
 )
 
 
-def measure(path, threads: int = 2, batch: int = 8, vocab: int = 0) -> dict:
+def measure(path, threads: int = 2, batch: int = 8, vocab: int = 0, level: str = "native") -> dict:
     """llama.cpp (this CPU's build, ensure() first) on the GGUF at `path` with `threads` threads, in a fresh
     process: load seconds, resident memory after load and peak (bytes over the process's own before it),
     prefill of a 512-token prompt (one llama_decode; 3 runs), one stream's decode (48 greedy tokens after a
     64-token prompt, wall time of llama_decode and the argmax; 3 runs) and `batch` streams decoding together
-    (one llama_decode a step), tokens/s. Prompt ids below `vocab` where it is > 0."""
+    (one llama_decode a step), tokens/s. Prompt ids below `vocab` where it is > 0. level "avx2": the AVX2 build
+    (ensure(level="avx2") first)."""
     run = subprocess.run(
         [sys.executable, "-c", _MEASURE, str(path), str(threads), str(batch), str(vocab)],
         capture_output=True,
         text=True,
+        env=_env(level),
     )
     if run.returncode != 0:
         raise RuntimeError(f"llama.cpp on {path} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def system_info() -> str:
+def system_info(level: str = "native") -> str:
     out = subprocess.run(
         [sys.executable, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
         capture_output=True,
         text=True,
         check=True,
+        env=_env(level),
     )
     return out.stdout.strip()
 
 
 if __name__ == "__main__":
-    print(ensure())
+    print(ensure(level=sys.argv[1] if len(sys.argv) > 1 else "native"))

@@ -165,9 +165,14 @@ def sizes(result: dict) -> Figure | None:
             series.setdefault(f"Prescient ({level})", []).append(
                 (mb, statistics.median(r["x1"] for r in runs), label)
             )
-        series.setdefault("llama.cpp (built for this CPU)", []).append(
-            (entry["file_bytes"] / 1e6, statistics.median(r["x1"] for r in entry["llama_cpp"]), label)
-        )
+        for key, name in (
+            ("llama_cpp", "llama.cpp (built for this CPU)"),
+            ("llama_cpp_avx2", "llama.cpp (AVX2)"),
+        ):
+            if entry.get(key):
+                series.setdefault(name, []).append(
+                    (entry["file_bytes"] / 1e6, statistics.median(r["x1"] for r in entry[key]), label)
+                )
     for name, points in series.items():
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", linestyle="", label=name)
