@@ -49,12 +49,11 @@ class _Cursor:
     def string(self) -> str:
         return bytes(self.take(self.unpack("<Q"))).decode("utf-8", errors="replace")
 
-    def strings(self, count: int, decode: bool = True) -> list[str] | None:
-        """`count` strings in a row (a vocabulary: one loop with the offsets in locals); `decode` False: only
-        stepped over (None)."""
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary: one loop with the offsets in locals)."""
         data, pos, end = self.data, self.pos, len(self.data)
         length = _U64.unpack_from
-        out = [] if decode else None
+        out = []
         for _ in range(count):
             if pos + 8 > end:
                 raise ValueError("the header ends early (truncated file?)")
@@ -62,29 +61,10 @@ class _Cursor:
             pos += 8
             if pos + n > end:
                 raise ValueError("the header ends early (truncated file?)")
-            if decode:
-                out.append(str(data[pos : pos + n], "utf-8", "replace"))
+            out.append(str(data[pos : pos + n], "utf-8", "replace"))
             pos += n
         self.pos = pos
         return out
-
-    def skip(self, kind: int) -> None:
-        """Step over a value of this type without building it."""
-        if kind == _STRING:
-            self.strings(1, decode=False)
-        elif kind in _SCALARS:
-            self.take(struct.calcsize(_SCALARS[kind][0]))
-        elif kind != _ARRAY:
-            raise ValueError(f"unknown value type {kind}")
-        else:
-            item, count = self.unpack("<I"), self.unpack("<Q")
-            if item == _STRING:
-                self.strings(count, decode=False)
-            elif item in _SCALARS:
-                self.take(count * struct.calcsize(_SCALARS[item][0]))
-            else:
-                for _ in range(count):
-                    self.skip(item)
 
     def value(self, kind: int):
         if kind == _STRING:

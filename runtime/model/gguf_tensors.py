@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.model.ggml_types import tensor_type
-from runtime.model.gguf_metadata import _Cursor
+from runtime.model.gguf_metadata import _Cursor, read_gguf_header
 
 DEFAULT_ALIGNMENT = 32
 _PLAIN = {
@@ -43,26 +43,17 @@ class GGUFTensor:
 
 
 def read_gguf_tensors(path: str | Path, header: tuple[dict, int] | None = None) -> list[GGUFTensor]:
-    """header: read_gguf_header's (keys, tensor table offset) of this file, where the caller has it (the keys
-    are then not stepped over again)."""
-
+    """header: read_gguf_header's (keys, tensor table offset) of this file, where the caller has read it (else
+    it is read here)."""
+    keys, table_at = header if header is not None else read_gguf_header(path)
+    alignment = int(keys.get("general.alignment", DEFAULT_ALIGNMENT))
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     cursor = _Cursor(memoryview(mapped))
     try:
         if bytes(cursor.take(4)) != b"GGUF":
             raise ValueError("not a GGUF file (no GGUF magic)")
-        _version, count, pairs = struct.unpack("<IQQ", cursor.take(20))
-        alignment = DEFAULT_ALIGNMENT
-        if header is not None:
-            alignment = int(header[0].get("general.alignment", DEFAULT_ALIGNMENT))
-            cursor.pos = header[1]
-        else:
-            for _ in range(pairs):
-                key = cursor.string()
-                if key == "general.alignment":
-                    alignment = int(cursor.value(cursor.unpack("<I")))
-                else:
-                    cursor.skip(cursor.unpack("<I"))
+        _version, count, _pairs = struct.unpack("<IQQ", cursor.take(20))
+        cursor.pos = table_at
         infos = []
         for _ in range(count):
             name = cursor.string()
