@@ -203,23 +203,19 @@ def pack_native(
     (the only layout it has there), else re-quantized (kernel_blocks).
     `consume`: the blocks' codes may be overwritten (a Q8_0 table's move to unsigned codes, and its tiles,
     in place)."""
-    if blocks.kind == "Q6_K" and blocks.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0:
+    pairs = blocks.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0  # whole column pairs: the tiles' shape
+    if blocks.kind == "Q6_K" and pairs:
         return Int4Linear.native_only(NativeMatmul.q6_k(*blocks.q6_k_fields()), dtype)
     if (
         blocks.kind in ("Q4_K", "Q5_K")
         and tiles
-        and blocks.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0
+        and pairs
         and blocks.super_minimum is not None
         and native_matmul.q4_k_tiles()
     ):
         make = NativeMatmul.q4_k if blocks.kind == "Q4_K" else NativeMatmul.q5_k
         return Int4Linear.native_only(make(*blocks.q4_k_fields()), dtype)
-    if (
-        blocks.kind in ("Q5_0", "Q5_1")
-        and tiles
-        and blocks.shape[0] % (2 * native_matmul.TILE_COLUMNS) == 0
-        and native_matmul.vector_loops()
-    ):
+    if blocks.kind in ("Q5_0", "Q5_1") and tiles and pairs and native_matmul.vector_loops():
         codes, scale, offset, _ = blocks.affine(factor=True)
         return Int4Linear.native_only(NativeMatmul.q5(codes, scale, offset), dtype)
     affine = blocks.kernel_blocks().affine(in_place=consume, factor=True)
