@@ -97,6 +97,11 @@ def _spread(values: list[float]) -> str:
     return f"{min(values):,.1f}-{max(values):,.1f}" if len(values) > 1 else ""
 
 
+def _engines(entry: dict) -> list[list[dict]]:
+    """A file's runs per engine and level: ours, llama.cpp's native build and, where measured, its AVX2 one."""
+    return [*entry["ours"].values(), entry["llama_cpp"], entry.get("llama_cpp_avx2", [])]
+
+
 def run() -> dict:
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     system = llama_cpp_native.ensure(log=log)
@@ -121,14 +126,13 @@ def run() -> dict:
                 for level, cpp in cpps.items():
                     bw = memory_bandwidth()  # the minute of llama.cpp's decode
                     cpp.append({**llama_cpp_native.measure(path, THREADS, level=level), "bw": bw})
-            cpp = cpps["native"]
             raw.append(
                 {
                     "size": size,
                     "type": kind,
                     "file_bytes": file_bytes,
                     "ours": ours,
-                    "llama_cpp": cpp,
+                    "llama_cpp": cpps["native"],
                     **({"llama_cpp_avx2": cpps["avx2"]} if "avx2" in cpps else {}),
                 }
             )
@@ -190,7 +194,7 @@ def run() -> dict:
                 * (len(cpp_levels) > 1)
             ),
             f"memory read bandwidth at the start: {bandwidth / 1e9:.1f} GB/s, before each decode: "
-            f"{_spread([r['bw'] / 1e9 for f in raw for runs in (*f['ours'].values(), f['llama_cpp']) for r in runs])}"
+            f"{_spread([r['bw'] / 1e9 for f in raw for runs in _engines(f) for r in runs])}"
             f" GB/s; threads {THREADS}; rounds {ROUNDS}",
             "roofline of one stream: the bandwidth measured just before that engine's decode (median over the "
             "rounds) / bytes of weights a step reads (ours: the engine's count; llama.cpp: the file's size)",
