@@ -185,7 +185,9 @@ if triton is not None:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(lens_ptr + seq)
-        lo = tl.maximum(length - window, 0) if window > 0 else 0  # the first position its window sees
+        # the first position its window sees (tl.where: a Python conditional on a loaded value does not
+        # compile for a GPU, though the interpreter takes it)
+        lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
         first = split * SPLIT
         if first < length and first + SPLIT > lo:
             g = tl.arange(0, GROUP_P)
@@ -256,7 +258,7 @@ if triton is not None:
         head = tl.program_id(1)
         length = tl.load(lens_ptr + seq)
         used = tl.cdiv(length, SPLIT)
-        skipped = tl.maximum(length - window, 0) // SPLIT if window > 0 else 0  # splits before the window
+        skipped = tl.where(window > 0, tl.maximum(length - window, 0) // SPLIT, 0)  # splits before the window
         s = tl.arange(0, S_P)
         d = tl.arange(0, D)
         valid = (s < used) & (s >= skipped)
