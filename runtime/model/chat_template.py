@@ -26,8 +26,8 @@ class NoChatTemplateError(ValueError):
 
     def __init__(self):
         super().__init__(
-            "messages: this model has no chat template (it is a base model), so it cannot take chat "
-            "messages; send the text as a prompt to /v1/completions, or serve a model that has one"
+            "this model has no chat template (it is a base model), so it cannot take chat messages; "
+            "send the text as a prompt to /v1/completions, or serve a model that has one"
         )
 
 

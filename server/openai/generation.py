@@ -287,6 +287,8 @@ def renamed(exc: APIError, names: dict[str, str]) -> APIError:
         if param == ours or param.startswith(ours + ".") or param.startswith(ours + "["):
             new = theirs + param[len(ours) :]
             exc.message = exc.message.replace(f"'{param}'", f"'{new}'")
+            if exc.message.startswith(f"{param}: "):  # InvalidRequestError's "field: detail"
+                exc.message = f"{new}: {exc.message[len(param) + 2 :]}"
             exc.param = new
             break
     return exc
