@@ -48,6 +48,7 @@ SOURCES = [
         "nucleus_sampling.c",
         "decode_layers.c",
         "compute_threads.c",
+        "compute_peak.c",
         "isa_level.c",
         "gguf_relayout.c",
         "gguf_dequantize.c",
@@ -491,6 +492,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "decode_layers": (None, [_ptr, _ptr, _i64, _ptr, _int]),
     "decode_layers_rows": (None, [_ptr, _ptr, _i64, _ptr, _i64, _i64]),
     "compute_thread_ids": (_int, [_int, _ptr]),
+    "int8_dot_peak": (_i64, [_i64, _int]),
     "prescient_cpu_supports": (_int, []),
     "prescient_vector_lanes": (_int, []),
 }

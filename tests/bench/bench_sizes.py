@@ -18,6 +18,8 @@ rounds (default 2); medians are shown, with the spread of the decode figures.
 Levels: the CPU's best kernel level, and the forced `avx2` level where the best is above it. That level is
 set against llama.cpp built for this CPU and, in a row of its own, against llama.cpp built for AVX2 alone
 (what a CPU without AVX-512 runs; `BENCH_SIZES_CPP_AVX2=0` leaves that build out).
+Prefill is also set against each level's compute ceiling, its cheapest 8-bit products on registers alone
+(tests/bench/roofline.py's int8_dot_rate), measured at the start.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 
 from runtime.kernels import library as native_kernels
 from tests.bench import llama_cpp_native
-from tests.bench.roofline import memory_bandwidth
+from tests.bench.roofline import int8_dot_rate, memory_bandwidth
 from tests.bench.size_ladder import model_file
 
 SIZES = os.environ.get("BENCH_SIZES", "1b,3b").split(",")
@@ -54,7 +56,8 @@ load = time.perf_counter() - start
 pool = engine.kv.pool
 kv = resident(pool.data_ptr(), pool.numel() * pool.element_size())  # the pool's pages written so far
 out = {"load_s": load, "rss": status("VmRSS") - rss0 - kv, "peak": status("VmHWM") - rss0, "kv_bytes": kv,
-       "weight_bytes": engine.model.weight_bytes, "dtype": str(engine.model.dtype).replace("torch.", "")}
+       "weight_bytes": engine.model.weight_bytes, "dtype": str(engine.model.dtype).replace("torch.", ""),
+       "layer_params": engine.model.layer_parameters}
 out["prefill"] = prefill_rate(engine)
 out["bw"] = memory_bandwidth()  # the minute of the one-stream decode that follows
 for b in (1, 8, 32):
@@ -112,6 +115,9 @@ def run() -> dict:
         cpp_levels.append("avx2")
         system_avx2 = llama_cpp_native.ensure(log=log, level="avx2")
     bandwidth = memory_bandwidth()
+    # the prefill's compute ceiling of each level this CPU runs; llama.cpp's native build against the best's
+    ceiling = {level.name: int8_dot_rate(THREADS, level.name) for level in native_kernels.cpu_levels()}
+    ceiling_of = {"native": ceiling[best], "avx2": ceiling.get("avx2", 0.0)}
     rows, raw = [], []
     for size in SIZES:
         for kind in TYPES:
@@ -140,6 +146,8 @@ def run() -> dict:
             def med(runs, key):
                 return statistics.median(r[key] for r in runs)
 
+            ops = 2 * med(next(iter(ours.values())), "layer_params")  # a prompt token's projections
+
             against = [(level, "native") for level in ours] + [("avx2", "avx2")] * ("avx2" in cpps)
             for level, base in against:
                 runs, cpp = ours[level], cpps[base]
@@ -160,6 +168,8 @@ def run() -> dict:
                         "x32": med(runs, "x32"),
                         "prefill 512": med(runs, "prefill"),
                         "prefill / llama.cpp": med(runs, "prefill") / med(cpp, "prefill"),
+                        "prefill / ceiling": med(runs, "prefill") * ops / ceiling[level],
+                        "2x llama.cpp / ceiling": 2 * med(cpp, "prefill") * ops / ceiling[level],
                         "rss / file": med(runs, "rss") / file_bytes,
                         "peak / file": (med(runs, "peak") - med(runs, "kv_bytes")) / file_bytes,
                         "load s": med(runs, "load_s"),
@@ -177,6 +187,7 @@ def run() -> dict:
                         "x1 / roofline": med(cpp, "x1") / (med(cpp, "bw") / file_bytes),
                         "x8": med(cpp, "x8"),
                         "prefill 512": med(cpp, "prefill"),
+                        "prefill / ceiling": med(cpp, "prefill") * ops / ceiling_of[base],
                         "rss / file": med(cpp, "rss") / file_bytes,
                         "load s": med(cpp, "load_s"),
                     }
@@ -200,5 +211,10 @@ def run() -> dict:
             "rounds) / bytes of weights a step reads (ours: the engine's count; llama.cpp: the file's size)",
             "peak / file: the load's peak resident set less the KV pool's resident pages; rss / file: after load, "
             "less those",
+            "prefill / ceiling: 2 x the layers' projection parameters a prompt token multiplies by x tokens/s, over "
+            "the level's 8-bit products on registers alone (csrc/compute_peak.c; "
+            + ", ".join(f"{level} {rate / 1e9:,.0f} GOP/s" for level, rate in reversed(ceiling.items()))
+            + f" on {THREADS} threads; llama.cpp's native build against the best level's, its AVX2 build against "
+            "avx2's); 2x llama.cpp / ceiling: the share of our level's ceiling the 2x target takes",
         ],
     }

@@ -44,3 +44,22 @@ def matmul_flops(
         if r:  # round 0 warms up (allocations, the thread team, caches)
             best = min(best, elapsed / calls)
     return 2 * m * k * n / best
+
+
+def int8_dot_rate(threads: int, level: str, rounds: int = 7, round_seconds: float = 0.1) -> float:
+    """Integer ops/s (2 per 8-bit product) of a kernel level's cheapest 8-bit products on registers alone
+    (csrc/compute_peak.c): the compute ceiling of a quantized prefill at that level, which none of its
+    kernels passes. The fastest of `rounds` rounds, after a warm-up (as matmul_flops)."""
+    from runtime.kernels import library as native_kernels
+
+    lib = native_kernels.load_level(level)
+    iters, best = 1 << 16, 0.0
+    for r in range(rounds + 1):
+        start = time.perf_counter()
+        products = lib.int8_dot_peak(iters, threads)
+        elapsed = time.perf_counter() - start
+        if r:
+            best = max(best, 2 * products / elapsed)
+        while elapsed < round_seconds:  # the next round long enough to time
+            iters, elapsed = iters * 2, elapsed * 2
+    return best

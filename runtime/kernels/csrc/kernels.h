@@ -63,6 +63,9 @@ void decode_layers_rows(const struct decode_model *m, const struct decode_layer 
 /* compute_threads.c: the kernel threads' Linux thread ids (out[num_threads]); returns how many ran */
 int compute_thread_ids(int num_threads, int64_t *out);
 
+/* compute_peak.c: the level's 8-bit products on registers alone, iters rounds a thread; returns how many */
+int64_t int8_dot_peak(int64_t iters, int num_threads);
+
 /* isa_level.c: whether this CPU runs this build's instruction-set level, and its vector width in floats */
 int prescient_cpu_supports(void);
 int prescient_vector_lanes(void);
