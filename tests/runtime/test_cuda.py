@@ -1,8 +1,9 @@
-"""The CUDA path: the Triton decode attention kernel, decode steps replayed from CUDA graphs, and the engine
-on a GPU against transformers on the same GPU and weights.
+"""The CUDA path: the Triton attention kernel (sliding windows and soft-caps too), decode steps replayed from
+CUDA graphs, and the engine on a GPU against transformers on the same GPU and weights, every model family.
 
-CI has no GPU: there the kernel runs under Triton's interpreter on CPU tensors (float32; the interpreter
-mishandles bfloat16), and the tests that need a GPU are skipped (they ran on a lent H100; see the README).
+CI has no GPU: there the kernels run under Triton's interpreter on CPU tensors (float32; the interpreter
+mishandles bfloat16), test_triton_compile.py compiles every launch for a GPU, and the tests that need one are
+skipped (they ran on a lent H100 and, with the family and window tests, on an H200; tests/bench/RESULTS.md).
 """
 
 from __future__ import annotations
