@@ -1,12 +1,12 @@
 """Ollama's API: /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/version.
 
-Chat and generate are translated onto the chat path (server/openai/generation.py; /api/generate with `raw`
-onto completions): options num_predict, temperature, top_k, top_p, seed, stop, repeat_penalty and the
-penalties become SamplingParams (temperature, top_k and top_p default to Ollama's 0.8, 40 and 0.9), and
-`format` ("json" or a JSON Schema) becomes structured output. Replies stream as NDJSON, one object per
-line, by default, as Ollama does (`"stream": false` for one object); a tool call goes out whole, in a
-message of its own, once its arguments are complete. Embeddings are the same pooled hidden states as
-/v1/embeddings. Errors are Ollama's {"error": "..."}.
+Chat and generate are translated onto the chat path (server/openai/generation.py; /api/generate with `raw`,
+or on a base model, which has no chat template, onto completions): options num_predict, temperature,
+top_k, top_p, seed, stop, repeat_penalty and the penalties become SamplingParams (temperature, top_k and
+top_p default to Ollama's 0.8, 40 and 0.9), and `format` ("json" or a JSON Schema) becomes structured
+output. Replies stream as NDJSON, one object per line, by default, as Ollama does (`"stream": false` for
+one object); a tool call goes out whole, in a message of its own, once its arguments are complete.
+Embeddings are the same pooled hidden states as /v1/embeddings. Errors are Ollama's {"error": "..."}.
 """
 
 from __future__ import annotations
@@ -119,7 +119,16 @@ def _prepare(
         chat = True
     elif not v["prompt"]:
         return v, None
-    elif v["raw"]:
+    elif v["raw"] or not state.client.tokenizer.chat_template:
+        # raw, or a base model (no chat template): the prompt as it is, as Ollama's own default template
+        # ("{{ .Prompt }}") gives it; a base model's system prompt then has no place to go, and is refused
+        # rather than dropped (raw asks for the prompt alone)
+        if v["system"] and not v["raw"]:
+            raise bad_request(
+                "system: this model has no chat template (it is a base model), so a system prompt has no "
+                "place to go; put its text at the start of the prompt",
+                "system",
+            )
         body["prompt"] = v["prompt"]
         chat = False
     else:

@@ -1,6 +1,7 @@
-"""A base model (no chat template) behind a real server: completions run; every route that renders chat
-messages answers 400 in its own API's shape, naming the field the client sent in that API (OpenAI's
-`messages` / Responses' `input`, Anthropic's `messages`, Ollama's `messages` / `prompt`) once, and saying
+"""A base model (no chat template) behind a real server: completions run, and so does Ollama's /api/generate
+(the prompt as it is, as Ollama's default template gives it); every route that renders chat messages
+answers 400 in its own API's shape, naming the field the client sent in that API (OpenAI's `messages` /
+Responses' `input`, Anthropic's `messages`, Ollama's `messages`, /api/generate's `system`) once, and saying
 what to do instead."""
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ CASES = [
     ("/v1/responses", {"model": MODEL, "input": "Hello there", "max_output_tokens": 4}, "input", "openai"),
     ("/v1/messages", {"model": MODEL, "messages": TURN, "max_tokens": 4}, "messages", "anthropic"),
     ("/api/chat", {"model": MODEL, "messages": TURN, "stream": False}, "messages", "ollama"),
-    ("/api/generate", {"model": MODEL, "prompt": "Hello there", "stream": False}, "prompt", "ollama"),
+    (
+        "/api/generate",
+        {"model": MODEL, "prompt": "Hi", "system": "Be brief", "stream": False},
+        "system",
+        "ollama",
+    ),
 ]
 
 
@@ -61,9 +67,10 @@ def test_chat_routes_refuse_a_base_model_naming_their_own_field(base_server, rou
         assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
     else:
         message = answer["error"]
-    assert "no chat template" in message and "/v1/completions" in message, message
+    assert "no chat template" in message, message
+    assert "/v1/completions" in message or "start of the prompt" in message, message
     assert message.startswith(f"{field}: ") and message.count(f"{field}:") == 1, message
-    other = {"messages", "input", "prompt"} - {field}
+    other = {"messages", "input", "prompt", "system"} - {field}
     assert not any(message.startswith(f"{name}:") for name in other), message
 
 
@@ -72,3 +79,23 @@ def test_completions_still_run_on_a_base_model(base_server):
         base_server, "/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 4}
     )
     assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer
+
+
+def test_ollama_generate_gives_a_base_model_the_prompt_as_it_is(base_server):
+    """/api/generate without `raw` on a base model: the tokens /v1/completions gives the same prompt (greedy),
+    as Ollama's default template ("{{ .Prompt }}") would."""
+    prompt = "The capital of France is"
+    status, ollama = post(
+        base_server,
+        "/api/generate",
+        {"model": MODEL, "prompt": prompt, "stream": False, "options": {"num_predict": 6, "temperature": 0}},
+    )
+    assert status == 200 and ollama["eval_count"] == 6 and ollama["done_reason"] == "length", ollama
+    status, openai = post(
+        base_server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0},
+    )
+    assert status == 200
+    assert ollama["response"] == openai["choices"][0]["text"]
+    assert ollama["prompt_eval_count"] == openai["usage"]["prompt_tokens"]
