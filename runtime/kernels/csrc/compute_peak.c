@@ -67,6 +67,9 @@ static int64_t peak_thread(int64_t iters, int seed, int32_t *sink) {
 #endif
 }
 
+/* where the sums go, so that no chain's work is dead code */
+static volatile int32_t peak_sums;
+
 int64_t int8_dot_peak(int64_t iters, int num_threads) {
     int64_t total = 0;
     int32_t sink = 0;
@@ -76,5 +79,6 @@ int64_t int8_dot_peak(int64_t iters, int num_threads) {
         total += peak_thread(iters, omp_get_thread_num() & 1, &s);
         sink += s;
     }
-    return sink == 0x7fffffff ? -1 : total; /* the sums are used, so no chain is left out */
+    peak_sums = sink;
+    return total;
 }
