@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from runtime import SamplingParams
 from runtime.runner.cuda_graphs import capture_sizes
+from tests.random_families import FAMILIES
 from tests.random_llama import TINY, engine_for, hf_llama
 
 try:
@@ -355,40 +356,16 @@ def incremental_check(hf_model, prompt, tokens, tol):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window, softcap", [(13, None), (None, 5.0), (40, 5.0)])
 def test_triton_backend_applies_window_and_softcap_on_cuda(dtype, window, softcap):
-    """The Triton backend on the GPU, from the metadata it builds: a step of decodes inside and past the
-    window and two prefill chunks, head_dim 64 / 128 / 256 with GQA, against the dense reference; and a
-    700-position sequence whose 100-token window skips two whole splits."""
-    from runtime.attention.metadata import ScheduledRows
-    from runtime.attention.triton_backend import TritonBackend
-    from tests.runtime import test_attention_window as dense
-    from tests.runtime.test_attention_backends import backend_case
+    """test_triton_window.py's check on the GPU, both dtypes: head_dim 64 / 128 / 256 with GQA under each
+    window and soft-cap, and the 700-position sequence whose window skips two whole splits."""
+    from tests.runtime.test_triton_window import SHAPES, check_triton_backend
 
-    attention, dev = TritonBackend(), torch.device("cuda")
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for heads, kv_heads, d in [(4, 2, 64), (4, 1, 128), (8, 1, 256)]:
-        k_cache, v_cache, rows, b, q, expected = backend_case(heads, kv_heads, d, dtype, seed=d)
-        meta = attention.build(rows[:b], rows[b:], None, dense.BS, dev)
-        k, v = k_cache.to(dev), v_cache.to(dev)
-        got = attention.forward(q.to(dev), None, None, k, v, meta, d**-0.5, window, softcap)
-        assert got.dtype == dtype
-        torch.testing.assert_close(got.float().cpu(), expected(window, softcap), atol=tol, rtol=tol)
-    g = torch.Generator().manual_seed(3)
-    k_cache, v_cache, tables = dense.pool([700], 2, 64, dtype, g)
-    q = torch.randn(1, 4, 64, generator=g).to(dtype)
-    meta = attention.build([ScheduledRows(tables[0].tolist(), 699, 700)], [], None, dense.BS, dev)
-    got = attention.forward(
-        q.to(dev), None, None, k_cache.to(dev), v_cache.to(dev), meta, 0.125, 100, softcap
-    )
-    keys, values = dense.seq(k_cache, tables[0], 700), dense.seq(v_cache, tables[0], 700)
-    want = dense.reference(q.float(), keys, values, torch.tensor([699]), 0.125, 100, softcap)
-    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
-
-
-FAMILY_NAMES = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+    cases = [(shape, (window, softcap)) for shape in SHAPES]
+    check_triton_backend("cuda", dtype, cases, long_softcap=softcap, relative=True)
 
 
 @cuda
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_every_family_runs_on_cuda_as_transformers_does(name, tmp_path):
     """Each family of tests/random_families.py (windows shorter than the prompt, soft-caps that bite, QKV
     bias, q/k norms, sandwich norms, two RoPE bases, LongRoPE) in float32 on the GPU with CUDA graphs, the
@@ -396,9 +373,8 @@ def test_every_family_runs_on_cuda_as_transformers_does(name, tmp_path):
     generations of four prompts prefilled in 32-token chunks beside each other's decodes, every token
     transformers' choice through its own cache (within 1e-3 of its best logit)."""
     from runtime import Engine
-    from tests.random_families import FAMILIES, PROMPT_LEN, VOCAB, hf_model, packable, save_hf_dir
+    from tests.random_families import PROMPT_LEN, VOCAB, hf_model, packable, save_hf_dir
 
-    assert sorted(FAMILIES) == sorted(FAMILY_NAMES)
     model = hf_model(name, **packable(name))
     path = save_hf_dir(model, tmp_path / name)
     model = model.to("cuda")

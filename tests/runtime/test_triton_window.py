@@ -14,34 +14,52 @@ import pytest
 
 pytest.importorskip("triton", reason="needs Triton (the test extra installs it)")
 
-SCRIPT = textwrap.dedent("""
+SHAPES = [(4, 2, 64), (4, 1, 128), (8, 1, 256)]  # (heads, kv_heads, head_dim)
+
+
+def check_triton_backend(device: str, dtype, cases, long_softcap=None, relative: bool = False) -> None:
+    """The Triton backend on `device`, from the metadata it builds: for each ((heads, kv_heads, d), (window,
+    softcap)) of `cases`, test_attention_backends' step (decodes inside and past the window, two prefill
+    chunks) against the dense reference; then one sequence of 700 positions (three splits of 256) with a
+    window of 100 and `long_softcap`, whose first two splits the kernel and the merge skip. Every output
+    within 1e-4 (float32) or 2e-2 (else) of the reference; `relative`: plus that share of its size."""
     import torch
+
     from runtime.attention.metadata import ScheduledRows
     from runtime.attention.triton_backend import TritonBackend
+    from tests.runtime import test_attention_window as dense
     from tests.runtime.test_attention_backends import backend_case
-    from tests.runtime import test_attention_backends as cases
-    attention = TritonBackend()
-    for (heads, kv_heads, d), (window, softcap) in [
-        ((4, 2, 64), (13, None)),
-        ((4, 1, 128), (None, 5.0)),
-        ((8, 1, 256), (40, 5.0)),
-    ]:
-        k_cache, v_cache, rows, b, q, expected = backend_case(heads, kv_heads, d, torch.float32, seed=d)
-        meta = attention.build(rows[:b], rows[b:], None, cases.BS, torch.device("cpu"))
-        got = attention.forward(q, None, None, k_cache, v_cache, meta, d**-0.5, window, softcap)
-        want = expected(window, softcap)
-        assert (got - want).abs().max() < 1e-4, (d, window, softcap, (got - want).abs().max().item())
-    # one sequence of 700 positions (three splits of 256) with a window of 100: the first two splits are
-    # skipped by the kernel and by the merge
+
+    attention, dev = TritonBackend(), torch.device(device)
+    atol = 1e-4 if dtype == torch.float32 else 2e-2
+    rtol = atol if relative else 0.0
+
+    def check(got, want, what):
+        assert got.dtype == dtype
+        diff = (got.float().cpu() - want).abs()
+        assert (diff < atol + rtol * want.abs()).all(), (what, diff.max().item())
+
+    for (heads, kv_heads, d), (window, softcap) in cases:
+        k_cache, v_cache, rows, b, q, expected = backend_case(heads, kv_heads, d, dtype, seed=d)
+        meta = attention.build(rows[:b], rows[b:], None, dense.BS, dev)
+        k, v = k_cache.to(dev), v_cache.to(dev)
+        got = attention.forward(q.to(dev), None, None, k, v, meta, d**-0.5, window, softcap)
+        check(got, expected(window, softcap), (d, window, softcap))
     g = torch.Generator().manual_seed(3)
-    k_cache, v_cache, tables = cases.pool([700], 2, 64, torch.float32, g)
-    q = torch.randn(1, 4, 64, generator=g)
-    row = ScheduledRows(tables[0].tolist(), 699, 700)
-    meta = attention.build([row], [], None, cases.BS, torch.device("cpu"))
-    got = attention.forward(q, None, None, k_cache, v_cache, meta, 0.125, 100, None)
-    keys, values = cases.seq(k_cache, tables[0], 700), cases.seq(v_cache, tables[0], 700)
-    want = cases.reference(q, keys, values, torch.tensor([699]), 0.125, 100, None)
-    assert (got - want).abs().max() < 1e-4, (got - want).abs().max().item()
+    k_cache, v_cache, tables = dense.pool([700], 2, 64, dtype, g)
+    q = torch.randn(1, 4, 64, generator=g).to(dtype)
+    meta = attention.build([ScheduledRows(tables[0].tolist(), 699, 700)], [], None, dense.BS, dev)
+    k, v = k_cache.to(dev), v_cache.to(dev)
+    got = attention.forward(q.to(dev), None, None, k, v, meta, 0.125, 100, long_softcap)
+    keys, values = dense.seq(k_cache, tables[0], 700), dense.seq(v_cache, tables[0], 700)
+    want = dense.reference(q.float(), keys, values, torch.tensor([699]), 0.125, 100, long_softcap)
+    check(got, want, (700, 100, long_softcap))
+
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from tests.runtime.test_triton_window import SHAPES, check_triton_backend
+    check_triton_backend("cpu", torch.float32, zip(SHAPES, [(13, None), (None, 5.0), (40, 5.0)]))
     print("OK")
 """)
 
