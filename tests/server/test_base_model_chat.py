@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import urllib.error
-import urllib.request
 
 import pytest
 
 from tests.server.conftest import MODEL, tiny_server, write_tiny_smollm2
+from tests.server.test_request_caps import post as post_raw
 
 pytestmark = pytest.mark.slow
 
@@ -29,14 +28,8 @@ def base_server(tmp_path_factory):
 
 
 def post(server, route: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        server.url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    status, raw = post_raw(server.url, route, body)
+    return status, json.loads(raw)
 
 
 TURN = [{"role": "user", "content": "Hello there"}]
